@@ -1,0 +1,263 @@
+"""Hooks, mirroring ``detectron2.engine.hooks``.
+
+Each hook overrides only the stages it needs, so the Rust dispatcher calls it only there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+
+import torch
+
+from hookloop.engine.train_loop import HookBase
+from hookloop.utils.events import EventWriter
+
+__all__ = [
+    "CallbackHook",
+    "IterationTimer",
+    "PeriodicWriter",
+    "LRScheduler",
+    "Timer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class Timer:
+    """A pausable wall-clock timer (fvcore's ``Timer``), on ``time.perf_counter``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._start = time.perf_counter()
+        self._paused: Optional[float] = None
+        self._total_paused = 0.0
+        self._count_start = 1
+
+    def pause(self) -> None:
+        if self._paused is not None:
+            raise ValueError("Trying to pause a Timer that is already paused!")
+        self._paused = time.perf_counter()
+
+    def is_paused(self) -> bool:
+        return self._paused is not None
+
+    def resume(self) -> None:
+        if self._paused is None:
+            raise ValueError("Trying to resume a Timer that is not paused!")
+        self._total_paused += time.perf_counter() - self._paused
+        self._paused = None
+        self._count_start += 1
+
+    def seconds(self) -> float:
+        end_time = self._paused if self._paused is not None else time.perf_counter()
+        return end_time - self._start - self._total_paused
+
+    def avg_seconds(self) -> float:
+        return self.seconds() / self._count_start
+
+
+class CallbackHook(HookBase):
+    """Create a hook using callback functions provided by the user."""
+
+    def __init__(
+        self,
+        *,
+        before_train: Optional[Callable[[Any], None]] = None,
+        after_train: Optional[Callable[[Any], None]] = None,
+        before_step: Optional[Callable[[Any], None]] = None,
+        after_step: Optional[Callable[[Any], None]] = None,
+    ) -> None:
+        """Each argument is a function that takes one argument: the trainer."""
+        self._before_train = before_train
+        self._before_step = before_step
+        self._after_step = after_step
+        self._after_train = after_train
+
+    def before_train(self) -> None:
+        if self._before_train:
+            self._before_train(self.trainer)
+
+    def after_train(self) -> None:
+        if self._after_train:
+            self._after_train(self.trainer)
+        # The functions may be closures that hold reference to the trainer. Therefore, delete
+        # them to avoid circular reference.
+        del self._before_train, self._after_train
+        del self._before_step, self._after_step
+
+    def before_step(self) -> None:
+        if self._before_step:
+            self._before_step(self.trainer)
+
+    def after_step(self) -> None:
+        if self._after_step:
+            self._after_step(self.trainer)
+
+
+class IterationTimer(HookBase):
+    """Track the time spent for each iteration (each run_step call in the trainer). Print a
+    summary in the end of training.
+
+    This hook uses the time between the call to its :meth:`before_step` and
+    :meth:`after_step` methods. Under the convention that :meth:`before_step` of all hooks
+    should only take negligible amount of time, the :class:`IterationTimer` hook should be
+    placed at the beginning of the list of hooks to obtain accurate timing.
+    """
+
+    def __init__(self, warmup_iter: int = 3) -> None:
+        """
+        Args:
+            warmup_iter (int): the number of iterations at the beginning to exclude from
+                timing.
+        """
+        self._warmup_iter = warmup_iter
+        self._step_timer = Timer()
+        self._start_time = time.perf_counter()
+        self._total_timer = Timer()
+
+    def before_train(self) -> None:
+        self._start_time = time.perf_counter()
+        self._total_timer.reset()
+        self._total_timer.pause()
+
+    def after_train(self) -> None:
+        total_time = time.perf_counter() - self._start_time
+        total_time_minus_hooks = self._total_timer.seconds()
+        hook_time = total_time - total_time_minus_hooks
+
+        num_iter = self.trainer.storage.iter + 1 - self.trainer.start_iter - self._warmup_iter
+
+        if num_iter > 0 and total_time_minus_hooks > 0:
+            # Speed is meaningful only after warmup
+            # NOTE this format is parsed by grep in some scripts
+            logger.info(
+                "Overall training speed: {} iterations in {} ({:.4f} s / it)".format(
+                    num_iter,
+                    str(datetime.timedelta(seconds=int(total_time_minus_hooks))),
+                    total_time_minus_hooks / num_iter,
+                )
+            )
+
+        logger.info(
+            "Total training time: {} ({} on hooks)".format(
+                str(datetime.timedelta(seconds=int(total_time))),
+                str(datetime.timedelta(seconds=int(hook_time))),
+            )
+        )
+
+    def before_step(self) -> None:
+        self._step_timer.reset()
+        self._total_timer.resume()
+
+    def after_step(self) -> None:
+        # +1 because we're in after_step, the current step is done but not yet counted
+        iter_done = self.trainer.storage.iter - self.trainer.start_iter + 1
+        if iter_done >= self._warmup_iter:
+            sec = self._step_timer.seconds()
+            self.trainer.storage.put_scalars(time=sec)
+        else:
+            self._start_time = time.perf_counter()
+            self._total_timer.reset()
+
+        self._total_timer.pause()
+
+
+class PeriodicWriter(HookBase):
+    """Write events to EventStorage (by calling ``writer.write()``) periodically.
+
+    It is executed every ``period`` iterations and after the last iteration. Note that
+    ``period`` does not affect how data is smoothed by each writer.
+    """
+
+    def __init__(self, writers: Iterable[EventWriter], period: int = 20) -> None:
+        """
+        Args:
+            writers (list[EventWriter]): a list of EventWriter objects
+            period (int): the period to write
+        """
+        self._writers = list(writers)
+        for w in self._writers:
+            if not isinstance(w, EventWriter):
+                raise TypeError(f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter")
+        if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
+            raise ValueError(f"PeriodicWriter period must be a positive int, got {period!r}")
+        self._period = period
+
+    def after_step(self) -> None:
+        if (self.trainer.iter + 1) % self._period == 0 or (
+            self.trainer.iter == self.trainer.max_iter - 1
+        ):
+            for writer in self._writers:
+                writer.write()
+
+    def after_train(self) -> None:
+        for writer in self._writers:
+            # If any new data is found (e.g. produced by other after_train), write them
+            # before closing
+            writer.write()
+            writer.close()
+
+
+class LRScheduler(HookBase):
+    """A hook which executes a torch builtin LR scheduler and summarizes the LR. It is
+    executed after every iteration.
+    """
+
+    def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None):
+        """
+        Args:
+            optimizer (torch.optim.Optimizer): defaults to ``trainer.optimizer``.
+            scheduler (torch.optim.lr_scheduler.LRScheduler): defaults to
+                ``trainer.scheduler``.
+        """
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+
+    def before_train(self) -> None:
+        self._optimizer = self._optimizer or self.trainer.optimizer
+        self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
+
+    @staticmethod
+    def get_best_param_group_id(optimizer: torch.optim.Optimizer) -> int:
+        # NOTE: some heuristics on what LR to summarize
+        # summarize the param group with most parameters
+        largest_group = max(len(g["params"]) for g in optimizer.param_groups)
+
+        if largest_group == 1:
+            # If all groups have one parameter, then find the most common initial LR, and
+            # use it for summary
+            lr_count = Counter([g["lr"] for g in optimizer.param_groups])
+            lr = lr_count.most_common()[0][0]
+            for i, g in enumerate(optimizer.param_groups):
+                if g["lr"] == lr:
+                    return i
+        else:
+            for i, g in enumerate(optimizer.param_groups):
+                if len(g["params"]) == largest_group:
+                    return i
+        return 0
+
+    def after_step(self) -> None:
+        lr = self._optimizer.param_groups[self._best_param_group_id]["lr"]
+        self.trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
+        self.scheduler.step()
+
+    @property
+    def scheduler(self) -> Any:
+        return self._scheduler or self.trainer.scheduler
+
+    def state_dict(self) -> Dict[str, Any]:
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
+            return self.scheduler.state_dict()
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
+            logger.info("Loading scheduler from state_dict ...")
+            self.scheduler.load_state_dict(state_dict)

@@ -1,0 +1,1 @@
+"""Utilities mirroring ``detectron2.utils``: ``events`` (metric storage and writers), ``comm``."""

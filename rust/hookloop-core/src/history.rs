@@ -1,0 +1,458 @@
+//! `History`: the windowed scalar history behind fvcore's `HistoryBuffer`.
+//!
+//! Values live in a ring buffer (`VecDeque<f64>`, 8 bytes an entry) whose capacity never exceeds
+//! `max_length`. Iterations are stored apart as arithmetic runs: a metric put once per iteration,
+//! or once every N iterations, is one run however long, so the typical entry costs 8 bytes and the
+//! worst case (every iteration irregular) 8 + 16 = 24 bytes.
+
+use std::collections::VecDeque;
+use std::fmt;
+
+/// An iteration number as the caller gave it: detectron2 passes ints, fvcore's API allows floats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Iter {
+    Int(i64),
+    Float(f64),
+}
+
+impl Iter {
+    /// The value used for arithmetic and comparisons.
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Iter::Int(i) => i as f64,
+            Iter::Float(f) => f,
+        }
+    }
+}
+
+impl fmt::Display for Iter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Iter::Int(i) => write!(f, "{i}"),
+            Iter::Float(x) => write!(f, "{x:?}"),
+        }
+    }
+}
+
+/// A run of iterations `first, first + step, ..., first + step * (len - 1)`.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    first: f64,
+    step: i32,
+    len: u32,
+}
+
+impl Run {
+    fn at(&self, k: u32) -> f64 {
+        self.first + f64::from(self.step) * f64::from(k)
+    }
+
+    fn last(&self) -> f64 {
+        self.at(self.len - 1)
+    }
+}
+
+/// The last `max_length` (value, iteration) pairs of one metric, plus a running average over
+/// every value ever added (evicted ones included).
+#[derive(Debug, Clone)]
+pub struct History {
+    max_length: usize,
+    values: VecDeque<f64>,
+    runs: VecDeque<Run>,
+    /// Number of updates ever made; the default iteration of the next update (as fvcore).
+    count: u64,
+    global_avg: f64,
+    /// True while every iteration given was an integer: then iterations read back as ints.
+    int_iterations: bool,
+}
+
+impl History {
+    /// fvcore's default `max_length`.
+    pub const DEFAULT_MAX_LENGTH: usize = 1_000_000;
+
+    /// An empty history keeping at most `max_length` entries; `max_length` must be positive.
+    pub fn new(max_length: usize) -> crate::Result<Self> {
+        if max_length == 0 {
+            return Err(crate::Error::BadMaxLength(0));
+        }
+        Ok(History {
+            max_length,
+            values: VecDeque::new(),
+            runs: VecDeque::new(),
+            count: 0,
+            global_avg: 0.0,
+            int_iterations: true,
+        })
+    }
+
+    /// Adds `value` at `iteration` (default: the number of updates so far, as fvcore), evicting
+    /// the oldest entry when full. O(1) at any fill level.
+    pub fn update(&mut self, value: f64, iteration: Option<Iter>) {
+        let iteration = iteration.unwrap_or(Iter::Int(self.count as i64));
+        if let Iter::Float(_) = iteration {
+            self.int_iterations = false;
+        }
+        if self.values.len() == self.max_length {
+            self.evict_oldest();
+        }
+        self.grow_if_full();
+        self.values.push_back(value);
+        self.push_iteration(iteration.as_f64());
+        self.count += 1;
+        // fvcore's running mean, kept bit-for-bit: global_avg += (v - global_avg) / count.
+        self.global_avg += (value - self.global_avg) / self.count as f64;
+    }
+
+    /// Grows the ring by doubling, but never past `max_length`: a full history of the default
+    /// length holds exactly 1e6 values, not 2^20.
+    fn grow_if_full(&mut self) {
+        let cap = self.values.capacity();
+        if self.values.len() == cap {
+            let target = (cap * 2).max(16).min(self.max_length);
+            self.values.reserve_exact(target - self.values.len());
+        }
+    }
+
+    fn evict_oldest(&mut self) {
+        self.values.pop_front();
+        if let Some(run) = self.runs.front_mut() {
+            run.len -= 1;
+            run.first += f64::from(run.step);
+            if run.len == 0 {
+                self.runs.pop_front();
+            }
+        }
+    }
+
+    fn push_iteration(&mut self, it: f64) {
+        if let Some(run) = self.runs.back_mut() {
+            if run.len == 1 {
+                let delta = it - run.first;
+                // Integral steps that fit i32 start a run; anything else stays a run of one.
+                if delta.fract() == 0.0 && delta.abs() <= f64::from(i32::MAX) {
+                    run.step = delta as i32;
+                    run.len = 2;
+                    return;
+                }
+            } else if run.len < u32::MAX && run.at(run.len) == it {
+                run.len += 1;
+                return;
+            }
+        }
+        self.runs.push_back(Run { first: it, step: 0, len: 1 });
+    }
+
+    /// The most recent value.
+    pub fn latest(&self) -> crate::Result<f64> {
+        self.values.back().copied().ok_or(crate::Error::EmptyHistory)
+    }
+
+    /// The most recent (value, iteration).
+    pub fn latest_entry(&self) -> Option<(f64, Iter)> {
+        let value = *self.values.back()?;
+        let it = self.runs.back()?.last();
+        Some((value, self.iter_of(it)))
+    }
+
+    fn iter_of(&self, it: f64) -> Iter {
+        if self.int_iterations {
+            Iter::Int(it as i64)
+        } else {
+            Iter::Float(it)
+        }
+    }
+
+    fn window(&self, window_size: i64) -> crate::Result<std::collections::vec_deque::Iter<'_, f64>> {
+        if window_size <= 0 {
+            return Err(crate::Error::BadWindow(window_size));
+        }
+        let n = self.values.len();
+        let k = usize::try_from(window_size).unwrap_or(usize::MAX).min(n);
+        Ok(self.values.range(n - k..))
+    }
+
+    /// The median of the last `window_size` values, equal to `numpy.median` (the mean of the
+    /// two middle values for an even count; NaN if any value in the window is NaN or the
+    /// history is empty).
+    pub fn median(&self, window_size: i64) -> crate::Result<f64> {
+        let mut window: Vec<f64> = self.window(window_size)?.copied().collect();
+        Ok(median_in_place(&mut window))
+    }
+
+    /// The mean of the last `window_size` values, bit-identical to `numpy.mean` (which sums
+    /// pairwise, see `pairwise_sum`). NaN when empty.
+    pub fn avg(&self, window_size: i64) -> crate::Result<f64> {
+        let (a, b) = {
+            let n = self.values.len();
+            if window_size <= 0 {
+                return Err(crate::Error::BadWindow(window_size));
+            }
+            let k = usize::try_from(window_size).unwrap_or(usize::MAX).min(n);
+            let (front, back) = self.values.as_slices();
+            // The window is the last k values of front ++ back.
+            let start = n - k;
+            if start >= front.len() {
+                (&[][..], &back[start - front.len()..])
+            } else {
+                (&front[start..], back)
+            }
+        };
+        let k = a.len() + b.len();
+        if k == 0 {
+            return Ok(f64::NAN);
+        }
+        let sum = if b.is_empty() {
+            pairwise_sum(a)
+        } else if a.is_empty() {
+            pairwise_sum(b)
+        } else {
+            // Wrapped ring: numpy sums one contiguous array, so make one.
+            let joined: Vec<f64> = a.iter().chain(b).copied().collect();
+            pairwise_sum(&joined)
+        };
+        Ok((0.0 + sum) / k as f64)
+    }
+
+    /// The average of every value ever added, evicted ones included.
+    pub fn global_avg(&self) -> f64 {
+        self.global_avg
+    }
+
+    /// Number of updates ever made (evicted ones included).
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Number of entries held now.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// True when nothing was ever added.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// The configured maximum number of entries.
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    /// Whether every iteration so far was an integer.
+    pub fn int_iterations(&self) -> bool {
+        self.int_iterations
+    }
+
+    /// All (value, iteration) pairs held, oldest first.
+    pub fn values(&self) -> Vec<(f64, Iter)> {
+        let mut out = Vec::with_capacity(self.values.len());
+        let mut vals = self.values.iter();
+        for run in &self.runs {
+            for k in 0..run.len {
+                if let Some(&v) = vals.next() {
+                    out.push((v, self.iter_of(run.at(k))));
+                }
+            }
+        }
+        out
+    }
+
+    /// How many of the most recent entries lie within the last `window_size` iterations,
+    /// counted back from the newest entry's iteration (detectron2's `count_samples`: the window
+    /// counts iterations, not samples).
+    pub fn count_recent(&self, window_size: i64) -> usize {
+        let Some(last) = self.runs.back().map(Run::last) else {
+            return 0;
+        };
+        let threshold = last - window_size as f64;
+        let mut samples = 0;
+        for run in self.runs.iter().rev() {
+            for k in (0..run.len).rev() {
+                if run.at(k) > threshold {
+                    samples += 1;
+                } else {
+                    return samples;
+                }
+            }
+        }
+        samples
+    }
+
+    /// Bytes of heap held by this history (values and runs), for memory accounting.
+    pub fn heap_bytes(&self) -> usize {
+        self.values.capacity() * std::mem::size_of::<f64>()
+            + self.runs.capacity() * std::mem::size_of::<Run>()
+    }
+}
+
+/// `numpy.median` of a scratch slice, which it reorders.
+pub fn median_in_place(window: &mut [f64]) -> f64 {
+    let n = window.len();
+    if n == 0 || window.iter().any(|v| v.is_nan()) {
+        return f64::NAN;
+    }
+    let mid = n / 2;
+    let (lower, upper, _) = window.select_nth_unstable_by(mid, f64::total_cmp);
+    let upper = *upper;
+    if n % 2 == 1 {
+        upper
+    } else {
+        // numpy takes the mean of the two middle values: (a + b) / 2.
+        let below = lower.iter().copied().max_by(f64::total_cmp).unwrap_or(upper);
+        (below + upper) / 2.0
+    }
+}
+
+/// numpy's pairwise summation (`pairwise_sum` in loops_utils.h): exact blocks of 8 accumulators
+/// up to 128 elements, halves above. Reproducing it makes `avg` equal `numpy.mean` to the bit.
+pub fn pairwise_sum(a: &[f64]) -> f64 {
+    let n = a.len();
+    if n < 8 {
+        let mut res = -0.0;
+        for &x in a {
+            res += x;
+        }
+        res
+    } else if n <= 128 {
+        let mut r = [0.0f64; 8];
+        r.copy_from_slice(&a[..8]);
+        let full = n - n % 8;
+        let mut i = 8;
+        while i < full {
+            for j in 0..8 {
+                r[j] += a[i + j];
+            }
+            i += 8;
+        }
+        let mut res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for &x in &a[full..] {
+            res += x;
+        }
+        res
+    } else {
+        let mut n2 = n / 2;
+        n2 -= n2 % 8;
+        pairwise_sum(&a[..n2]) + pairwise_sum(&a[n2..])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(max_length: usize, n: usize) -> History {
+        let mut h = History::new(max_length).unwrap();
+        for i in 0..n {
+            h.update(i as f64, None);
+        }
+        h
+    }
+
+    #[test]
+    fn ring_wraps_and_keeps_iterations() {
+        let h = filled(5, 12);
+        let vals = h.values();
+        assert_eq!(vals.len(), 5);
+        assert_eq!(vals[0], (7.0, Iter::Int(7)));
+        assert_eq!(vals[4], (11.0, Iter::Int(11)));
+        assert_eq!(h.count(), 12);
+        assert_eq!(h.latest().unwrap(), 11.0);
+    }
+
+    #[test]
+    fn global_avg_includes_evicted_values() {
+        let h = filled(3, 10);
+        assert!((h.global_avg() - 4.5).abs() < 1e-12);
+        assert_eq!(h.avg(100).unwrap(), 8.0);
+    }
+
+    #[test]
+    fn median_matches_numpy_for_odd_and_even_windows() {
+        let mut h = History::new(100).unwrap();
+        for v in [5.0, 1.0, 4.0, 2.0, 3.0, 10.0] {
+            h.update(v, None);
+        }
+        assert_eq!(h.median(5).unwrap(), 3.0); // [1,4,2,3,10]
+        assert_eq!(h.median(6).unwrap(), 3.5); // [5,1,4,2,3,10]
+        assert_eq!(h.median(1).unwrap(), 10.0);
+        assert_eq!(h.median(2).unwrap(), 6.5);
+        h.update(f64::NAN, None);
+        assert!(h.median(3).unwrap().is_nan());
+    }
+
+    #[test]
+    fn bad_windows_are_errors() {
+        let h = filled(10, 3);
+        assert!(matches!(h.median(0), Err(crate::Error::BadWindow(0))));
+        assert!(matches!(h.avg(-2), Err(crate::Error::BadWindow(-2))));
+        assert!(History::new(0).is_err());
+    }
+
+    #[test]
+    fn empty_history() {
+        let h = History::new(4).unwrap();
+        assert!(h.median(3).unwrap().is_nan());
+        assert!(h.avg(3).unwrap().is_nan());
+        assert!(matches!(h.latest(), Err(crate::Error::EmptyHistory)));
+        assert_eq!(h.count_recent(20), 0);
+        assert!(h.values().is_empty());
+    }
+
+    #[test]
+    fn irregular_iterations_round_trip() {
+        let its = [0, 3, 3, 4, 10, 20, 30, 31, -5, 7];
+        let mut h = History::new(6).unwrap();
+        for (k, it) in its.iter().enumerate() {
+            h.update(k as f64, Some(Iter::Int(*it)));
+        }
+        let got: Vec<Iter> = h.values().into_iter().map(|(_, it)| it).collect();
+        let want: Vec<Iter> = its[4..].iter().map(|&i| Iter::Int(i)).collect();
+        assert_eq!(got, want);
+        assert_eq!(h.latest_entry(), Some((9.0, Iter::Int(7))));
+    }
+
+    #[test]
+    fn float_iterations_read_back_as_floats() {
+        let mut h = History::new(4).unwrap();
+        h.update(1.0, Some(Iter::Float(0.5)));
+        h.update(2.0, Some(Iter::Int(1)));
+        assert_eq!(h.values(), vec![(1.0, Iter::Float(0.5)), (2.0, Iter::Float(1.0))]);
+    }
+
+    #[test]
+    fn count_recent_counts_iterations_not_samples() {
+        let mut h = History::new(100).unwrap();
+        for it in (0..100).step_by(10) {
+            h.update(1.0, Some(Iter::Int(it)));
+        }
+        // last = 90; within 20 iterations: 90, 80 (> 70).
+        assert_eq!(h.count_recent(20), 2);
+        assert_eq!(h.count_recent(1), 1);
+        assert_eq!(h.count_recent(1000), 10);
+    }
+
+    #[test]
+    fn regular_iterations_cost_one_run() {
+        let h = filled(1000, 5000);
+        assert_eq!(h.runs.len(), 1);
+        assert!(h.values.capacity() <= 1000);
+        assert!(h.heap_bytes() <= 1000 * 8 + 64);
+    }
+
+    #[test]
+    fn capacity_never_exceeds_max_length() {
+        let h = filled(1_000_000, 1_200_000);
+        assert_eq!(h.values.capacity(), 1_000_000);
+    }
+
+    #[test]
+    fn avg_matches_numpy_bit_for_bit() {
+        // numpy.mean([1/(i+1) for i in range(24)]) == 0.15733159073972947 (numpy 2.4); a naive
+        // left-to-right sum gives ...944.
+        let mut h = History::new(1000).unwrap();
+        for i in 0..24 {
+            h.update(1.0 / (i as f64 + 1.0), None);
+        }
+        assert_eq!(h.avg(24).unwrap(), 0.15733159073972947);
+    }
+}

@@ -1,0 +1,12 @@
+//! hookloop's pure-Rust core. No PyO3 here: the binding crate (`hookloop-py`) converts
+//! arguments and calls into these types once per Python call.
+
+pub mod error;
+pub mod history;
+pub mod pyfmt;
+pub mod storage;
+pub mod tfevents;
+
+pub use error::{Error, Result};
+pub use history::History;
+pub use storage::Storage;

@@ -1,0 +1,1087 @@
+//! TensorBoard event files, written natively: the `Event`/`Summary` protobuf messages,
+//! TFRecord framing, PNG image summaries and a lazily created event file.
+//!
+//! The messages are hand-written prost structs mirroring tensorboard's
+//! `tensorboard/compat/proto/{event,summary,histogram}.proto`. Only the fields hookloop
+//! writes are declared; the field numbers are tensorboard's, so any reader decodes them.
+//! Decoding a file written by someone else ignores the fields not declared here.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prost::Message;
+
+/// The `file_version` of every event file TensorBoard reads today.
+pub const FILE_VERSION: &str = "brain.Event:2";
+
+/// One record of an event file: a timestamp, a step and what happened.
+///
+/// Mirrors `tensorboard.Event`; fields 4 and 6–10 (graphs, logs, metadata) are not declared.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Event {
+    /// Seconds since the Unix epoch.
+    #[prost(double, tag = "1")]
+    pub wall_time: f64,
+    /// Global step (detectron2's iteration).
+    #[prost(int64, tag = "2")]
+    pub step: i64,
+    /// The payload: the file version (first record only) or a summary.
+    #[prost(oneof = "event::What", tags = "3, 5")]
+    pub what: Option<event::What>,
+}
+
+/// Nested types of [`Event`].
+pub mod event {
+    /// The payload of an [`Event`](super::Event).
+    #[derive(Clone, PartialEq, prost::Oneof)]
+    pub enum What {
+        /// Set on the first record of a file only; always [`FILE_VERSION`](super::FILE_VERSION).
+        #[prost(string, tag = "3")]
+        FileVersion(String),
+        /// A set of tagged values.
+        #[prost(message, tag = "5")]
+        Summary(super::Summary),
+    }
+}
+
+/// A set of tagged values; hookloop writes exactly one per [`Event`].
+///
+/// Mirrors `tensorboard.Summary`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Summary {
+    /// The values, each with its own tag.
+    #[prost(message, repeated, tag = "1")]
+    pub value: Vec<summary::Value>,
+}
+
+/// Nested types of [`Summary`].
+pub mod summary {
+    /// One tagged value. Mirrors `tensorboard.Summary.Value`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Value {
+        /// The series name, e.g. `"total_loss"` or `"lr"`.
+        #[prost(string, tag = "1")]
+        pub tag: String,
+        /// Plugin metadata; legacy scalar, image and histogram values need none.
+        #[prost(message, optional, tag = "9")]
+        pub metadata: Option<super::SummaryMetadata>,
+        /// The value itself.
+        #[prost(oneof = "value::Value", tags = "2, 4, 5")]
+        pub value: Option<value::Value>,
+    }
+
+    /// An encoded image. Mirrors `tensorboard.Summary.Image`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Image {
+        /// Height in pixels.
+        #[prost(int32, tag = "1")]
+        pub height: i32,
+        /// Width in pixels.
+        #[prost(int32, tag = "2")]
+        pub width: i32,
+        /// 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA (hookloop writes 1, 3 or 4).
+        #[prost(int32, tag = "3")]
+        pub colorspace: i32,
+        /// The PNG file bytes.
+        #[prost(bytes = "vec", tag = "4")]
+        pub encoded_image_string: Vec<u8>,
+    }
+
+    /// Nested types of [`Value`].
+    pub mod value {
+        /// The payload of a [`Value`](super::Value).
+        #[derive(Clone, PartialEq, prost::Oneof)]
+        pub enum Value {
+            /// A scalar; TensorBoard stores scalars as float32.
+            #[prost(float, tag = "2")]
+            SimpleValue(f32),
+            /// An encoded image.
+            #[prost(message, tag = "4")]
+            Image(super::Image),
+            /// A histogram.
+            #[prost(message, tag = "5")]
+            Histo(super::super::HistogramProto),
+        }
+    }
+}
+
+/// Which plugin owns a series. Mirrors `tensorboard.SummaryMetadata`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SummaryMetadata {
+    /// The owning plugin and its data.
+    #[prost(message, optional, tag = "1")]
+    pub plugin_data: Option<summary_metadata::PluginData>,
+    /// Display name in TensorBoard.
+    #[prost(string, tag = "2")]
+    pub display_name: String,
+    /// Markdown description of the series.
+    #[prost(string, tag = "3")]
+    pub summary_description: String,
+    /// `tensorboard.DataClass` as its integer value (0 unknown, 1 scalar, 2 tensor, 3 blob).
+    #[prost(int32, tag = "4")]
+    pub data_class: i32,
+}
+
+/// Nested types of [`SummaryMetadata`].
+pub mod summary_metadata {
+    /// A plugin name and its opaque content. Mirrors `SummaryMetadata.PluginData`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct PluginData {
+        /// e.g. `"scalars"`, `"images"`, `"histograms"`.
+        #[prost(string, tag = "1")]
+        pub plugin_name: String,
+        /// Plugin-specific bytes, usually a serialized protobuf.
+        #[prost(bytes = "vec", tag = "2")]
+        pub content: Vec<u8>,
+    }
+}
+
+/// A histogram as TensorBoard stores it. Mirrors `tensorboard.HistogramProto`.
+///
+/// Bucket `i` counts values in `(bucket_limit[i-1], bucket_limit[i]]`; bucket 0 starts at
+/// `-f64::MAX`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct HistogramProto {
+    /// Smallest value.
+    #[prost(double, tag = "1")]
+    pub min: f64,
+    /// Largest value.
+    #[prost(double, tag = "2")]
+    pub max: f64,
+    /// Number of values.
+    #[prost(double, tag = "3")]
+    pub num: f64,
+    /// Sum of the values.
+    #[prost(double, tag = "4")]
+    pub sum: f64,
+    /// Sum of the squared values.
+    #[prost(double, tag = "5")]
+    pub sum_squares: f64,
+    /// Right edges of the buckets (packed, as proto3 repeated scalars are).
+    #[prost(double, repeated, tag = "6")]
+    pub bucket_limit: Vec<f64>,
+    /// Counts, parallel to `bucket_limit`.
+    #[prost(double, repeated, tag = "7")]
+    pub bucket: Vec<f64>,
+}
+
+/// Why an image (or a batch of events holding one) could not be encoded.
+#[derive(Debug)]
+pub enum TfEventsError {
+    /// `channels` is not 1 (grey), 3 (RGB) or 4 (RGBA).
+    UnsupportedChannels {
+        /// The channel count given.
+        channels: u8,
+    },
+    /// Width or height is zero: PNG has no empty images.
+    EmptyImage {
+        /// Width in pixels.
+        width: u32,
+        /// Height in pixels.
+        height: u32,
+    },
+    /// Width or height exceeds `i32::MAX`, the limit of both PNG and the `Image` message.
+    ImageTooLarge {
+        /// Width in pixels.
+        width: u32,
+        /// Height in pixels.
+        height: u32,
+    },
+    /// The pixel buffer does not hold `width * height * channels` bytes.
+    PixelCountMismatch {
+        /// Width in pixels.
+        width: u32,
+        /// Height in pixels.
+        height: u32,
+        /// Channels per pixel.
+        channels: u8,
+        /// Bytes actually given.
+        len: usize,
+    },
+    /// The PNG encoder failed.
+    Png(png::EncodingError),
+    /// An image point of [`encode_events`] failed; names the series and the step.
+    Image {
+        /// The image's tag.
+        tag: String,
+        /// The image's step.
+        step: i64,
+        /// What was wrong with it.
+        source: Box<TfEventsError>,
+    },
+}
+
+impl fmt::Display for TfEventsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::UnsupportedChannels { channels } => write!(
+                f,
+                "image has {channels} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)"
+            ),
+            Self::EmptyImage { width, height } => {
+                write!(
+                    f,
+                    "image is {width}x{height}; width and height must be positive"
+                )
+            }
+            Self::ImageTooLarge { width, height } => write!(
+                f,
+                "image is {width}x{height}; width and height must be at most {}",
+                i32::MAX
+            ),
+            Self::PixelCountMismatch {
+                width,
+                height,
+                channels,
+                len,
+            } => {
+                // u128 cannot overflow: the product is below 2^72.
+                let expected = u128::from(*width) * u128::from(*height) * u128::from(*channels);
+                write!(
+                    f,
+                    "image of {width}x{height}x{channels} needs {expected} bytes of HWC uint8 \
+                     pixels, got {len}"
+                )
+            }
+            Self::Png(e) => write!(f, "PNG encoding failed: {e}"),
+            Self::Image { tag, step, source } => {
+                write!(f, "image '{tag}' at iter {step}: {source}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TfEventsError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Png(e) => Some(e),
+            Self::Image { source, .. } => Some(source.as_ref()),
+            _ => None,
+        }
+    }
+}
+
+impl From<png::EncodingError> for TfEventsError {
+    fn from(e: png::EncodingError) -> Self {
+        Self::Png(e)
+    }
+}
+
+/// A scalar for TensorBoard's scalar dashboard. Stored as float32, as TensorBoard does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScalarPoint {
+    /// Series name.
+    pub tag: String,
+    /// The value; rounded to `f32` when written.
+    pub value: f64,
+    /// Global step.
+    pub step: i64,
+}
+
+/// An image for TensorBoard's image dashboard, written as PNG.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImagePoint {
+    /// Series name.
+    pub tag: String,
+    /// Global step.
+    pub step: i64,
+    /// Height in pixels.
+    pub height: u32,
+    /// Width in pixels.
+    pub width: u32,
+    /// 1 (grey), 3 (RGB) or 4 (RGBA).
+    pub channels: u8,
+    /// Row-major HWC uint8 pixels: `height * width * channels` bytes.
+    pub pixels: Vec<u8>,
+}
+
+/// A histogram for TensorBoard's histogram dashboard; see [`HistogramProto`] for the buckets.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistogramPoint {
+    /// Series name.
+    pub tag: String,
+    /// Global step.
+    pub step: i64,
+    /// Smallest value.
+    pub min: f64,
+    /// Largest value.
+    pub max: f64,
+    /// Number of values.
+    pub num: f64,
+    /// Sum of the values.
+    pub sum: f64,
+    /// Sum of the squared values.
+    pub sum_squares: f64,
+    /// Right edges of the buckets.
+    pub bucket_limits: Vec<f64>,
+    /// Counts, parallel to `bucket_limits`.
+    pub bucket_counts: Vec<f64>,
+}
+
+/// TFRecord's masked CRC32C: the checksum rotated right by 15 bits plus a constant, so
+/// that a CRC of data that itself holds CRCs stays well distributed.
+pub fn masked_crc32c(data: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(data);
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
+}
+
+/// Appends one TFRecord to `out`: u64 LE length, u32 LE masked CRC of those 8 bytes,
+/// `data`, u32 LE masked CRC of `data`.
+pub fn append_record(out: &mut Vec<u8>, data: &[u8]) {
+    // usize is at most 64 bits on every target Rust supports, so this never truncates.
+    let len = (data.len() as u64).to_le_bytes();
+    out.reserve(data.len() + 16);
+    out.extend_from_slice(&len);
+    out.extend_from_slice(&masked_crc32c(&len).to_le_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(&masked_crc32c(data).to_le_bytes());
+}
+
+fn append_event(out: &mut Vec<u8>, event: &Event) {
+    append_record(out, &event.encode_to_vec());
+}
+
+fn summary_event(wall_time: f64, step: i64, tag: &str, value: summary::value::Value) -> Event {
+    Event {
+        wall_time,
+        step,
+        what: Some(event::What::Summary(Summary {
+            value: vec![summary::Value {
+                tag: tag.to_owned(),
+                metadata: None,
+                value: Some(value),
+            }],
+        })),
+    }
+}
+
+/// Checks an image's shape; on success returns `(width, height)` as the `i32`s the
+/// `Image` message holds.
+fn check_image_shape(
+    width: u32,
+    height: u32,
+    channels: u8,
+    len: usize,
+) -> Result<(i32, i32), TfEventsError> {
+    if !matches!(channels, 1 | 3 | 4) {
+        return Err(TfEventsError::UnsupportedChannels { channels });
+    }
+    if width == 0 || height == 0 {
+        return Err(TfEventsError::EmptyImage { width, height });
+    }
+    let (Ok(w), Ok(h)) = (i32::try_from(width), i32::try_from(height)) else {
+        return Err(TfEventsError::ImageTooLarge { width, height });
+    };
+    // width * height * channels can reach 2^72; in u128 no overflow lets a wrong length pass.
+    let expected = u128::from(width) * u128::from(height) * u128::from(channels);
+    if u128::try_from(len).ok() != Some(expected) {
+        return Err(TfEventsError::PixelCountMismatch {
+            width,
+            height,
+            channels,
+            len,
+        });
+    }
+    Ok((w, h))
+}
+
+/// Encodes row-major HWC uint8 `pixels` (1, 3 or 4 channels) as an 8-bit PNG file.
+pub fn encode_png(
+    width: u32,
+    height: u32,
+    channels: u8,
+    pixels: &[u8],
+) -> Result<Vec<u8>, TfEventsError> {
+    check_image_shape(width, height, channels, pixels.len())?;
+    let color = match channels {
+        1 => png::ColorType::Grayscale,
+        3 => png::ColorType::Rgb,
+        _ => png::ColorType::Rgba,
+    };
+    let mut png_bytes = Vec::new();
+    let mut encoder = png::Encoder::new(&mut png_bytes, width, height);
+    encoder.set_color(color);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header()?;
+    writer.write_image_data(pixels)?;
+    // finish() writes IEND; without it the file is truncated.
+    writer.finish()?;
+    Ok(png_bytes)
+}
+
+fn image_event(wall_time: f64, image: &ImagePoint) -> Result<Event, TfEventsError> {
+    let (width, height) = check_image_shape(
+        image.width,
+        image.height,
+        image.channels,
+        image.pixels.len(),
+    )?;
+    let encoded = encode_png(image.width, image.height, image.channels, &image.pixels)?;
+    Ok(summary_event(
+        wall_time,
+        image.step,
+        &image.tag,
+        summary::value::Value::Image(summary::Image {
+            height,
+            width,
+            colorspace: i32::from(image.channels),
+            encoded_image_string: encoded,
+        }),
+    ))
+}
+
+/// Appends one framed record per point to `out` (one `Event` holding one `Summary`
+/// value each): all scalars, then all images, then all histograms, each in slice order.
+///
+/// On error `out` is left as it was: a bad image never leaves half a batch behind.
+pub fn encode_events(
+    out: &mut Vec<u8>,
+    wall_time: f64,
+    scalars: &[ScalarPoint],
+    images: &[ImagePoint],
+    histograms: &[HistogramPoint],
+) -> Result<(), TfEventsError> {
+    // Images are the only fallible points; encode them before touching `out`.
+    let image_events = images
+        .iter()
+        .map(|image| {
+            image_event(wall_time, image).map_err(|e| TfEventsError::Image {
+                tag: image.tag.clone(),
+                step: image.step,
+                source: Box::new(e),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for s in scalars {
+        let value = summary::value::Value::SimpleValue(s.value as f32);
+        append_event(out, &summary_event(wall_time, s.step, &s.tag, value));
+    }
+    for event in &image_events {
+        append_event(out, event);
+    }
+    for h in histograms {
+        let histo = HistogramProto {
+            min: h.min,
+            max: h.max,
+            num: h.num,
+            sum: h.sum,
+            sum_squares: h.sum_squares,
+            bucket_limit: h.bucket_limits.clone(),
+            bucket: h.bucket_counts.clone(),
+        };
+        let value = summary::value::Value::Histo(histo);
+        append_event(out, &summary_event(wall_time, h.step, &h.tag, value));
+    }
+    Ok(())
+}
+
+/// The first record of every event file: `Event { wall_time, step: 0, file_version:
+/// "brain.Event:2" }`, framed.
+pub fn file_version_record(wall_time: f64) -> Vec<u8> {
+    let mut out = Vec::new();
+    append_event(
+        &mut out,
+        &Event {
+            wall_time,
+            step: 0,
+            what: Some(event::What::FileVersion(FILE_VERSION.to_owned())),
+        },
+    );
+    out
+}
+
+/// An event file name as torch.utils.tensorboard names it:
+/// `events.out.tfevents.{time:010}.{hostname}.{pid}.{uid}`.
+pub fn event_file_name(unix_time_secs: u64, hostname: &str, pid: u32, uid: u64) -> String {
+    format!("events.out.tfevents.{unix_time_secs:010}.{hostname}.{pid}.{uid}")
+}
+
+/// What [`write_or_roll_back`] needs of a file; a trait so tests can fail a write midway.
+trait RecordSink: Write {
+    fn current_len(&self) -> io::Result<u64>;
+    fn truncate_to(&self, len: u64) -> io::Result<()>;
+}
+
+impl RecordSink for File {
+    fn current_len(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+
+    fn truncate_to(&self, len: u64) -> io::Result<()> {
+        self.set_len(len)
+    }
+}
+
+/// Writes `data` with one `write_all`; if that fails, truncates the sink back to its
+/// length before the call, so the file only ever holds whole records, and returns the
+/// write error.
+///
+/// The sink must be in append mode: after a truncation the next write then lands at the
+/// new end, not at a stale offset past it. If the truncation itself fails, the write
+/// error is still the one returned: it is the cause.
+fn write_or_roll_back<S: RecordSink>(sink: &mut S, data: &[u8]) -> io::Result<()> {
+    let start = sink.current_len()?;
+    match sink.write_all(data) {
+        Ok(()) => Ok(()),
+        Err(write_err) => {
+            // Best effort: the write error is the cause, whatever the truncation does.
+            let _ = sink.truncate_to(start);
+            Err(write_err)
+        }
+    }
+}
+
+fn unix_time_now() -> f64 {
+    // A clock before 1970 is a broken clock; 0.0 still gives a readable file.
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// One event file in a log directory, created on its first non-empty append.
+///
+/// Invariant: the file holds only whole records, and its first record is the
+/// `file_version` event; a failed append is truncated away.
+#[derive(Debug)]
+pub struct EventFile {
+    log_dir: PathBuf,
+    file_name: String,
+    file: Option<File>,
+    // False until the file_version record is on disk; a failed first write retries it.
+    header_written: bool,
+}
+
+impl EventFile {
+    /// An event file at `log_dir/file_name`. Does no I/O: the directory and the file
+    /// appear on the first [`append`](Self::append) with records.
+    pub fn new(log_dir: PathBuf, file_name: String) -> EventFile {
+        EventFile {
+            log_dir,
+            file_name,
+            file: None,
+            header_written: false,
+        }
+    }
+
+    /// Appends already framed `records` (see [`encode_events`]).
+    ///
+    /// The first call with records creates the log directory and the file (failing if the
+    /// file already exists) and writes the `file_version` record before them. `records`
+    /// go to disk with one `write_all`; if it fails (disk full, quota) the file is
+    /// truncated back to its previous length and the error returned. An empty `records`
+    /// does nothing, so a writer that never logs leaves no file behind. Errors do not
+    /// name the path; callers add [`path`](Self::path).
+    pub fn append(&mut self, records: &[u8]) -> io::Result<()> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let file = match &mut self.file {
+            Some(file) => file,
+            None => {
+                std::fs::create_dir_all(&self.log_dir)?;
+                let file = OpenOptions::new()
+                    .append(true)
+                    .create_new(true)
+                    .open(self.log_dir.join(&self.file_name))?;
+                self.file.insert(file)
+            }
+        };
+        if !self.header_written {
+            write_or_roll_back(file, &file_version_record(unix_time_now()))?;
+            self.header_written = true;
+        }
+        write_or_roll_back(file, records)
+    }
+
+    /// Flushes the file; with `fsync`, also waits until its data reach the disk.
+    /// Does nothing before the file exists.
+    pub fn flush(&mut self, fsync: bool) -> io::Result<()> {
+        if let Some(file) = &mut self.file {
+            file.flush()?;
+            if fsync {
+                file.sync_data()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `log_dir/file_name`, whether or not the file exists yet.
+    pub fn path(&self) -> PathBuf {
+        self.log_dir.join(&self.file_name)
+    }
+
+    /// Whether the file has been created on disk.
+    pub fn is_created(&self) -> bool {
+        self.file.is_some()
+    }
+}
+
+// A failed unwrap in a test is the assertion. `allow`, not `expect`: `expect` would turn
+// into an error if the workspace later sets clippy's `allow-unwrap-in-tests`.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::io::{BufReader, Cursor};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Splits framed bytes into record payloads, checking both CRCs of every record.
+    fn read_records(mut bytes: &[u8]) -> Vec<Vec<u8>> {
+        let mut records = Vec::new();
+        while !bytes.is_empty() {
+            assert!(bytes.len() >= 16, "truncated record header");
+            let len_bytes: [u8; 8] = bytes[..8].try_into().unwrap();
+            let len_crc = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+            assert_eq!(len_crc, masked_crc32c(&len_bytes), "length CRC");
+            let len = usize::try_from(u64::from_le_bytes(len_bytes)).unwrap();
+            assert!(bytes.len() >= 16 + len, "truncated record data");
+            let data = &bytes[12..12 + len];
+            let data_crc = u32::from_le_bytes(bytes[12 + len..16 + len].try_into().unwrap());
+            assert_eq!(data_crc, masked_crc32c(data), "data CRC");
+            records.push(data.to_vec());
+            bytes = &bytes[16 + len..];
+        }
+        records
+    }
+
+    fn decode_events(bytes: &[u8]) -> Vec<Event> {
+        read_records(bytes)
+            .iter()
+            .map(|r| Event::decode(r.as_slice()).unwrap())
+            .collect()
+    }
+
+    /// The single summary value of an event.
+    fn only_value(event: &Event) -> &summary::Value {
+        match &event.what {
+            Some(event::What::Summary(s)) => {
+                assert_eq!(s.value.len(), 1);
+                &s.value[0]
+            }
+            other => panic!("expected a summary, got {other:?}"),
+        }
+    }
+
+    fn decode_png(bytes: &[u8]) -> (png::OutputInfo, Vec<u8>) {
+        let decoder = png::Decoder::new(BufReader::new(Cursor::new(bytes)));
+        let mut reader = decoder.read_info().unwrap();
+        let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        buf.truncate(info.buffer_size());
+        (info, buf)
+    }
+
+    fn gradient(width: u32, height: u32, channels: u8) -> Vec<u8> {
+        let n = width as usize * height as usize * channels as usize;
+        (0..n).map(|i| (i * 7 % 256) as u8).collect()
+    }
+
+    /// A fresh directory under the system temp dir, unique per test and process.
+    fn scratch_dir(name: &str) -> PathBuf {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "hookloop-tfevents-{}-{}-{}",
+            std::process::id(),
+            name,
+            n
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn crc32c_test_vectors() {
+        // RFC 3720 (iSCSI) B.4 vectors and the common check value.
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c::crc32c(&[0u8; 32]), 0x8A91_36AA);
+        assert_eq!(crc32c::crc32c(&[0xFFu8; 32]), 0x62A8_AB43);
+        let ascending: Vec<u8> = (0..32).collect();
+        assert_eq!(crc32c::crc32c(&ascending), 0x46DD_794E);
+    }
+
+    #[test]
+    fn masked_crc_of_known_values() {
+        // Computed independently (bitwise CRC32C in Python, then the TFRecord mask).
+        assert_eq!(masked_crc32c(b"123456789"), 0xC78A_B0E5);
+        assert_eq!(masked_crc32c(b""), 0xA282_EAD8);
+    }
+
+    #[test]
+    fn framed_record_exact_bytes() {
+        let mut out = vec![0xEE]; // appending must keep what is already there
+        append_record(&mut out, b"abc");
+        let expected: [u8; 20] = [
+            0xEE, // pre-existing byte
+            0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // length 3, u64 LE
+            0xb0, 0x99, 0x49, 0x0e, // masked crc of the length bytes
+            0x61, 0x62, 0x63, // "abc"
+            0x6e, 0x57, 0xf1, 0x21, // masked crc of "abc"
+        ];
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn file_version_event_exact_bytes() {
+        let records = read_records(&file_version_record(1.5));
+        assert_eq!(records.len(), 1);
+        let mut expected = vec![0x09]; // field 1, fixed64
+        expected.extend_from_slice(&1.5f64.to_le_bytes());
+        // step 0 is the proto3 default and is omitted
+        expected.extend_from_slice(&[0x1a, 13]); // field 3, length-delimited
+        expected.extend_from_slice(b"brain.Event:2");
+        assert_eq!(records[0], expected);
+    }
+
+    #[test]
+    fn scalar_event_exact_bytes() {
+        let mut out = Vec::new();
+        let scalar = ScalarPoint {
+            tag: "a".into(),
+            value: 2.0,
+            step: 7,
+        };
+        encode_events(&mut out, 1.5, &[scalar], &[], &[]).unwrap();
+        let mut expected = vec![0x09];
+        expected.extend_from_slice(&1.5f64.to_le_bytes());
+        expected.extend_from_slice(&[
+            0x10, 0x07, // field 2 (step), varint 7
+            0x2a, 10, // field 5 (summary), 10 bytes
+            0x0a, 8, // Summary field 1 (value), 8 bytes
+            0x0a, 1, b'a', // Value field 1 (tag) "a"
+            0x15, 0x00, 0x00, 0x00, 0x40, // Value field 2 (simple_value), f32 2.0
+        ]);
+        assert_eq!(read_records(&out), vec![expected]);
+    }
+
+    #[test]
+    fn image_and_histogram_field_numbers() {
+        let image = summary::Value {
+            tag: String::new(),
+            metadata: None,
+            value: Some(summary::value::Value::Image(summary::Image {
+                height: 1,
+                width: 2,
+                colorspace: 3,
+                encoded_image_string: vec![0xAB],
+            })),
+        };
+        assert_eq!(
+            image.encode_to_vec(),
+            [0x22, 9, 0x08, 1, 0x10, 2, 0x18, 3, 0x22, 1, 0xAB]
+        );
+        let histo = HistogramProto {
+            min: 0.0,
+            max: 0.0,
+            num: 0.0,
+            sum: 0.0,
+            sum_squares: 0.0,
+            bucket_limit: vec![1.0],
+            bucket: vec![2.0],
+        };
+        let mut expected = vec![0x32, 8]; // field 6, packed
+        expected.extend_from_slice(&1.0f64.to_le_bytes());
+        expected.extend_from_slice(&[0x3a, 8]); // field 7, packed
+        expected.extend_from_slice(&2.0f64.to_le_bytes());
+        assert_eq!(histo.encode_to_vec(), expected);
+        let value = summary::Value {
+            tag: String::new(),
+            metadata: None,
+            value: Some(summary::value::Value::Histo(histo)),
+        };
+        assert_eq!(value.encode_to_vec()[..2], [0x2a, 20]); // Value field 5
+    }
+
+    #[test]
+    fn encode_events_round_trip() {
+        let scalars = vec![
+            ScalarPoint {
+                tag: "total_loss".into(),
+                value: 0.125,
+                step: 19,
+            },
+            ScalarPoint {
+                tag: "lr".into(),
+                value: 0.1,
+                step: 19,
+            },
+        ];
+        let images = vec![ImagePoint {
+            tag: "vis".into(),
+            step: 20,
+            height: 3,
+            width: 5,
+            channels: 3,
+            pixels: gradient(5, 3, 3),
+        }];
+        let histograms = vec![HistogramPoint {
+            tag: "weights".into(),
+            step: 21,
+            min: -1.0,
+            max: 2.0,
+            num: 4.0,
+            sum: 3.0,
+            sum_squares: 7.0,
+            bucket_limits: vec![0.0, 1.0, 2.0],
+            bucket_counts: vec![1.0, 2.0, 1.0],
+        }];
+        let mut out = Vec::new();
+        encode_events(&mut out, 1234.5, &scalars, &images, &histograms).unwrap();
+        let events = decode_events(&out);
+        assert_eq!(events.len(), 4);
+        assert!(events.iter().all(|e| e.wall_time == 1234.5));
+
+        for (event, scalar) in events[..2].iter().zip(&scalars) {
+            assert_eq!(event.step, scalar.step);
+            let value = only_value(event);
+            assert_eq!(value.tag, scalar.tag);
+            assert_eq!(
+                value.value,
+                Some(summary::value::Value::SimpleValue(scalar.value as f32))
+            );
+        }
+
+        assert_eq!(events[2].step, 20);
+        let value = only_value(&events[2]);
+        assert_eq!(value.tag, "vis");
+        let Some(summary::value::Value::Image(image)) = &value.value else {
+            panic!("expected an image, got {:?}", value.value);
+        };
+        assert_eq!((image.height, image.width, image.colorspace), (3, 5, 3));
+        let (info, pixels) = decode_png(&image.encoded_image_string);
+        assert_eq!((info.width, info.height), (5, 3));
+        assert_eq!(pixels, images[0].pixels);
+
+        assert_eq!(events[3].step, 21);
+        let value = only_value(&events[3]);
+        assert_eq!(value.tag, "weights");
+        let Some(summary::value::Value::Histo(h)) = &value.value else {
+            panic!("expected a histogram, got {:?}", value.value);
+        };
+        let hp = &histograms[0];
+        assert_eq!(
+            (h.min, h.max, h.num, h.sum, h.sum_squares),
+            (hp.min, hp.max, hp.num, hp.sum, hp.sum_squares)
+        );
+        assert_eq!(h.bucket_limit, hp.bucket_limits);
+        assert_eq!(h.bucket, hp.bucket_counts);
+    }
+
+    #[test]
+    fn png_round_trip_grey_rgb_rgba() {
+        for (channels, color) in [
+            (1, png::ColorType::Grayscale),
+            (3, png::ColorType::Rgb),
+            (4, png::ColorType::Rgba),
+        ] {
+            let pixels = gradient(7, 4, channels);
+            let bytes = encode_png(7, 4, channels, &pixels).unwrap();
+            let (info, decoded) = decode_png(&bytes);
+            assert_eq!((info.width, info.height), (7, 4));
+            assert_eq!(info.color_type, color);
+            assert_eq!(info.bit_depth, png::BitDepth::Eight);
+            assert_eq!(decoded, pixels, "{channels} channels");
+        }
+    }
+
+    #[test]
+    fn bad_image_shapes_are_errors() {
+        assert!(matches!(
+            encode_png(2, 2, 2, &[0; 8]),
+            Err(TfEventsError::UnsupportedChannels { channels: 2 })
+        ));
+        assert!(matches!(
+            encode_png(0, 2, 3, &[]),
+            Err(TfEventsError::EmptyImage {
+                width: 0,
+                height: 2
+            })
+        ));
+        assert!(matches!(
+            encode_png(2, 0, 1, &[]),
+            Err(TfEventsError::EmptyImage { .. })
+        ));
+        assert!(matches!(
+            encode_png(2, 2, 3, &[0; 11]),
+            Err(TfEventsError::PixelCountMismatch { len: 11, .. })
+        ));
+        assert!(matches!(
+            encode_png(u32::MAX, 1, 1, &[0]),
+            Err(TfEventsError::ImageTooLarge { .. })
+        ));
+        let msg = encode_png(2, 2, 3, &[0; 11]).unwrap_err().to_string();
+        assert!(
+            msg.contains("2x2x3") && msg.contains("12") && msg.contains("11"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn bad_image_leaves_batch_untouched() {
+        let mut out = vec![1, 2, 3];
+        let scalar = ScalarPoint {
+            tag: "loss".into(),
+            value: 1.0,
+            step: 5,
+        };
+        let image = ImagePoint {
+            tag: "vis".into(),
+            step: 5,
+            height: 2,
+            width: 2,
+            channels: 3,
+            pixels: vec![0; 5],
+        };
+        let err = encode_events(&mut out, 0.0, &[scalar], &[image], &[]).unwrap_err();
+        assert_eq!(out, [1, 2, 3]);
+        let TfEventsError::Image { tag, step, source } = &err else {
+            panic!("expected an Image error, got {err:?}");
+        };
+        assert_eq!((tag.as_str(), *step), ("vis", 5));
+        assert!(matches!(**source, TfEventsError::PixelCountMismatch { .. }));
+        assert!(err.to_string().starts_with("image 'vis' at iter 5: "));
+    }
+
+    #[test]
+    fn error_can_cross_threads() {
+        // The background writer thread hands errors back to the training thread.
+        fn assert_send_sync<T: Send + Sync + 'static>() {}
+        assert_send_sync::<TfEventsError>();
+    }
+
+    #[test]
+    fn event_file_name_matches_torch() {
+        assert_eq!(
+            event_file_name(1_700_000_000, "node7", 4242, 0),
+            "events.out.tfevents.1700000000.node7.4242.0"
+        );
+        assert_eq!(
+            event_file_name(42, "h", 1, 3),
+            "events.out.tfevents.0000000042.h.1.3"
+        );
+    }
+
+    #[test]
+    fn event_file_is_created_lazily() {
+        let dir = scratch_dir("lazy").join("nested");
+        let mut file = EventFile::new(dir.clone(), "events.out.tfevents.test".into());
+        assert_eq!(file.path(), dir.join("events.out.tfevents.test"));
+        assert!(!file.is_created());
+        assert!(!dir.exists());
+
+        file.append(&[]).unwrap();
+        file.flush(true).unwrap();
+        assert!(!file.is_created());
+        assert!(!dir.exists());
+
+        let mut records = Vec::new();
+        let scalar = ScalarPoint {
+            tag: "loss".into(),
+            value: 0.5,
+            step: 3,
+        };
+        encode_events(&mut records, 10.0, &[scalar], &[], &[]).unwrap();
+        file.append(&records).unwrap();
+        file.append(&records).unwrap();
+        file.flush(true).unwrap();
+        assert!(file.is_created());
+
+        let events = decode_events(&std::fs::read(file.path()).unwrap());
+        assert_eq!(events.len(), 3);
+        assert_eq!(events[0].step, 0);
+        assert!(events[0].wall_time > 0.0);
+        assert_eq!(
+            events[0].what,
+            Some(event::What::FileVersion("brain.Event:2".into()))
+        );
+        assert_eq!(only_value(&events[1]).tag, "loss");
+        assert_eq!(events[2].step, 3);
+
+        // create_new: a second writer must not clobber the file.
+        let mut other = EventFile::new(dir.clone(), "events.out.tfevents.test".into());
+        assert!(other.append(&records).is_err());
+        assert!(!other.is_created());
+
+        std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
+    }
+
+    /// A sink that accepts `room` more bytes, then fails like a full disk.
+    struct FullAfter<S> {
+        inner: S,
+        room: usize,
+    }
+
+    impl<S: Write> Write for FullAfter<S> {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            if self.room == 0 {
+                return Err(io::Error::other("no space left on device (test)"));
+            }
+            let n = buf.len().min(self.room);
+            self.room -= n;
+            self.inner.write(&buf[..n])
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            self.inner.flush()
+        }
+    }
+
+    impl<S: RecordSink> RecordSink for FullAfter<S> {
+        fn current_len(&self) -> io::Result<u64> {
+            self.inner.current_len()
+        }
+
+        fn truncate_to(&self, len: u64) -> io::Result<()> {
+            self.inner.truncate_to(len)
+        }
+    }
+
+    #[test]
+    fn failed_write_is_truncated_away() {
+        let dir = scratch_dir("rollback");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("events");
+        let file = OpenOptions::new()
+            .append(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        let first = file_version_record(1.0);
+        let mut second = Vec::new();
+        append_record(&mut second, &[7; 100]);
+        // Room for the first record and part of the second: a torn write.
+        let mut sink = FullAfter {
+            inner: file,
+            room: first.len() + 30,
+        };
+
+        write_or_roll_back(&mut sink, &first).unwrap();
+        let err = write_or_roll_back(&mut sink, &second).unwrap_err();
+        assert!(err.to_string().contains("no space left"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), first);
+
+        // Append mode: once space frees up, the next record lands right after the last
+        // whole one, with no gap where the torn bytes were.
+        sink.room = usize::MAX;
+        write_or_roll_back(&mut sink, &second).unwrap();
+        let mut expected = first.clone();
+        expected.extend_from_slice(&second);
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+        assert_eq!(read_records(&expected).len(), 2);
+
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn dev_full_returns_the_write_error() {
+        // /dev/full cannot be truncated; the write error (ENOSPC) must still come back.
+        let Ok(mut full) = OpenOptions::new().append(true).open("/dev/full") else {
+            return; // not on this platform
+        };
+        let err = write_or_roll_back(&mut full, &file_version_record(1.0)).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(28), "{err}"); // ENOSPC
+    }
+}

@@ -1,0 +1,35 @@
+//! The one place core errors become Python exceptions.
+
+use hookloop_core::Error;
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyOSError, PyValueError};
+use pyo3::PyErr;
+
+/// Maps a core error to the Python exception detectron2 users expect: unknown metric ->
+/// `KeyError`, bad values -> `ValueError`, I/O -> `OSError(errno, message, path)`.
+pub fn to_py(err: Error) -> PyErr {
+    match err {
+        Error::UnknownMetric(_) => PyKeyError::new_err(err.to_string()),
+        Error::EmptyHistory => PyIndexError::new_err(err.to_string()),
+        Error::HintChanged { .. }
+        | Error::BadWindow(_)
+        | Error::BadMaxLength(_)
+        | Error::BadImage { .. }
+        | Error::Closed { .. } => PyValueError::new_err(err.to_string()),
+        Error::Io { path, source } => {
+            let errno = source.raw_os_error().unwrap_or(0);
+            let message = source.to_string();
+            PyOSError::new_err((errno, message, path.display().to_string()))
+        }
+    }
+}
+
+/// `Result::map_err(to_py)` in method-call form.
+pub trait IntoPyResult<T> {
+    fn py_err(self) -> pyo3::PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for hookloop_core::Result<T> {
+    fn py_err(self) -> pyo3::PyResult<T> {
+        self.map_err(to_py)
+    }
+}

@@ -1,0 +1,133 @@
+//! `HistoryBuffer`: fvcore's API over a core `History`, either owned or a live view of one
+//! metric inside an `EventStorage` (what `storage.history(name)` returns, as in detectron2 where
+//! the buffer object is the storage's own).
+
+use std::sync::{Arc, Mutex};
+
+use hookloop_core::history::{History, Iter};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::convert::{iter_to_py, positive, scalar_value};
+use crate::errors::IntoPyResult;
+use crate::storage::{lock, State};
+
+enum Source {
+    Owned(Mutex<History>),
+    View { state: Arc<Mutex<State>>, name: String },
+}
+
+/// The last `max_length` values of one scalar, with median/avg over windows and a global
+/// average over every value ever added.
+#[pyclass(name = "HistoryBuffer", module = "hookloop._core", frozen, subclass)]
+pub struct PyHistoryBuffer {
+    source: Source,
+}
+
+impl PyHistoryBuffer {
+    /// A live view of `name` inside a storage.
+    pub fn view(state: Arc<Mutex<State>>, name: String) -> Self {
+        PyHistoryBuffer { source: Source::View { state, name } }
+    }
+
+    /// Runs `f` on the history with its lock held. `f` must not call into Python.
+    fn with<T>(&self, f: impl FnOnce(&mut History) -> T) -> PyResult<T> {
+        match &self.source {
+            Source::Owned(h) => Ok(f(&mut lock(h))),
+            Source::View { state, name } => {
+                let mut state = lock(state);
+                Ok(f(state.core.history_mut(name).py_err()?))
+            }
+        }
+    }
+
+    fn label(&self) -> &str {
+        match &self.source {
+            Source::Owned(_) => "HistoryBuffer",
+            Source::View { name, .. } => name,
+        }
+    }
+}
+
+#[pymethods]
+impl PyHistoryBuffer {
+    #[new]
+    #[pyo3(signature = (max_length = History::DEFAULT_MAX_LENGTH as i64))]
+    fn new(max_length: i64) -> PyResult<Self> {
+        let max_length = positive("max_length", max_length)? as usize;
+        let history = History::new(max_length).py_err()?;
+        Ok(PyHistoryBuffer { source: Source::Owned(Mutex::new(history)) })
+    }
+
+    /// Adds a value at `iteration` (default: the number of updates so far).
+    #[pyo3(signature = (value, iteration = None))]
+    fn update(&self, value: &Bound<'_, PyAny>, iteration: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let v = scalar_value(self.label(), value)?;
+        let it = crate::convert::iteration("iteration", iteration)?;
+        self.with(|h| h.update(v, it))
+    }
+
+    /// The most recent value (`IndexError` when empty).
+    fn latest(&self) -> PyResult<f64> {
+        self.with(|h| h.latest())?.py_err()
+    }
+
+    /// The median of the last `window_size` values (numpy's median).
+    fn median(&self, window_size: i64) -> PyResult<f64> {
+        positive("window_size", window_size)?;
+        self.with(|h| h.median(window_size))?.py_err()
+    }
+
+    /// The mean of the last `window_size` values (numpy's mean).
+    fn avg(&self, window_size: i64) -> PyResult<f64> {
+        positive("window_size", window_size)?;
+        self.with(|h| h.avg(window_size))?.py_err()
+    }
+
+    /// The mean of every value ever added, evicted ones included.
+    fn global_avg(&self) -> PyResult<f64> {
+        self.with(|h| h.global_avg())
+    }
+
+    /// All (value, iteration) pairs held, oldest first.
+    fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let values = self.with(|h| h.values())?;
+        let items = values
+            .into_iter()
+            .map(|(v, it)| Ok((v, iter_to_py(py, it)?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// The maximum number of entries kept.
+    #[getter]
+    fn max_length(&self) -> PyResult<usize> {
+        self.with(|h| h.max_length())
+    }
+
+    /// fvcore's private spelling, read by some callers.
+    #[getter]
+    fn _max_length(&self) -> PyResult<usize> {
+        self.max_length()
+    }
+
+    /// Number of updates ever made (fvcore's `_count`).
+    #[getter]
+    fn _count(&self) -> PyResult<u64> {
+        self.with(|h| h.count())
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.with(|h| h.len())
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let (len, max, latest) = self.with(|h| (h.len(), h.max_length(), h.latest_entry()))?;
+        let latest = match latest {
+            Some((v, Iter::Int(i))) => format!(", latest=({v:?}, {i})"),
+            Some((v, Iter::Float(i))) => format!(", latest=({v:?}, {i:?})"),
+            None => String::new(),
+        };
+        Ok(format!("HistoryBuffer({}: {len}/{max}{latest})", self.label()))
+    }
+}

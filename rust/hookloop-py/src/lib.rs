@@ -1,0 +1,23 @@
+//! `hookloop._core`: the PyO3 shells over `hookloop-core`. Each method converts its arguments,
+//! calls the core once and converts the result; the state lives in core types.
+
+use pyo3::prelude::*;
+
+mod convert;
+mod dispatch;
+mod errors;
+mod history;
+mod storage;
+
+/// "release" or "debug": benchmarks refuse to quote a debug build.
+const BUILD_PROFILE: &str = if cfg!(debug_assertions) { "debug" } else { "release" };
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("BUILD_PROFILE", BUILD_PROFILE)?;
+    m.add_class::<history::PyHistoryBuffer>()?;
+    m.add_class::<storage::PyEventStorage>()?;
+    m.add_class::<dispatch::PyDispatcher>()?;
+    Ok(())
+}

@@ -1,6 +1,7 @@
 """The training engine, mirroring ``detectron2.engine``."""
 
-from hookloop.engine.hooks import *  # noqa: F401,F403
+from hookloop.engine.hooks import *  # noqa: F403
+from hookloop.engine.hooks import __all__ as _hooks_all
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 
-__all__ = [k for k in globals().keys() if not k.startswith("_")]
+__all__ = ["AMPTrainer", "HookBase", "SimpleTrainer", "TrainerBase", *_hooks_all]

@@ -164,9 +164,7 @@ class TrainerBase:
             hooks (list[Optional[HookBase]]): list of hooks; ``None`` entries are dropped.
         """
         if isinstance(hooks, HookBase) or not isinstance(hooks, Iterable):
-            raise TypeError(
-                f"register_hooks() takes a list of hooks, got {type(hooks).__name__}"
-            )
+            raise TypeError(f"register_hooks() takes a list of hooks, got {type(hooks).__name__}")
         hooks = [h for h in hooks if h is not None]
         for h in hooks:
             if not isinstance(h, HookBase):
@@ -311,8 +309,7 @@ class SimpleTrainer(TrainerBase):
         super().__init__()
         if isinstance(gather_metric_period, bool) or not isinstance(gather_metric_period, int):
             raise TypeError(
-                "gather_metric_period must be an int, got "
-                f"{type(gather_metric_period).__name__}"
+                f"gather_metric_period must be an int, got {type(gather_metric_period).__name__}"
             )
         if gather_metric_period <= 0:
             raise ValueError(f"gather_metric_period must be positive, got {gather_metric_period}")

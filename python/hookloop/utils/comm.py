@@ -80,7 +80,7 @@ def synchronize() -> None:
         dist.barrier()
 
 
-@functools.lru_cache()
+@functools.lru_cache
 def _get_global_gloo_group() -> Any:
     if dist.get_backend() == "nccl":
         return dist.new_group(backend="gloo")

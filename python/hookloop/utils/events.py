@@ -8,9 +8,12 @@ torch is imported only when an image or histogram is put.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import socket
 from contextlib import contextmanager
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional, Tuple, Union
 
 from hookloop import _core
 
@@ -20,13 +23,16 @@ __all__ = [
     "EventStorage",
     "HistoryBuffer",
     "EventWriter",
+    "JSONWriter",
+    "TensorboardXWriter",
+    "CommonMetricPrinter",
 ]
 
 logger = logging.getLogger(__name__)
 
 HistoryBuffer = _core.HistoryBuffer
 
-_CURRENT_STORAGE_STACK: List["EventStorage"] = []
+_CURRENT_STORAGE_STACK: List[EventStorage] = []
 
 
 class NoEventStorageError(RuntimeError, AssertionError):
@@ -36,7 +42,7 @@ class NoEventStorageError(RuntimeError, AssertionError):
     """
 
 
-def get_event_storage() -> "EventStorage":
+def get_event_storage() -> EventStorage:
     """The :class:`EventStorage` of the innermost ``with EventStorage(...)`` block.
 
     Raises:
@@ -70,7 +76,7 @@ class EventStorage(_core.EventStorage):
         max_histograms (int): histograms held until a writer takes them.
     """
 
-    def __enter__(self) -> "EventStorage":
+    def __enter__(self) -> EventStorage:
         _CURRENT_STORAGE_STACK.append(self)
         return self
 
@@ -130,7 +136,9 @@ class EventStorage(_core.EventStorage):
                 f"got {type(hist_tensor).__name__}"
             )
         if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
-            raise ValueError(f"put_histogram('{hist_name}') bins must be a positive int, got {bins!r}")
+            raise ValueError(
+                f"put_histogram('{hist_name}') bins must be a positive int, got {bins!r}"
+            )
         if hist_tensor.numel() == 0:
             raise ValueError(f"put_histogram('{hist_name}') got an empty tensor")
         t = hist_tensor.detach().float()
@@ -179,3 +187,267 @@ class EventWriter:
 
     def close(self) -> None:
         pass
+
+
+class JSONWriter(EventWriter):
+    """Write scalars to a json file.
+
+    It saves scalars as one json per line (instead of a big json) for easy parsing. Each line
+    holds the scalars of one iteration that were not written before, smoothed over
+    ``window_size`` iterations per their smoothing hint, with an ``"iteration"`` key and sorted
+    keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
+
+    Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
+    A line is always whole on disk: a killed run leaves complete lines (a torn line from an
+    earlier crash is cut off when the file is opened again).
+
+    Args:
+        json_file (str or os.PathLike): path to the json file. New data is appended if the
+            file exists; the file is opened (created) here, so an unwritable path fails now.
+        window_size (int): the window size of median smoothing for scalars whose
+            ``smoothing_hint`` is True.
+        fsync (str): ``"always"`` (default, as detectron2: fsync after each write, done on the
+            writer thread), ``"close"`` (only when closed) or ``"never"``.
+    """
+
+    def __init__(
+        self,
+        json_file: Union[str, os.PathLike[str]],
+        window_size: int = 20,
+        *,
+        fsync: str = "always",
+    ) -> None:
+        self._native = _core.JsonWriter(_fspath("json_file", json_file), window_size, fsync)
+        self._window_size = window_size
+
+    @property
+    def _last_write(self) -> int:
+        return int(self._native._last_write)
+
+    def write(self) -> None:
+        self._native.write(get_event_storage())
+
+    def flush(self) -> None:
+        """Blocks until everything written so far is in the file."""
+        self._native.flush()
+
+    def close(self) -> None:
+        self._native.close()
+
+
+_SUMMARY_WRITER_KWARGS = {"comment", "purge_step", "max_queue", "flush_secs", "filename_suffix"}
+
+
+class TensorboardXWriter(EventWriter):
+    """Write all scalars, images and histograms to a TensorBoard event file.
+
+    The event file is written natively (TFRecord framing with masked CRC32C, TensorBoard's
+    ``Event``/``Summary`` protobufs, PNG image summaries), without torch's SummaryWriter. It is
+    created at the first write, named ``events.out.tfevents.<time>.<host>.<pid>.<n>`` like
+    SummaryWriter's, so a rank that never writes leaves no file.
+
+    Args:
+        log_dir (str or os.PathLike): the directory to save the output events
+        window_size (int): the scalars will be median-smoothed by this window size
+        kwargs: SummaryWriter's keyword arguments. ``filename_suffix`` is honoured;
+            ``max_queue`` and ``flush_secs`` are accepted and ignored (every ``write()`` reaches
+            the file); ``fsync`` (``"close"`` by default, or ``"always"``/``"never"``) is
+            hookloop's own.
+    """
+
+    def __init__(
+        self, log_dir: Union[str, os.PathLike[str]], window_size: int = 20, **kwargs: Any
+    ) -> None:
+        unknown = set(kwargs) - _SUMMARY_WRITER_KWARGS - {"fsync"}
+        if unknown:
+            raise TypeError(
+                f"TensorboardXWriter got unexpected keyword arguments {sorted(unknown)}"
+            )
+        if kwargs.get("purge_step") is not None:
+            raise ValueError("TensorboardXWriter does not support purge_step")
+        self._window_size = window_size
+        self._native = _core.TensorboardWriter(
+            _fspath("log_dir", log_dir),
+            window_size,
+            socket.gethostname(),
+            str(kwargs.get("filename_suffix", "")),
+            kwargs.get("fsync", "close"),
+        )
+        self._writer = _SummaryWriter(self._native, os.fspath(log_dir))
+
+    @property
+    def _last_write(self) -> int:
+        return int(self._native._last_write)
+
+    def write(self) -> None:
+        storage = get_event_storage()
+        if self._native.write(storage):
+            # Images are the caller's tensors until now: convert them here, in one batch.
+            images = storage._take_images()
+            self._native.add_points(images=[_image_point(n, img, step) for n, img, step in images])
+
+    def flush(self) -> None:
+        """Blocks until everything written so far is in the event file."""
+        self._native.flush()
+
+    def close(self) -> None:
+        self._native.close()
+
+
+class _SummaryWriter:
+    """The subset of ``torch.utils.tensorboard.SummaryWriter`` that detectron2-based code
+    reaches through ``TensorboardXWriter._writer``; it writes into the same event file."""
+
+    def __init__(self, native: Any, log_dir: str) -> None:
+        self._native = native
+        self.log_dir = log_dir
+
+    def get_logdir(self) -> str:
+        return self.log_dir
+
+    def add_scalar(
+        self,
+        tag: str,
+        scalar_value: Any,
+        global_step: Optional[int] = None,
+        walltime: Optional[float] = None,
+        **_: Any,
+    ) -> None:
+        self._native.add_points(
+            scalars=[(tag, _as_float(tag, scalar_value), int(global_step or 0))], walltime=walltime
+        )
+
+    def add_image(
+        self,
+        tag: str,
+        img_tensor: Any,
+        global_step: Optional[int] = None,
+        walltime: Optional[float] = None,
+        dataformats: str = "CHW",
+    ) -> None:
+        point = _image_point(tag, img_tensor, int(global_step or 0), dataformats)
+        self._native.add_points(images=[point], walltime=walltime)
+
+    def add_histogram_raw(
+        self,
+        tag: str,
+        min: float,
+        max: float,
+        num: float,
+        sum: float,
+        sum_squares: float,
+        bucket_limits: Any,
+        bucket_counts: Any,
+        global_step: Optional[int] = None,
+        walltime: Optional[float] = None,
+    ) -> None:
+        limits = [float(x) for x in bucket_limits]
+        counts = [float(x) for x in bucket_counts]
+        if len(limits) != len(counts):
+            raise ValueError(
+                f"add_histogram_raw('{tag}'): len(bucket_limits) != len(bucket_counts)"
+            )
+        hist = (tag, int(global_step or 0), float(min), float(max), float(num), float(sum),
+                float(sum_squares), limits, counts)  # fmt: skip
+        self._native.add_points(histograms=[hist], walltime=walltime)
+
+    def flush(self) -> None:
+        self._native.flush()
+
+    def close(self) -> None:
+        self._native.close()
+
+
+class CommonMetricPrinter(EventWriter):
+    """Print **common** metrics to the terminal, including iteration time, ETA, memory, all
+    losses, and the learning rate. It also applies smoothing using a window of 20 elements.
+
+    It's meant to print common metrics in common ways. To print something in more customized
+    ways, please implement a similar printer by yourself.
+
+    The line is formatted in Rust and logged once per ``write()`` through the logger
+    ``hookloop.utils.events``, from the calling thread.
+
+    Args:
+        max_iter: the maximum number of iterations to train. Used to compute ETA. If not
+            given, ETA will not be printed.
+        window_size (int): the losses will be median-smoothed by this window size
+        epoch (int): the number of epochs of the run (as runner-style trainers pass it);
+            with ``max_iter`` it adds ``epoch: e/E`` to the line.
+    """
+
+    def __init__(
+        self, max_iter: Optional[int] = None, window_size: int = 20, *, epoch: Optional[int] = None
+    ) -> None:
+        self.logger = logging.getLogger(__name__)
+        self._max_iter = max_iter
+        self._window_size = window_size
+        self._native = _core.MetricPrinter(max_iter, window_size, epoch)
+        self._cuda = _cuda_available()
+
+    def write(self) -> None:
+        storage = get_event_storage()
+        max_mem_mb = None
+        if self._cuda:
+            import torch
+
+            max_mem_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
+        line = self._native.format(storage, max_mem_mb)
+        if line is not None:
+            self.logger.info(line)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _fspath(what: str, path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__}")
+    return os.fspath(path)
+
+
+def _as_float(tag: str, value: Any) -> float:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"add_scalar('{tag}') needs a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _image_point(
+    tag: str, img: Any, step: int, dataformats: str = "CHW"
+) -> Tuple[str, int, int, int, int, bytes]:
+    """An image as (tag, step, height, width, channels, HWC uint8 bytes), converted the way
+    torch's SummaryWriter converts: uint8 as is, anything else scaled by 255 and clipped."""
+    import numpy as np
+
+    if hasattr(img, "detach"):
+        img = img.detach().cpu().numpy()
+    arr = np.asarray(img)
+    if dataformats == "HW" and arr.ndim == 2:
+        arr = arr[None]
+    elif dataformats == "HWC" and arr.ndim == 3:
+        arr = arr.transpose(2, 0, 1)
+    elif dataformats != "CHW":
+        raise ValueError(
+            f"image '{tag}': dataformats must be 'CHW', 'HWC' or 'HW', got {dataformats!r}"
+        )
+    if arr.ndim != 3 or arr.shape[0] not in (1, 3, 4) or arr.shape[1] == 0 or arr.shape[2] == 0:
+        raise ValueError(
+            f"image '{tag}': expected a {dataformats} image with 1, 3 or 4 channels, "
+            f"got shape {tuple(np.shape(img))}"
+        )
+    if arr.dtype != np.uint8:
+        arr = (arr.astype(np.float32) * 255.0).clip(0, 255).astype(np.uint8)
+    c, h, w = arr.shape
+    hwc = np.ascontiguousarray(arr.transpose(1, 2, 0))
+    return (tag, int(step), int(h), int(w), int(c), hwc.tobytes())
+
+
+# Interpreter exit writes whatever writers queued and did not close.
+atexit.register(_core.flush_writers)

@@ -12,7 +12,12 @@ pub enum Error {
 
     /// A scalar put again with the other smoothing hint. Mapped to `ValueError`.
     #[error("smoothing_hint for '{name}' changed from {old} to {new} at iter {iter}")]
-    HintChanged { name: String, old: bool, new: bool, iter: String },
+    HintChanged {
+        name: String,
+        old: bool,
+        new: bool,
+        iter: String,
+    },
 
     /// A window (samples or iterations) that is not a positive integer. Mapped to `ValueError`.
     #[error("window_size must be a positive integer, got {0}")]
@@ -37,7 +42,10 @@ pub enum Error {
 
     /// File I/O failed. Mapped to `OSError` with the errno and the path.
     #[error("{source}: '{path}'", path = path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Shorthand used across the crate.
@@ -46,6 +54,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// Wraps an I/O error with the path it happened on.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
 }

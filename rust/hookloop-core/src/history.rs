@@ -139,12 +139,19 @@ impl History {
                 return;
             }
         }
-        self.runs.push_back(Run { first: it, step: 0, len: 1 });
+        self.runs.push_back(Run {
+            first: it,
+            step: 0,
+            len: 1,
+        });
     }
 
     /// The most recent value.
     pub fn latest(&self) -> crate::Result<f64> {
-        self.values.back().copied().ok_or(crate::Error::EmptyHistory)
+        self.values
+            .back()
+            .copied()
+            .ok_or(crate::Error::EmptyHistory)
     }
 
     /// The most recent (value, iteration).
@@ -162,7 +169,10 @@ impl History {
         }
     }
 
-    fn window(&self, window_size: i64) -> crate::Result<std::collections::vec_deque::Iter<'_, f64>> {
+    fn window(
+        &self,
+        window_size: i64,
+    ) -> crate::Result<std::collections::vec_deque::Iter<'_, f64>> {
         if window_size <= 0 {
             return Err(crate::Error::BadWindow(window_size));
         }
@@ -298,7 +308,11 @@ pub fn median_in_place(window: &mut [f64]) -> f64 {
         upper
     } else {
         // numpy takes the mean of the two middle values: (a + b) / 2.
-        let below = lower.iter().copied().max_by(f64::total_cmp).unwrap_or(upper);
+        let below = lower
+            .iter()
+            .copied()
+            .max_by(f64::total_cmp)
+            .unwrap_or(upper);
         (below + upper) / 2.0
     }
 }
@@ -416,7 +430,10 @@ mod tests {
         let mut h = History::new(4).unwrap();
         h.update(1.0, Some(Iter::Float(0.5)));
         h.update(2.0, Some(Iter::Int(1)));
-        assert_eq!(h.values(), vec![(1.0, Iter::Float(0.5)), (2.0, Iter::Float(1.0))]);
+        assert_eq!(
+            h.values(),
+            vec![(1.0, Iter::Float(0.5)), (2.0, Iter::Float(1.0))]
+        );
     }
 
     #[test]

@@ -3,9 +3,11 @@
 
 pub mod error;
 pub mod history;
+pub mod printer;
 pub mod pyfmt;
 pub mod storage;
 pub mod tfevents;
+pub mod writer;
 
 pub use error::{Error, Result};
 pub use history::History;

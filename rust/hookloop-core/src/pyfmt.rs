@@ -253,7 +253,7 @@ pub fn write_json_str(out: &mut String, s: &str) {
 /// `d["iteration"] = iteration`. A later duplicate name replaces an earlier one, and the
 /// integer `iteration` replaces a scalar of that name, as dict assignment does. Keys sort
 /// by code point, which is `str`'s byte order in UTF-8.
-pub fn json_metrics_line(iteration: i64, scalars: &[(&str, f64)]) -> String {
+pub fn json_metrics_line(iteration: crate::history::Iter, scalars: &[(&str, f64)]) -> String {
     // `None` stands for the integer iteration; it is pushed last, so it wins over any
     // scalar named "iteration" just as the later of two duplicate scalars wins.
     let mut entries: Vec<(&str, Option<f64>)> =
@@ -277,9 +277,12 @@ pub fn json_metrics_line(iteration: i64, scalars: &[(&str, f64)]) -> String {
         out.push_str(": ");
         match value {
             Some(v) => write_repr_f64(&mut out, v),
-            None => {
-                let _ = write!(out, "{iteration}");
-            }
+            None => match iteration {
+                crate::history::Iter::Int(i) => {
+                    let _ = write!(out, "{i}");
+                }
+                crate::history::Iter::Float(f) => write_repr_f64(&mut out, f),
+            },
         }
     }
     out.push_str("}\n");
@@ -927,7 +930,12 @@ mod tests {
     #[test]
     fn metrics_line_matches_python() {
         for &(iteration, scalars, want) in METRICS_CASES {
-            assert_eq!(json_metrics_line(iteration, scalars), want);
+            assert_eq!(
+                json_metrics_line(crate::history::Iter::Int(iteration), scalars),
+                want
+            );
         }
+        let line = json_metrics_line(crate::history::Iter::Float(2.5), &[("a", 1.0)]);
+        assert_eq!(line, "{\"a\": 1.0, \"iteration\": 2.5}\n");
     }
 }

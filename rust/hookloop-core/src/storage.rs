@@ -124,14 +124,20 @@ impl Storage {
         history.update(value, Some(iter));
         self.scalars.insert(
             name.to_owned(),
-            Scalar { history, smoothing_hint: hint, latest: (value, iter) },
+            Scalar {
+                history,
+                smoothing_hint: hint,
+                latest: (value, iter),
+            },
         );
         Ok(())
     }
 
     /// The scalar called `name` (no prefix applied), or `UnknownMetric`.
     pub fn scalar(&self, name: &str) -> Result<&Scalar> {
-        self.scalars.get(name).ok_or_else(|| Error::UnknownMetric(name.to_owned()))
+        self.scalars
+            .get(name)
+            .ok_or_else(|| Error::UnknownMetric(name.to_owned()))
     }
 
     /// Mutable access to the history of `name`, for `HistoryBuffer.update` on a storage view.
@@ -174,17 +180,31 @@ impl Storage {
     /// `window_size` iterations if its hint is set, else its latest value; with the latest
     /// iteration. In first-put order.
     pub fn latest_with_smoothing_hint(&self, window_size: i64) -> Result<Vec<SmoothedScalar>> {
+        self.smoothed_newer_than(window_size, f64::NEG_INFINITY)
+    }
+
+    /// `latest_with_smoothing_hint` restricted to scalars whose latest iteration is after
+    /// `after`: what a writer that already wrote up to `after` needs, without computing
+    /// medians it would throw away.
+    pub fn smoothed_newer_than(&self, window_size: i64, after: f64) -> Result<Vec<SmoothedScalar>> {
         if window_size <= 0 {
             return Err(Error::BadWindow(window_size));
         }
         let mut out = Vec::with_capacity(self.scalars.len());
         for (name, s) in &self.scalars {
+            if s.latest.1.as_f64() <= after {
+                continue;
+            }
             let value = if s.smoothing_hint {
                 windowed_median(&s.history, window_size)?
             } else {
                 s.latest.0
             };
-            out.push(SmoothedScalar { name: name.clone(), value, iter: s.latest.1 });
+            out.push(SmoothedScalar {
+                name: name.clone(),
+                value,
+                iter: s.latest.1,
+            });
         }
         Ok(out)
     }
@@ -243,7 +263,10 @@ mod tests {
         s.put_scalar("loss", 3.0, true, None).unwrap();
         let loss = s.scalar("loss").unwrap();
         assert_eq!(loss.latest, (3.0, Iter::Int(1)));
-        assert_eq!(loss.history.values(), vec![(1.0, Iter::Int(0)), (3.0, Iter::Int(1))]);
+        assert_eq!(
+            loss.history.values(),
+            vec![(1.0, Iter::Int(0)), (3.0, Iter::Int(1))]
+        );
     }
 
     #[test]
@@ -285,8 +308,22 @@ mod tests {
         }
         let got = s.latest_with_smoothing_hint(20).unwrap();
         // loss: median of iterations 10..=29 = 19.5; lr: latest.
-        assert_eq!(got[0], SmoothedScalar { name: "loss".into(), value: 19.5, iter: Iter::Int(29) });
-        assert_eq!(got[1], SmoothedScalar { name: "lr".into(), value: 29.0, iter: Iter::Int(29) });
+        assert_eq!(
+            got[0],
+            SmoothedScalar {
+                name: "loss".into(),
+                value: 19.5,
+                iter: Iter::Int(29)
+            }
+        );
+        assert_eq!(
+            got[1],
+            SmoothedScalar {
+                name: "lr".into(),
+                value: 29.0,
+                iter: Iter::Int(29)
+            }
+        );
     }
 
     #[test]

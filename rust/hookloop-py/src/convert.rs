@@ -60,7 +60,9 @@ pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
         return Ok(None);
     }
     if value.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!("{what} must be an int, got bool")));
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, got bool"
+        )));
     }
     if let Ok(i) = value.extract::<i64>() {
         return Ok(Some(Iter::Int(i)));
@@ -68,7 +70,10 @@ pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
     if let Ok(f) = value.cast::<PyFloat>() {
         return Ok(Some(Iter::Float(f.value())));
     }
-    Err(PyTypeError::new_err(format!("{what} must be an int, got {}", type_name(value))))
+    Err(PyTypeError::new_err(format!(
+        "{what} must be an int, got {}",
+        type_name(value)
+    )))
 }
 
 /// An integer argument that must be positive (window sizes, lengths).

@@ -15,8 +15,13 @@ use pyo3::{PyTraverseError, PyVisit};
 use crate::storage::{lock, PyEventStorage};
 
 /// The five stages of `HookBase`, in the order of the table.
-pub const STAGES: [&str; 5] =
-    ["before_train", "after_train", "before_step", "after_step", "after_backward"];
+pub const STAGES: [&str; 5] = [
+    "before_train",
+    "after_train",
+    "before_step",
+    "after_step",
+    "after_backward",
+];
 
 const BEFORE_TRAIN: usize = 0;
 const AFTER_TRAIN: usize = 1;
@@ -74,7 +79,9 @@ fn call_all(py: Python<'_>, hooks: &[Py<PyAny>], stage: usize) -> PyResult<()> {
 impl PyDispatcher {
     #[new]
     fn new() -> Self {
-        PyDispatcher { table: Mutex::new(Arc::new(Table::default())) }
+        PyDispatcher {
+            table: Mutex::new(Arc::new(Table::default())),
+        }
     }
 
     /// Rebuilds the table from `hooks`: a hook is listed for a stage unless that stage's

@@ -14,7 +14,10 @@ use crate::storage::{lock, State};
 
 enum Source {
     Owned(Mutex<History>),
-    View { state: Arc<Mutex<State>>, name: String },
+    View {
+        state: Arc<Mutex<State>>,
+        name: String,
+    },
 }
 
 /// The last `max_length` values of one scalar, with median/avg over windows and a global
@@ -27,7 +30,9 @@ pub struct PyHistoryBuffer {
 impl PyHistoryBuffer {
     /// A live view of `name` inside a storage.
     pub fn view(state: Arc<Mutex<State>>, name: String) -> Self {
-        PyHistoryBuffer { source: Source::View { state, name } }
+        PyHistoryBuffer {
+            source: Source::View { state, name },
+        }
     }
 
     /// Runs `f` on the history with its lock held. `f` must not call into Python.
@@ -56,12 +61,18 @@ impl PyHistoryBuffer {
     fn new(max_length: i64) -> PyResult<Self> {
         let max_length = positive("max_length", max_length)? as usize;
         let history = History::new(max_length).py_err()?;
-        Ok(PyHistoryBuffer { source: Source::Owned(Mutex::new(history)) })
+        Ok(PyHistoryBuffer {
+            source: Source::Owned(Mutex::new(history)),
+        })
     }
 
     /// Adds a value at `iteration` (default: the number of updates so far).
     #[pyo3(signature = (value, iteration = None))]
-    fn update(&self, value: &Bound<'_, PyAny>, iteration: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn update(
+        &self,
+        value: &Bound<'_, PyAny>,
+        iteration: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let v = scalar_value(self.label(), value)?;
         let it = crate::convert::iteration("iteration", iteration)?;
         self.with(|h| h.update(v, it))
@@ -128,6 +139,9 @@ impl PyHistoryBuffer {
             Some((v, Iter::Float(i))) => format!(", latest=({v:?}, {i:?})"),
             None => String::new(),
         };
-        Ok(format!("HistoryBuffer({}: {len}/{max}{latest})", self.label()))
+        Ok(format!(
+            "HistoryBuffer({}: {len}/{max}{latest})",
+            self.label()
+        ))
     }
 }

@@ -8,9 +8,14 @@ mod dispatch;
 mod errors;
 mod history;
 mod storage;
+mod writers;
 
 /// "release" or "debug": benchmarks refuse to quote a debug build.
-const BUILD_PROFILE: &str = if cfg!(debug_assertions) { "debug" } else { "release" };
+const BUILD_PROFILE: &str = if cfg!(debug_assertions) {
+    "debug"
+} else {
+    "release"
+};
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -19,5 +24,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<history::PyHistoryBuffer>()?;
     m.add_class::<storage::PyEventStorage>()?;
     m.add_class::<dispatch::PyDispatcher>()?;
+    m.add_class::<writers::PyJsonWriter>()?;
+    m.add_class::<writers::PyTensorboardWriter>()?;
+    m.add_class::<writers::PyMetricPrinter>()?;
+    m.add_function(wrap_pyfunction!(writers::flush_writers, m)?)?;
     Ok(())
 }

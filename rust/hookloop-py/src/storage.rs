@@ -43,7 +43,13 @@ pub struct State {
 
 /// detectron2's `EventStorage`; `hookloop.utils.events.EventStorage` subclasses it to add the
 /// context manager, `name_scope` and tensor handling.
-#[pyclass(name = "EventStorage", module = "hookloop._core", frozen, subclass, weakref)]
+#[pyclass(
+    name = "EventStorage",
+    module = "hookloop._core",
+    frozen,
+    subclass,
+    weakref
+)]
 pub struct PyEventStorage {
     pub state: Arc<Mutex<State>>,
 }
@@ -63,13 +69,25 @@ impl PyEventStorage {
 impl PyEventStorage {
     #[new]
     #[pyo3(signature = (start_iter = 0, *, max_length = History::DEFAULT_MAX_LENGTH as i64, max_images = 256, max_histograms = 256))]
-    fn new(start_iter: i64, max_length: i64, max_images: i64, max_histograms: i64) -> PyResult<Self> {
+    fn new(
+        start_iter: i64,
+        max_length: i64,
+        max_images: i64,
+        max_histograms: i64,
+    ) -> PyResult<Self> {
         let max_length = positive("max_length", max_length)? as usize;
         let max_images = positive("max_images", max_images)? as usize;
         let max_histograms = positive("max_histograms", max_histograms)? as usize;
         let core = Storage::new(start_iter, max_length, max_histograms).py_err()?;
-        let state = State { core, images: VecDeque::new(), max_images, dropped_images: 0 };
-        Ok(PyEventStorage { state: Arc::new(Mutex::new(state)) })
+        let state = State {
+            core,
+            images: VecDeque::new(),
+            max_images,
+            dropped_images: 0,
+        };
+        Ok(PyEventStorage {
+            state: Arc::new(Mutex::new(state)),
+        })
     }
 
     /// Adds a scalar `value` for `name` at the current iteration (or `cur_iter`).
@@ -83,7 +101,10 @@ impl PyEventStorage {
     ) -> PyResult<()> {
         let v = scalar_value(name, value)?;
         let it = iteration("cur_iter", cur_iter)?;
-        self.lock().core.put_scalar(name, v, smoothing_hint, it).py_err()
+        self.lock()
+            .core
+            .put_scalar(name, v, smoothing_hint, it)
+            .py_err()
     }
 
     /// Adds several scalars with the same hint and iteration; one crossing for all of them.
@@ -104,18 +125,30 @@ impl PyEventStorage {
         }
         let mut state = self.lock();
         for (k, v) in &items {
-            state.core.put_scalar(k.to_str()?, *v, smoothing_hint, it).py_err()?;
+            state
+                .core
+                .put_scalar(k.to_str()?, *v, smoothing_hint, it)
+                .py_err()?;
         }
         Ok(())
     }
 
     /// Queues an image (kept as given) for the TensorBoard writer. Validation and conversion
     /// happen in Python (`hookloop.utils.events`); this only stores it.
-    fn _put_image(&self, py: Python<'_>, img_name: String, img_tensor: Py<PyAny>) -> PyResult<bool> {
+    fn _put_image(
+        &self,
+        py: Python<'_>,
+        img_name: String,
+        img_tensor: Py<PyAny>,
+    ) -> PyResult<bool> {
         let (dropped, first_drop) = {
             let mut state = self.lock();
             let iter = state.core.iter();
-            state.images.push_back(PendingImage { name: img_name, image: img_tensor, iter });
+            state.images.push_back(PendingImage {
+                name: img_name,
+                image: img_tensor,
+                iter,
+            });
             if state.images.len() > state.max_images {
                 state.dropped_images += 1;
                 (state.images.pop_front(), state.dropped_images == 1)
@@ -154,7 +187,17 @@ impl PyEventStorage {
         }
         let mut state = self.lock();
         let step = global_step.unwrap_or(state.core.iter());
-        let hist = HistogramPoint { tag, step, min, max, num, sum, sum_squares, bucket_limits, bucket_counts };
+        let hist = HistogramPoint {
+            tag,
+            step,
+            min,
+            max,
+            num,
+            sum,
+            sum_squares,
+            bucket_limits,
+            bucket_counts,
+        };
         Ok(state.core.put_histogram(hist))
     }
 
@@ -167,7 +210,12 @@ impl PyEventStorage {
 
     /// `{name: HistoryBuffer}` for every scalar, in first-put order.
     fn histories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let names: Vec<String> = self.lock().core.scalars().map(|(k, _)| k.to_owned()).collect();
+        let names: Vec<String> = self
+            .lock()
+            .core
+            .scalars()
+            .map(|(k, _)| k.to_owned())
+            .collect();
         let out = PyDict::new(py);
         for name in names {
             let view = PyHistoryBuffer::view(self.state.clone(), name.clone());
@@ -200,7 +248,11 @@ impl PyEventStorage {
         window_size: i64,
     ) -> PyResult<Bound<'py, PyDict>> {
         positive("window_size", window_size)?;
-        let items = self.lock().core.latest_with_smoothing_hint(window_size).py_err()?;
+        let items = self
+            .lock()
+            .core
+            .latest_with_smoothing_hint(window_size)
+            .py_err()?;
         let out = PyDict::new(py);
         for s in items {
             out.set_item(s.name, (s.value, iter_to_py(py, s.iter)?))?;
@@ -218,8 +270,12 @@ impl PyEventStorage {
 
     /// `{name: smoothing_hint}` in first-put order.
     fn smoothing_hints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let items: Vec<(String, bool)> =
-            self.lock().core.scalars().map(|(k, s)| (k.to_owned(), s.smoothing_hint)).collect();
+        let items: Vec<(String, bool)> = self
+            .lock()
+            .core
+            .scalars()
+            .map(|(k, s)| (k.to_owned(), s.smoothing_hint))
+            .collect();
         let out = PyDict::new(py);
         for (k, hint) in items {
             out.set_item(k, hint)?;
@@ -233,12 +289,12 @@ impl PyEventStorage {
     }
 
     /// The current iteration.
-    #[getter]
+    #[getter(iter)]
     fn get_iter(&self) -> i64 {
         self.lock().core.iter()
     }
 
-    #[setter]
+    #[setter(iter)]
     fn set_iter_py(&self, val: &Bound<'_, PyAny>) -> PyResult<()> {
         let it = match val.extract::<i64>() {
             Ok(i) => i,
@@ -340,8 +396,11 @@ impl PyEventStorage {
     }
 
     fn __clear__(&self) {
-        let taken: Vec<PendingImage> =
-            self.state.try_lock().map(|mut s| s.images.drain(..).collect()).unwrap_or_default();
+        let taken: Vec<PendingImage> = self
+            .state
+            .try_lock()
+            .map(|mut s| s.images.drain(..).collect())
+            .unwrap_or_default();
         drop(taken);
     }
 }

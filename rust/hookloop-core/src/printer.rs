@@ -1,0 +1,197 @@
+//! The console line of detectron2's `CommonMetricPrinter`, formatted here; the binding hands
+//! the finished line to Python's logging.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use crate::pyfmt::{format_f, format_g, timedelta_str};
+use crate::storage::Storage;
+use crate::Result;
+
+/// State of one printer: its configuration and the wall-clock fallback for the ETA.
+#[derive(Debug, Clone)]
+pub struct Printer {
+    max_iter: Option<i64>,
+    window_size: i64,
+    epochs: Option<i64>,
+    last_write: Option<(i64, Instant)>,
+}
+
+impl Printer {
+    /// `epochs`, when given with `max_iter`, adds `epoch: e/E` (iterations split evenly).
+    pub fn new(max_iter: Option<i64>, window_size: i64, epochs: Option<i64>) -> Result<Printer> {
+        if window_size <= 0 {
+            return Err(crate::Error::BadWindow(window_size));
+        }
+        Ok(Printer {
+            max_iter,
+            window_size,
+            epochs,
+            last_write: None,
+        })
+    }
+
+    /// The log line for the storage's current iteration, or `None` once training reached
+    /// `max_iter` (the printer reports progress only). May put `eta_seconds` into `storage`.
+    pub fn format(
+        &mut self,
+        storage: &mut Storage,
+        max_mem_mb: Option<f64>,
+    ) -> Result<Option<String>> {
+        let iteration = storage.iter();
+        if Some(iteration) == self.max_iter {
+            return Ok(None);
+        }
+        let w = self.window_size;
+        let (avg_data_time, last_data_time) = match storage.scalar("data_time") {
+            Ok(s) => {
+                let n = s.history.count_recent(w).max(1) as i64;
+                (Some(s.history.avg(n)?), Some(s.history.latest()?))
+            }
+            Err(_) => (None, None),
+        };
+        let (avg_time, last_time) = match storage.scalar("time") {
+            Ok(s) => (Some(s.history.global_avg()), Some(s.history.latest()?)),
+            Err(_) => (None, None),
+        };
+        let lr = match storage.scalar("lr") {
+            Ok(s) => format_g(s.history.latest()?, 5),
+            Err(_) => "N/A".to_owned(),
+        };
+        let eta = self.eta(storage, iteration)?;
+
+        let mut losses = Vec::new();
+        let mut metrics = Vec::new();
+        for (name, s) in storage.scalars() {
+            let is_loss = name.contains("loss");
+            let is_metric = name.contains("[metric]");
+            if !is_loss && !is_metric {
+                continue;
+            }
+            let n = s.history.count_recent(w).max(1) as i64;
+            let item = format!("{name}: {}", format_g(s.history.median(n)?, 4));
+            if is_loss {
+                losses.push(item.clone());
+            }
+            if is_metric {
+                metrics.push(item);
+            }
+        }
+
+        let mut line = String::with_capacity(256);
+        line.push(' ');
+        if let Some(eta) = eta.filter(|e| !e.is_empty()) {
+            let _ = write!(line, "eta: {eta}  ");
+        }
+        let _ = write!(line, "iter: {iteration}  ");
+        if let (Some(epochs), Some(max_iter)) = (self.epochs, self.max_iter) {
+            let per_epoch = ((max_iter + epochs - 1) / epochs).max(1);
+            let epoch = (iteration / per_epoch + 1).clamp(1, epochs);
+            let _ = write!(line, "epoch: {epoch}/{epochs}  ");
+        }
+        let _ = write!(line, "{}  {}  ", losses.join("  "), metrics.join("  "));
+        if let Some(t) = avg_time {
+            let _ = write!(line, "time: {}  ", format_f(t, 4));
+        }
+        if let Some(t) = last_time {
+            let _ = write!(line, "last_time: {}  ", format_f(t, 4));
+        }
+        if let Some(t) = avg_data_time {
+            let _ = write!(line, "data_time: {}  ", format_f(t, 4));
+        }
+        if let Some(t) = last_data_time {
+            let _ = write!(line, "last_data_time: {}  ", format_f(t, 4));
+        }
+        let _ = write!(line, " lr: {lr}  ");
+        if let Some(mb) = max_mem_mb {
+            let _ = write!(line, "max_mem: {}M", format_f(mb, 0));
+        }
+        Ok(Some(line))
+    }
+
+    /// detectron2's `_get_eta`: from the median iteration time over the last 1000 samples when
+    /// a `time` metric exists (and then stored as `eta_seconds`), else from wall time between
+    /// writes. `None` when it cannot be estimated yet.
+    fn eta(&mut self, storage: &mut Storage, iteration: i64) -> Result<Option<String>> {
+        let Some(max_iter) = self.max_iter else {
+            return Ok(Some(String::new()));
+        };
+        let remaining = (max_iter - iteration - 1) as f64;
+        if let Ok(time) = storage.scalar("time") {
+            let eta_seconds = time.history.median(1000)? * remaining;
+            storage.put_scalar("eta_seconds", eta_seconds, false, None)?;
+            // int() of a NaN/inf ETA would raise in detectron2; leave the field out instead.
+            return Ok(eta_seconds
+                .is_finite()
+                .then(|| timedelta_str(eta_seconds as i64)));
+        }
+        let now = Instant::now();
+        let mut eta = None;
+        if let Some((last_iter, last_time)) = self.last_write {
+            if iteration != last_iter {
+                let per_iter =
+                    now.duration_since(last_time).as_secs_f64() / (iteration - last_iter) as f64;
+                let eta_seconds = per_iter * remaining;
+                if eta_seconds.is_finite() {
+                    eta = Some(timedelta_str(eta_seconds as i64));
+                }
+            }
+        }
+        self.last_write = Some((iteration, now));
+        Ok(eta)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::History;
+
+    fn storage() -> Storage {
+        Storage::new(0, History::DEFAULT_MAX_LENGTH, 8).unwrap()
+    }
+
+    #[test]
+    fn full_line_matches_detectron2_layout() {
+        let mut s = storage();
+        for i in 0..20 {
+            s.set_iter(i);
+            s.put_scalar("total_loss", 1.0 + i as f64, true, None)
+                .unwrap();
+            s.put_scalar("[metric]acc", 0.5, true, None).unwrap();
+            s.put_scalar("time", 0.25, true, None).unwrap();
+            s.put_scalar("data_time", 0.125, true, None).unwrap();
+            s.put_scalar("lr", 0.02, false, None).unwrap();
+        }
+        let mut p = Printer::new(Some(100), 20, None).unwrap();
+        let line = p.format(&mut s, None).unwrap().unwrap();
+        assert_eq!(
+            line,
+            " eta: 0:00:20  iter: 19  total_loss: 10.5  [metric]acc: 0.5  time: 0.2500  \
+             last_time: 0.2500  data_time: 0.1250  last_data_time: 0.1250   lr: 0.02  "
+        );
+        assert_eq!(s.scalar("eta_seconds").unwrap().latest.0, 20.0);
+    }
+
+    #[test]
+    fn minimal_line_and_end_of_training() {
+        let mut s = storage();
+        s.set_iter(5);
+        let mut p = Printer::new(None, 20, None).unwrap();
+        assert_eq!(
+            p.format(&mut s, Some(1024.4)).unwrap().unwrap(),
+            " iter: 5       lr: N/A  max_mem: 1024M"
+        );
+        let mut p = Printer::new(Some(5), 20, None).unwrap();
+        assert_eq!(p.format(&mut s, None).unwrap(), None);
+    }
+
+    #[test]
+    fn epoch_field() {
+        let mut s = storage();
+        s.set_iter(250);
+        let mut p = Printer::new(Some(1000), 20, Some(4)).unwrap();
+        let line = p.format(&mut s, None).unwrap().unwrap();
+        assert!(line.contains("iter: 250  epoch: 2/4  "), "{line}");
+    }
+}

@@ -1,0 +1,327 @@
+//! The native writers: metrics.json, TensorBoard event files and the console line. `write()`
+//! takes what is new from the storage under its lock, lets go, and queues it for the writer
+//! thread (`hookloop_core::writer`); nothing here waits on the disk except `flush`/`close`,
+//! which release the GIL while they wait.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use hookloop_core::printer::Printer;
+use hookloop_core::tfevents::{HistogramPoint, ImagePoint, ScalarPoint};
+use hookloop_core::writer::{
+    flush_all, group_new_by_iteration, EventSink, FsyncPolicy, JsonSink, Payload, SinkHandle,
+};
+use hookloop_core::Error;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::convert::positive;
+use crate::errors::IntoPyResult;
+use crate::storage::{lock, PyEventStorage};
+
+fn fsync_policy(s: &str) -> PyResult<FsyncPolicy> {
+    FsyncPolicy::parse(s).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "fsync must be 'always', 'close' or 'never', got '{s}'"
+        ))
+    })
+}
+
+fn wall_time() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+struct Native {
+    handle: SinkHandle,
+    last_write: f64,
+}
+
+/// metrics.json writer (`hookloop.utils.events.JSONWriter` wraps it).
+#[pyclass(name = "JsonWriter", module = "hookloop._core", frozen)]
+pub struct PyJsonWriter {
+    inner: Mutex<Native>,
+    window_size: i64,
+    path: PathBuf,
+}
+
+#[pymethods]
+impl PyJsonWriter {
+    #[new]
+    #[pyo3(signature = (json_file, window_size = 20, fsync = "always"))]
+    fn new(json_file: PathBuf, window_size: i64, fsync: &str) -> PyResult<Self> {
+        positive("window_size", window_size)?;
+        let sink = JsonSink::open(&json_file, fsync_policy(fsync)?).py_err()?;
+        let handle = SinkHandle::open(Box::new(sink), "JSONWriter", json_file.clone()).py_err()?;
+        Ok(PyJsonWriter {
+            inner: Mutex::new(Native {
+                handle,
+                last_write: -1.0,
+            }),
+            window_size,
+            path: json_file,
+        })
+    }
+
+    /// Queues one line per iteration with scalars not yet written.
+    fn write(&self, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
+        let mut inner = lock(&self.inner);
+        inner.handle.check().py_err()?;
+        let smoothed = storage
+            .get()
+            .lock()
+            .core
+            .smoothed_newer_than(self.window_size, inner.last_write)
+            .py_err()?;
+        let rows = group_new_by_iteration(smoothed, &mut inner.last_write);
+        if rows.is_empty() {
+            return Ok(());
+        }
+        inner.handle.send(Payload::Json(rows)).py_err()
+    }
+
+    /// Waits until everything queued is in the file (and fsynced per policy).
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| lock(&self.inner).handle.flush()).py_err()
+    }
+
+    /// Writes what is queued, fsyncs (unless fsync='never') and closes the file.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| lock(&self.inner).handle.close()).py_err()
+    }
+
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    #[getter]
+    fn window_size(&self) -> i64 {
+        self.window_size
+    }
+
+    /// The last iteration written (-1 before the first write).
+    #[getter]
+    fn _last_write(&self) -> f64 {
+        lock(&self.inner).last_write
+    }
+}
+
+/// TensorBoard event-file writer (`hookloop.utils.events.TensorboardXWriter` wraps it).
+#[pyclass(name = "TensorboardWriter", module = "hookloop._core", frozen)]
+pub struct PyTensorboardWriter {
+    inner: Mutex<Native>,
+    window_size: i64,
+    path: PathBuf,
+}
+
+impl PyTensorboardWriter {
+    fn send(&self, payload: Payload) -> PyResult<()> {
+        lock(&self.inner).handle.send(payload).py_err()
+    }
+}
+
+type ImageArg<'py> = (String, i64, u32, u32, u8, Bound<'py, PyBytes>);
+type HistArg = (String, i64, f64, f64, f64, f64, f64, Vec<f64>, Vec<f64>);
+
+#[pymethods]
+impl PyTensorboardWriter {
+    #[new]
+    #[pyo3(signature = (log_dir, window_size = 20, hostname = "localhost", filename_suffix = "", fsync = "close"))]
+    fn new(
+        log_dir: PathBuf,
+        window_size: i64,
+        hostname: &str,
+        filename_suffix: &str,
+        fsync: &str,
+    ) -> PyResult<Self> {
+        positive("window_size", window_size)?;
+        let sink = EventSink::new(log_dir, hostname, filename_suffix, fsync_policy(fsync)?);
+        let path = sink.path();
+        let handle =
+            SinkHandle::open(Box::new(sink), "TensorboardXWriter", path.clone()).py_err()?;
+        Ok(PyTensorboardWriter {
+            inner: Mutex::new(Native {
+                handle,
+                last_write: -1.0,
+            }),
+            window_size,
+            path,
+        })
+    }
+
+    /// Queues new smoothed scalars and the storage's histograms; returns how many images wait
+    /// in the storage (the Python layer converts those tensors and calls `add_points`).
+    fn write(&self, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
+        let mut inner = lock(&self.inner);
+        inner.handle.check().py_err()?;
+        let (smoothed, histograms, n_images) = {
+            let mut state = storage.get().lock();
+            let smoothed = state
+                .core
+                .smoothed_newer_than(self.window_size, inner.last_write)
+                .py_err()?;
+            (smoothed, state.core.take_histograms(), state.images.len())
+        };
+        let mut scalars = Vec::with_capacity(smoothed.len());
+        for s in smoothed {
+            let step = s.iter.as_f64();
+            inner.last_write = inner.last_write.max(step);
+            scalars.push(ScalarPoint {
+                tag: s.name,
+                value: s.value,
+                step: step as i64,
+            });
+        }
+        if !scalars.is_empty() || !histograms.is_empty() {
+            let payload = Payload::Events {
+                wall_time: wall_time(),
+                scalars,
+                images: vec![],
+                histograms,
+            };
+            inner.handle.send(payload).py_err()?;
+        }
+        Ok(n_images)
+    }
+
+    /// Queues raw points: scalars `(tag, value, step)`, images `(tag, step, height, width,
+    /// channels, HWC uint8 bytes)`, histograms `(tag, step, min, max, num, sum, sum_squares,
+    /// bucket_limits, bucket_counts)`. PNG encoding happens on the writer thread.
+    #[pyo3(signature = (scalars = vec![], images = vec![], histograms = vec![], walltime = None))]
+    fn add_points(
+        &self,
+        scalars: Vec<(String, f64, i64)>,
+        images: Vec<ImageArg<'_>>,
+        histograms: Vec<HistArg>,
+        walltime: Option<f64>,
+    ) -> PyResult<()> {
+        let scalars = scalars
+            .into_iter()
+            .map(|(tag, value, step)| ScalarPoint { tag, value, step })
+            .collect();
+        let mut imgs = Vec::with_capacity(images.len());
+        for (tag, step, height, width, channels, pixels) in images {
+            let pixels = pixels.as_bytes().to_vec();
+            let expected = height as usize * width as usize * channels as usize;
+            if !matches!(channels, 1 | 3 | 4)
+                || height == 0
+                || width == 0
+                || pixels.len() != expected
+            {
+                return Err(crate::errors::to_py(Error::BadImage {
+                    tag,
+                    reason: format!(
+                        "expected {height}x{width}x{channels} uint8 pixels with 1, 3 or 4 channels, got {} bytes",
+                        pixels.len()
+                    ),
+                }));
+            }
+            imgs.push(ImagePoint {
+                tag,
+                step,
+                height,
+                width,
+                channels,
+                pixels,
+            });
+        }
+        let histograms = histograms
+            .into_iter()
+            .map(
+                |(tag, step, min, max, num, sum, sum_squares, bucket_limits, bucket_counts)| {
+                    HistogramPoint {
+                        tag,
+                        step,
+                        min,
+                        max,
+                        num,
+                        sum,
+                        sum_squares,
+                        bucket_limits,
+                        bucket_counts,
+                    }
+                },
+            )
+            .collect();
+        let payload = Payload::Events {
+            wall_time: walltime.unwrap_or_else(wall_time),
+            scalars,
+            images: imgs,
+            histograms,
+        };
+        self.send(payload)
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| lock(&self.inner).handle.flush()).py_err()
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| lock(&self.inner).handle.close()).py_err()
+    }
+
+    /// The event file's path (created at the first write).
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    #[getter]
+    fn window_size(&self) -> i64 {
+        self.window_size
+    }
+
+    #[getter]
+    fn _last_write(&self) -> f64 {
+        lock(&self.inner).last_write
+    }
+}
+
+/// The console line of `CommonMetricPrinter`.
+#[pyclass(name = "MetricPrinter", module = "hookloop._core", frozen)]
+pub struct PyMetricPrinter {
+    inner: Mutex<Printer>,
+}
+
+#[pymethods]
+impl PyMetricPrinter {
+    #[new]
+    #[pyo3(signature = (max_iter = None, window_size = 20, epoch = None))]
+    fn new(max_iter: Option<i64>, window_size: i64, epoch: Option<i64>) -> PyResult<Self> {
+        positive("window_size", window_size)?;
+        if let Some(e) = epoch {
+            positive("epoch", e)?;
+            if max_iter.is_none() {
+                return Err(PyValueError::new_err(
+                    "CommonMetricPrinter(epoch=...) needs max_iter",
+                ));
+            }
+        }
+        Ok(PyMetricPrinter {
+            inner: Mutex::new(Printer::new(max_iter, window_size, epoch).py_err()?),
+        })
+    }
+
+    /// The line for the storage's current iteration, or None at `max_iter`.
+    #[pyo3(signature = (storage, max_mem_mb = None))]
+    fn format(
+        &self,
+        storage: &Bound<'_, PyEventStorage>,
+        max_mem_mb: Option<f64>,
+    ) -> PyResult<Option<String>> {
+        let mut printer = lock(&self.inner);
+        let mut state = storage.get().lock();
+        printer.format(&mut state.core, max_mem_mb).py_err()
+    }
+}
+
+/// Waits until every writer of this process has written what it queued.
+#[pyfunction]
+pub fn flush_writers(py: Python<'_>) -> PyResult<()> {
+    py.detach(flush_all).py_err()
+}

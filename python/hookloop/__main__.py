@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 __all__ = ["main"]
 
@@ -67,7 +67,8 @@ def _demo(args: argparse.Namespace) -> int:
         def after_step(self) -> None:
             if (self.trainer.iter + 1) % self.period:
                 return
-            weight = self.trainer.model.body[0].weight.detach()
+            trainer: Any = self.trainer
+            weight = trainer.model.body[0].weight.detach()
             storage = self.trainer.storage
             storage.put_histogram("weights/body", weight)
             img = (weight - weight.min()) / (weight.max() - weight.min() + 1e-8)
@@ -76,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
     model = Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer = SimpleTrainer(model, data(), optimizer)
-    trainer.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iters)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iters)
     writers = [
         CommonMetricPrinter(args.iters),
         JSONWriter(out / "metrics.json"),
@@ -85,7 +86,7 @@ def _demo(args: argparse.Namespace) -> int:
     trainer.register_hooks(
         [
             hooks.IterationTimer(),
-            hooks.LRScheduler(),
+            hooks.LRScheduler(scheduler=scheduler),
             Visualize(max(args.iters // 10, 1)),
             hooks.PeriodicWriter(writers, period=args.period),
         ]

@@ -220,7 +220,8 @@ class LRScheduler(HookBase):
         self._scheduler = scheduler
 
     def before_train(self) -> None:
-        self._optimizer = self._optimizer or self.trainer.optimizer
+        trainer: Any = self.trainer
+        self._optimizer = self._optimizer or trainer.optimizer
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
 
     @staticmethod
@@ -244,13 +245,15 @@ class LRScheduler(HookBase):
         return 0
 
     def after_step(self) -> None:
-        lr = self._optimizer.param_groups[self._best_param_group_id]["lr"]
+        optimizer: Any = self._optimizer
+        lr = optimizer.param_groups[self._best_param_group_id]["lr"]
         self.trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
         self.scheduler.step()
 
     @property
     def scheduler(self) -> Any:
-        return self._scheduler or self.trainer.scheduler
+        trainer: Any = self.trainer
+        return self._scheduler or trainer.scheduler
 
     def state_dict(self) -> Dict[str, Any]:
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
@@ -260,4 +263,4 @@ class LRScheduler(HookBase):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
             logger.info("Loading scheduler from state_dict ...")
-            self.scheduler.load_state_dict(state_dict)
+            self.scheduler.load_state_dict(dict(state_dict))

@@ -23,7 +23,12 @@ pub fn scalar_value(what: &str, value: &Bound<'_, PyAny>) -> PyResult<f64> {
     }
     // Tensors and arrays: only 0-d ones are scalars (float() would accept shape [1, 1]).
     if let Ok(ndim) = value.getattr(intern!(value.py(), "ndim")) {
-        if !ndim.extract::<i64>().is_ok_and(|n| n == 0) {
+        if ndim.extract::<i64>().is_ok_and(|n| n == 0) {
+            // item(), not float(): torch warns on float() of a tensor that requires grad.
+            if let Ok(item) = value.call_method0(intern!(value.py(), "item")) {
+                return item.extract::<f64>().map_err(|_| type_error(what, value));
+            }
+        } else {
             let shape = value
                 .getattr(intern!(value.py(), "shape"))
                 .and_then(|s| s.str().map(|s| s.to_string()))

@@ -57,7 +57,7 @@ impl PyHistoryBuffer {
 #[pymethods]
 impl PyHistoryBuffer {
     #[new]
-    #[pyo3(signature = (max_length = History::DEFAULT_MAX_LENGTH as i64))]
+    #[pyo3(signature = (max_length = 1_000_000))]
     fn new(max_length: i64) -> PyResult<Self> {
         let max_length = positive("max_length", max_length)? as usize;
         let history = History::new(max_length).py_err()?;

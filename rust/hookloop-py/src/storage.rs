@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use hookloop_core::history::{History, Iter};
+use hookloop_core::history::Iter;
 use hookloop_core::storage::Storage;
 use hookloop_core::tfevents::HistogramPoint;
 use pyo3::exceptions::PyTypeError;
@@ -68,7 +68,7 @@ impl PyEventStorage {
 #[pymethods]
 impl PyEventStorage {
     #[new]
-    #[pyo3(signature = (start_iter = 0, *, max_length = History::DEFAULT_MAX_LENGTH as i64, max_images = 256, max_histograms = 256))]
+    #[pyo3(signature = (start_iter = 0, *, max_length = 1_000_000, max_images = 256, max_histograms = 256))]
     fn new(
         start_iter: i64,
         max_length: i64,

@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from hookloop.engine import SimpleTrainer, hooks
+    from hookloop.engine import AMPTrainer, SimpleTrainer, hooks
     from hookloop.engine.train_loop import HookBase
     from hookloop.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
@@ -34,10 +34,12 @@ def _demo(args: argparse.Namespace) -> int:
     # target; a fixed pool of batches cycled forever, so data time stays near zero.
     dim, classes, batch = 16, 4, 64
     w_true = torch.randn(dim, classes)
+    device = torch.device(args.device)
     pool = []
     for _ in range(64):
         x = torch.randn(batch, dim)
-        pool.append((x, (x @ w_true).argmax(1), (x @ w_true).sum(1, keepdim=True)))
+        y, t = (x @ w_true).argmax(1), (x @ w_true).sum(1, keepdim=True)
+        pool.append((x.to(device), y.to(device), t.to(device)))
 
     def data() -> Iterator:
         while True:
@@ -74,9 +76,10 @@ def _demo(args: argparse.Namespace) -> int:
             img = (weight - weight.min()) / (weight.max() - weight.min() + 1e-8)
             storage.put_image("weights/body", img[None].repeat(3, 1, 1))
 
-    model = Model()
+    model = Model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer = SimpleTrainer(model, data(), optimizer)
+    trainer_cls = AMPTrainer if args.amp else SimpleTrainer
+    trainer = trainer_cls(model, data(), optimizer)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iters)
     writers = [
         CommonMetricPrinter(args.iters),
@@ -115,6 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--period", type=int, default=20, help="write metrics every N iterations")
     demo.add_argument("--lr", type=float, default=0.05)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    demo.add_argument("--amp", action="store_true", help="use AMPTrainer (bfloat16 on the CPU)")
     args = parser.parse_args(argv)
     if args.iters <= 0 or args.period <= 0:
         parser.error("--iters and --period must be positive")

@@ -443,8 +443,7 @@ class SimpleTrainer(TrainerBase):
         total_losses_reduced = sum(metrics_dict.values())
         if not math.isfinite(total_losses_reduced):
             raise FloatingPointError(
-                f"Loss became infinite or NaN at iteration={cur_iter}!\n"
-                f"loss_dict = {metrics_dict}"
+                f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {metrics_dict}"
             )
 
         storage.put_scalar("{}total_loss".format(prefix), total_losses_reduced, cur_iter=cur_iter)

@@ -1,0 +1,723 @@
+"""``EventStorage`` against detectron2's behaviour, through the public API."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hookloop.utils.events import (
+    EventStorage,
+    HistoryBuffer,
+    get_event_storage,
+    has_event_storage,
+)
+
+LOGGER = "hookloop.utils.events"
+
+
+# --- reference: fvcore's HistoryBuffer and detectron2's EventStorage (scalar part) ---------------
+
+
+class RefHistoryBuffer:
+    def __init__(self, max_length: int = 1000000) -> None:
+        self._max_length = max_length
+        self._data: List[Tuple[float, Any]] = []
+
+    def update(self, value: float, iteration: Any) -> None:
+        if len(self._data) == self._max_length:
+            self._data.pop(0)
+        self._data.append((value, iteration))
+
+    def median(self, window_size: int) -> float:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return float(np.median([x[0] for x in self._data[-window_size:]]))
+
+    def values(self) -> List[Tuple[float, Any]]:
+        return self._data
+
+
+class RefStorage:
+    """detectron2's ``EventStorage`` scalar logic (``put_scalar``, ``latest_with_smoothing_hint``,
+    ``count_samples``), with a plain dict instead of a defaultdict."""
+
+    def __init__(self, start_iter: int = 0, max_length: int = 1000000) -> None:
+        self._history: Dict[str, RefHistoryBuffer] = {}
+        self._smoothing_hints: Dict[str, bool] = {}
+        self._latest_scalars: Dict[str, Tuple[float, Any]] = {}
+        self._iter = start_iter
+        self._max_length = max_length
+
+    def put_scalar(self, name, value, smoothing_hint=True, cur_iter=None):
+        cur_iter = self._iter if cur_iter is None else cur_iter
+        history = self._history.setdefault(name, RefHistoryBuffer(self._max_length))
+        value = float(value)
+        history.update(value, cur_iter)
+        self._latest_scalars[name] = (value, cur_iter)
+        existing_hint = self._smoothing_hints.get(name)
+        if existing_hint is not None:
+            assert existing_hint == smoothing_hint
+        else:
+            self._smoothing_hints[name] = smoothing_hint
+
+    def put_scalars(self, *, smoothing_hint=True, cur_iter=None, **kwargs):
+        for k, v in kwargs.items():
+            self.put_scalar(k, v, smoothing_hint=smoothing_hint, cur_iter=cur_iter)
+
+    def latest_with_smoothing_hint(self, window_size=20):
+        result = {}
+        for k, (v, itr) in self._latest_scalars.items():
+            result[k] = (
+                self._history[k].median(self.count_samples(k, window_size))
+                if self._smoothing_hints[k]
+                else v,
+                itr,
+            )
+        return result
+
+    def count_samples(self, name, window_size=20):
+        samples = 0
+        data = self._history[name].values()
+        for _, iter_ in reversed(data):
+            if iter_ > data[-1][1] - window_size:
+                samples += 1
+            else:
+                break
+        return samples
+
+
+def detectron2_histogram(name: str, t: torch.Tensor, bins: int, it: int) -> Dict[str, Any]:
+    """detectron2's ``EventStorage.put_histogram`` parameters, as it computes them."""
+    ht_min, ht_max = t.min().item(), t.max().item()
+    hist_counts = torch.histc(t, bins=bins)
+    hist_edges = torch.linspace(start=ht_min, end=ht_max, steps=bins + 1, dtype=torch.float32)
+    return dict(
+        tag=name,
+        min=ht_min,
+        max=ht_max,
+        num=len(t),
+        sum=float(t.sum()),
+        sum_squares=float(torch.sum(t**2)),
+        bucket_limits=hist_edges[1:].tolist(),
+        bucket_counts=hist_counts.tolist(),
+        global_step=it,
+    )
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def assert_same_pairs(got: Dict[str, Tuple[float, Any]], want: Dict[str, Tuple[float, Any]]):
+    assert list(got) == list(want)
+    for k in want:
+        assert same(got[k][0], want[k][0]), k
+        assert got[k][1] == want[k][1], k
+        assert type(got[k][1]) is type(want[k][1]), k
+
+
+# --- put_scalar / put_scalars --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (1.5, 1.5),
+        (3, 3.0),
+        (True, 1.0),
+        (np.float32(0.25), 0.25),
+        (np.float64(2.5), 2.5),
+        (np.int64(7), 7.0),
+        (np.array(4.5), 4.5),
+        (torch.tensor(0.5), 0.5),
+        (torch.tensor(6, dtype=torch.int64), 6.0),
+        (torch.tensor(1.25, requires_grad=True), 1.25),
+        (torch.tensor(2.0, requires_grad=True) * 3, 6.0),
+        (float("nan"), float("nan")),
+        (float("inf"), float("inf")),
+    ],
+    ids=lambda x: type(x).__name__,
+)
+def test_put_scalar_value_kinds(storage, value, expected):
+    storage.put_scalar("m", value)
+    v, it = storage.latest()["m"]
+    assert type(v) is float
+    assert same(v, expected)
+    assert it == 0
+    assert same(storage.history("m").latest(), expected)
+
+
+def test_put_scalars_value_kinds(storage):
+    storage.put_scalars(
+        a=1.0, b=2, c=np.float32(3.0), d=torch.tensor(4.0, requires_grad=True), e=np.array(5)
+    )
+    assert storage.latest() == {k: (float(i), 0) for i, k in enumerate("abcde", start=1)}
+    assert storage.smoothing_hints() == dict.fromkeys("abcde", True)
+
+
+def test_put_scalars_hint_and_cur_iter(storage):
+    storage.put_scalars(smoothing_hint=False, cur_iter=9, lr=0.1, wd=1e-4)
+    assert storage.latest() == {"lr": (0.1, 9), "wd": (1e-4, 9)}
+    assert storage.smoothing_hints() == {"lr": False, "wd": False}
+    storage.put_scalars()  # nothing to put is fine
+    assert list(storage.latest()) == ["lr", "wd"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["1.0", None, [1.0], torch.zeros(2), torch.zeros(1, 1), np.zeros(3), object()],
+    ids=["str", "None", "list", "tensor1d", "tensor2d", "ndarray1d", "object"],
+)
+def test_bad_value_is_type_error_naming_metric_and_keeps_earlier_values(storage, bad):
+    storage.put_scalar("loss_cls", 1.0)
+    storage.step()
+    storage.put_scalars(loss_box=2.0, acc=0.5)
+    before = {k: h.values() for k, h in storage.histories().items()}
+    latest_before = storage.latest()
+
+    with pytest.raises(TypeError, match="loss_cls"):
+        storage.put_scalar("loss_cls", bad)
+    with pytest.raises(TypeError, match="new_metric"):
+        storage.put_scalar("new_metric", bad)
+    with pytest.raises(TypeError, match="loss_box"):
+        storage.put_scalars(acc=0.75, loss_box=bad)
+
+    assert {k: h.values() for k, h in storage.histories().items()} == before
+    assert storage.latest() == latest_before
+    assert "new_metric" not in storage.latest()
+    # The storage is still usable.
+    storage.put_scalar("loss_cls", 3.0)
+    assert storage.history("loss_cls").values() == [(1.0, 0), (3.0, 1)]
+
+
+@pytest.mark.parametrize("bad_iter", ["3", True, [1]])
+def test_bad_cur_iter_is_type_error(storage, bad_iter):
+    with pytest.raises(TypeError, match="cur_iter"):
+        storage.put_scalar("x", 1.0, cur_iter=bad_iter)
+    with pytest.raises(TypeError, match="cur_iter"):
+        storage.put_scalars(cur_iter=bad_iter, x=1.0)
+    assert storage.latest() == {}
+
+
+def test_cur_iter_overrides_iteration(storage):
+    storage.iter = 5
+    storage.put_scalar("a", 1.0, cur_iter=3)
+    storage.put_scalar("a", 2.0, cur_iter=np.int64(4))
+    storage.put_scalar("a", 3.0)
+    assert storage.history("a").values() == [(1.0, 3), (2.0, 4), (3.0, 5)]
+    assert storage.latest()["a"] == (3.0, 5)
+    assert type(storage.latest()["a"][1]) is int
+    # latest is the last put even when cur_iter goes backwards.
+    storage.put_scalar("a", 4.0, cur_iter=1)
+    assert storage.latest()["a"] == (4.0, 1)
+
+
+def test_hint_change_is_value_error_naming_metric_and_hints(storage):
+    storage.put_scalar("lr", 0.1, smoothing_hint=False)
+    with pytest.raises(ValueError) as info:
+        storage.put_scalar("lr", 0.2, smoothing_hint=True)
+    msg = str(info.value).lower()
+    assert "lr" in msg and "true" in msg and "false" in msg
+    with pytest.raises(ValueError, match="lr"):
+        storage.put_scalars(smoothing_hint=True, lr=0.3)
+    assert storage.smoothing_hints() == {"lr": False}
+    assert storage.latest()["lr"] == (0.1, 0)
+    storage.put_scalar("lr", 0.4, smoothing_hint=False)
+    assert storage.latest()["lr"] == (0.4, 0)
+
+
+def test_bad_constructor_arguments():
+    for kw in ("max_length", "max_images", "max_histograms"):
+        with pytest.raises(ValueError, match=kw):
+            EventStorage(**{kw: 0})
+
+
+# --- iteration ---------------------------------------------------------------------------------
+
+
+def test_iter_step_and_setter():
+    s = EventStorage(start_iter=10)
+    assert s.iter == 10 and s.iteration == 10
+    s.step()
+    assert s.iter == 11 and s.iteration == 11
+    s.put_scalar("x", 1.0)
+    assert s.latest()["x"] == (1.0, 11)
+    s.iter = 100
+    assert s.iter == 100 and s.iteration == 100
+    s.iter = np.int64(7)
+    assert s.iter == 7
+    s.iter = 8.0  # an integral float is accepted
+    assert s.iter == 8 and type(s.iter) is int
+    for bad in (1.5, "3", None):
+        with pytest.raises(TypeError):
+            s.iter = bad
+    assert s.iter == 8
+
+
+# --- history / histories / latest ---------------------------------------------------------------
+
+
+def test_history_unknown_name_is_key_error(storage):
+    storage.put_scalar("loss", 1.0)
+    with pytest.raises(KeyError) as info:
+        storage.history("los")
+    assert info.value.args[0] == "No history metric available for los!"
+
+
+def test_history_and_histories_are_live(storage):
+    for i in range(5):
+        storage.iter = i
+        storage.put_scalars(loss=float(i), acc=float(-i))
+    hist = storage.histories()
+    assert isinstance(hist, dict)
+    assert list(hist) == ["loss", "acc"]
+    assert all(isinstance(h, HistoryBuffer) for h in hist.values())
+    loss = hist["loss"]
+    view = storage.history("loss")
+    assert loss.avg(20) == 2.0
+    for i in range(5, 10):
+        storage.iter = i
+        storage.put_scalar("loss", float(i))
+    # Views returned before the puts see them.
+    assert loss.avg(20) == 4.5
+    assert view.median(3) == 8.0
+    assert len(loss) == 10
+    assert loss.latest() == 9.0
+    assert storage.histories()["acc"].values() == [(float(-i), i) for i in range(5)]
+    # New names appear in later calls.
+    storage.put_scalar("new", 1.0)
+    assert list(storage.histories()) == ["loss", "acc", "new"]
+
+
+def test_latest_items_densepose_style(storage):
+    storage.put_scalar("a", 1.0)
+    storage.step()
+    storage.put_scalar("b", 2.0, smoothing_hint=False)
+    storage.put_scalar("a", 3.0)
+    seen = {}
+    for k, (v, it) in storage.latest().items():
+        seen[k] = (v, it)
+    assert seen == {"a": (3.0, 1), "b": (2.0, 1)}
+    assert list(storage.latest()) == ["a", "b"]
+
+
+def test_smoothing_hints(storage):
+    storage.put_scalar("loss", 1.0)
+    storage.put_scalar("lr", 0.1, smoothing_hint=False)
+    storage.put_scalars(smoothing_hint=False, time=0.2)
+    assert storage.smoothing_hints() == {"loss": True, "lr": False, "time": False}
+    assert list(storage.smoothing_hints()) == ["loss", "lr", "time"]
+
+
+# --- count_samples / latest_with_smoothing_hint -------------------------------------------------
+
+
+def test_latest_with_smoothing_hint_counts_iterations_not_samples(storage):
+    for i in range(30):
+        storage.iter = i
+        storage.put_scalar("loss", float(i))
+        storage.put_scalar("lr", float(i), smoothing_hint=False)
+        if i % 10 == 0:
+            storage.put_scalar("sparse", float(i))  # iterations 0, 10, 20
+    got = storage.latest_with_smoothing_hint(20)
+    # loss: median over iterations 10..29; lr: latest; sparse: 20 and 10 lie in (0, 20].
+    assert got == {"loss": (19.5, 29), "lr": (29.0, 29), "sparse": (15.0, 20)}
+    assert storage.count_samples("loss", 20) == 20
+    assert storage.count_samples("sparse", 20) == 2
+    assert storage.count_samples("sparse", 10) == 1
+    assert storage.count_samples("sparse", 1000) == 3
+    assert storage.count_samples("loss") == 20  # default window 20
+    assert storage.latest_with_smoothing_hint() == got  # default window 20
+    assert storage.latest_with_smoothing_hint(1) == {
+        "loss": (29.0, 29),
+        "lr": (29.0, 29),
+        "sparse": (20.0, 20),
+    }
+
+
+def test_count_samples_unknown_name_is_key_error_and_creates_nothing(storage):
+    storage.put_scalar("loss", 1.0)
+    with pytest.raises(KeyError, match="nope"):
+        storage.count_samples("nope", 20)
+    assert list(storage.histories()) == ["loss"]
+    assert list(storage.latest()) == ["loss"]
+    assert list(storage.latest_with_smoothing_hint(20)) == ["loss"]
+    with pytest.raises(KeyError):
+        storage.history("nope")
+
+
+@pytest.mark.parametrize("window", [0, -1])
+def test_bad_windows_are_value_errors(storage, window):
+    storage.put_scalar("loss", 1.0)
+    with pytest.raises(ValueError, match="window_size"):
+        storage.latest_with_smoothing_hint(window)
+    with pytest.raises(ValueError, match="window_size"):
+        storage.count_samples("loss", window)
+
+
+NAMES = {"loss": True, "lr": False, "acc": True}
+value_st = st.one_of(st.floats(-1e3, 1e3), st.integers(-100, 100), st.just(float("nan")))
+iter_st = st.one_of(st.none(), st.integers(-50, 300))
+op_st = st.one_of(
+    st.tuples(st.just("step")),
+    st.tuples(st.just("set_iter"), st.integers(-20, 300)),
+    st.tuples(st.just("put"), st.sampled_from(sorted(NAMES)), value_st, iter_st),
+    st.tuples(
+        st.just("puts"),
+        st.sampled_from([True, False]),
+        st.dictionaries(st.sampled_from(sorted(NAMES)), value_st, min_size=1),
+        iter_st,
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(op_st, max_size=80),
+    max_length=st.one_of(st.just(1000000), st.integers(1, 25)),
+    windows=st.lists(st.integers(1, 120), min_size=1, max_size=4),
+    start_iter=st.integers(-5, 5),
+)
+def test_smoothing_matches_detectron2(ops, max_length, windows, start_iter):
+    s = EventStorage(start_iter, max_length=max_length)
+    ref = RefStorage(start_iter, max_length=max_length)
+    for op in ops:
+        if op[0] == "step":
+            s.step()
+            ref._iter += 1
+        elif op[0] == "set_iter":
+            s.iter = op[1]
+            ref._iter = op[1]
+        elif op[0] == "put":
+            _, name, v, it = op
+            s.put_scalar(name, v, smoothing_hint=NAMES[name], cur_iter=it)
+            ref.put_scalar(name, v, smoothing_hint=NAMES[name], cur_iter=it)
+        else:
+            _, hint, kwargs, it = op
+            # put_scalars takes one hint for all; only keep names whose hint matches.
+            kwargs = {k: v for k, v in kwargs.items() if NAMES[k] == hint}
+            s.put_scalars(smoothing_hint=hint, cur_iter=it, **kwargs)
+            ref.put_scalars(smoothing_hint=hint, cur_iter=it, **kwargs)
+    assert s.iter == ref._iter
+    assert_same_pairs(s.latest(), ref._latest_scalars)
+    assert s.smoothing_hints() == ref._smoothing_hints
+    for name, h in s.histories().items():
+        got = h.values()
+        want = ref._history[name].values()
+        assert len(got) == len(want)
+        assert all(same(g[0], w[0]) and g[1] == w[1] for g, w in zip(got, want))
+    for w in windows:
+        assert_same_pairs(s.latest_with_smoothing_hint(w), ref.latest_with_smoothing_hint(w))
+        for name in ref._history:
+            assert s.count_samples(name, w) == ref.count_samples(name, w)
+
+
+# --- name_scope ----------------------------------------------------------------------------------
+
+
+def test_name_scope_prefixes_and_nests(storage):
+    storage.put_scalar("a", 1.0)
+    with storage.name_scope("val"):
+        storage.put_scalar("acc", 0.5)
+        with storage.name_scope("inner/"):
+            storage.put_scalars(x=1.0)  # detectron2 replaces the prefix, it does not stack
+        storage.put_scalar("loss", 2.0)
+    storage.put_scalar("b", 3.0)
+    assert list(storage.latest()) == ["a", "val/acc", "inner/x", "val/loss", "b"]
+    assert storage.history("val/acc").latest() == 0.5
+    assert storage.count_samples("val/loss") == 1
+    with storage.name_scope("trail//"):
+        storage.put_scalar("y", 1.0)
+    assert "trail/y" in storage.latest()
+
+
+def test_name_scope_restored_after_exception(storage):
+    with storage.name_scope("outer"):
+        with pytest.raises(ZeroDivisionError):
+            with storage.name_scope("inner"):
+                storage.put_scalar("before", 1.0)
+                1 / 0  # noqa: B018
+        storage.put_scalar("after", 2.0)
+    storage.put_scalar("top", 3.0)
+    assert list(storage.latest()) == ["inner/before", "outer/after", "top"]
+
+
+def test_name_scope_requires_str(storage):
+    with pytest.raises(TypeError):
+        with storage.name_scope(3):
+            pass
+
+
+# --- context-manager stack -----------------------------------------------------------------------
+
+
+def test_get_event_storage_outside_is_runtime_and_assertion_error():
+    assert not has_event_storage()
+    with pytest.raises(RuntimeError):
+        get_event_storage()
+    with pytest.raises(AssertionError):
+        get_event_storage()
+
+
+def test_context_stack():
+    outer = EventStorage()
+    inner = EventStorage(5)
+    with outer as s:
+        assert s is outer
+        assert has_event_storage()
+        assert get_event_storage() is outer
+        with inner:
+            assert get_event_storage() is inner
+        assert get_event_storage() is outer
+    assert not has_event_storage()
+
+
+def test_context_stack_popped_on_exception():
+    with pytest.raises(KeyError):
+        with EventStorage() as s:
+            assert get_event_storage() is s
+            raise KeyError("boom")
+    assert not has_event_storage()
+
+
+def test_exit_out_of_order_is_error():
+    a, b = EventStorage(), EventStorage()
+    a.__enter__()
+    b.__enter__()
+    try:
+        with pytest.raises(RuntimeError):
+            a.__exit__(None, None, None)
+        assert get_event_storage() is b
+    finally:
+        b.__exit__(None, None, None)
+        a.__exit__(None, None, None)
+    assert not has_event_storage()
+
+
+# --- images --------------------------------------------------------------------------------------
+
+
+def test_put_image_and_clear(storage):
+    img_t = torch.rand(3, 4, 5)
+    img_n = np.zeros((1, 2, 2), dtype=np.uint8)
+    storage.put_image("t", img_t)
+    storage.iter = 7
+    storage.put_image("n", img_n)
+    storage.put_image("rgba", torch.zeros(4, 1, 1))
+    vis = storage._vis_data
+    assert [(name, it) for name, _, it in vis] == [("t", 0), ("n", 7), ("rgba", 7)]
+    assert vis[0][1] is img_t and vis[1][1] is img_n  # kept as given
+    storage.clear_images()
+    assert storage._vis_data == []
+
+
+@pytest.mark.parametrize(
+    "shape", [(3, 4), (2, 4, 4), (5, 4, 4), (1, 3, 4, 4), (3, 0, 4), (3, 4, 0), (4, 4, 3)]
+)
+def test_put_image_non_chw_is_value_error(storage, shape):
+    with pytest.raises(ValueError, match="img"):
+        storage.put_image("img", np.zeros(shape, dtype=np.float32))
+    with pytest.raises(ValueError, match="img"):
+        storage.put_image("img", torch.zeros(shape))
+    assert storage._vis_data == []
+
+
+def test_put_image_non_array_is_type_error(storage):
+    with pytest.raises(TypeError, match="img"):
+        storage.put_image("img", [[[0.0]]])
+    with pytest.raises(TypeError, match="img"):
+        storage.put_image("img", None)
+    with pytest.raises(TypeError):
+        storage.put_image(3, torch.zeros(3, 2, 2))
+    assert storage._vis_data == []
+
+
+def test_images_bounded_drop_oldest_with_one_warning(caplog):
+    s = EventStorage(max_images=2)
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    for i in range(5):
+        s.iter = i
+        s.put_image(f"img{i}", torch.zeros(1, 2, 2))
+    assert [(n, it) for n, _, it in s._vis_data] == [("img3", 3), ("img4", 4)]
+    warnings_ = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings_) == 1
+    assert "image" in warnings_[0].getMessage()
+
+
+# --- histograms ----------------------------------------------------------------------------------
+
+HIST_KEYS = {
+    "tag",
+    "min",
+    "max",
+    "num",
+    "sum",
+    "sum_squares",
+    "bucket_limits",
+    "bucket_counts",
+    "global_step",
+}
+
+
+@pytest.mark.parametrize("bins", [1, 7, 1000])
+def test_put_histogram_matches_detectron2(storage, bins):
+    g = torch.Generator().manual_seed(bins)
+    t = torch.randn(513, generator=g)
+    storage.iter = 42
+    storage.put_histogram("w", t, bins=bins)
+    (got,) = storage._histograms
+    assert set(got) == HIST_KEYS
+    want = detectron2_histogram("w", t, bins, 42)
+    assert got == want
+    assert len(got["bucket_limits"]) == len(got["bucket_counts"]) == bins
+    assert sum(got["bucket_counts"]) == 513
+
+
+def test_put_histogram_default_bins_and_requires_grad(storage):
+    t = torch.linspace(-1, 1, 100).requires_grad_()
+    storage.put_histogram("g", t)
+    (got,) = storage._histograms
+    assert got == detectron2_histogram("g", t.detach(), 1000, 0)
+
+
+def test_put_histogram_float64_matches_detectron2(storage):
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(300, generator=g, dtype=torch.float64)
+    storage.put_histogram("w64", t, bins=20)
+    assert storage._histograms[0] == detectron2_histogram("w64", t, 20, 0)
+
+
+def test_put_histogram_multi_dim_counts_every_value(storage):
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    storage.put_histogram("m", t, bins=4)
+    (got,) = storage._histograms
+    flat = detectron2_histogram("m", t.flatten(), 4, 0)
+    assert got == flat
+    assert got["num"] == 12
+
+
+def test_put_histogram_bad_input(storage):
+    with pytest.raises(TypeError, match="h"):
+        storage.put_histogram("h", np.zeros(3))
+    with pytest.raises(TypeError):
+        storage.put_histogram(1, torch.zeros(3))
+    for bins in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="bins"):
+            storage.put_histogram("h", torch.zeros(3), bins=bins)
+    with pytest.raises(ValueError, match="empty"):
+        storage.put_histogram("h", torch.zeros(0))
+    assert storage._histograms == []
+
+
+def test_clear_histograms(storage):
+    storage.put_histogram("a", torch.ones(3), bins=2)
+    storage.put_histogram("b", torch.ones(3), bins=2)
+    assert [h["tag"] for h in storage._histograms] == ["a", "b"]
+    storage.clear_histograms()
+    assert storage._histograms == []
+
+
+def test_histograms_bounded_drop_oldest_with_one_warning(caplog):
+    s = EventStorage(max_histograms=2)
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    for i in range(5):
+        s.iter = i
+        s.put_histogram(f"h{i}", torch.ones(4), bins=3)
+    assert [(h["tag"], h["global_step"]) for h in s._histograms] == [("h3", 3), ("h4", 4)]
+    warnings_ = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings_) == 1
+    assert "histogram" in warnings_[0].getMessage()
+
+
+# --- threads -------------------------------------------------------------------------------------
+
+
+def test_concurrent_puts_lose_nothing():
+    s = EventStorage()
+    n_threads, n = 4, 1500
+    errors: List[BaseException] = []
+    start = threading.Barrier(n_threads + 1)
+
+    def worker(t: int) -> None:
+        try:
+            start.wait()
+            for k in range(n):
+                v = float(t * n + k)
+                s.put_scalar("shared", v)
+                s.put_scalar(f"own{t}", v, smoothing_hint=False, cur_iter=k)
+                s.put_scalars(shared2=v, **{f"own2_{t}": v})
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    start.wait()
+    reads = 0
+    while any(th.is_alive() for th in threads) or reads < 10:
+        smoothed = s.latest_with_smoothing_hint(20)
+        for h in s.histories().values():
+            h.avg(20)
+            h.median(7)
+        assert all(len(pair) == 2 for pair in smoothed.values())
+        if "shared" in s.latest():
+            assert s.count_samples("shared", 20) >= 1
+        reads += 1
+    for th in threads:
+        th.join()
+    assert not errors
+
+    everything = [float(i) for i in range(n_threads * n)]
+    for name in ("shared", "shared2"):
+        vals = [v for v, _ in s.history(name).values()]
+        assert sorted(vals) == everything
+        for t in range(n_threads):  # each thread's puts keep their order
+            mine = [v for v in vals if t * n <= v < (t + 1) * n]
+            assert mine == everything[t * n : (t + 1) * n]
+    for t in range(n_threads):
+        mine = everything[t * n : (t + 1) * n]
+        assert s.history(f"own{t}").values() == [(v, k) for k, v in enumerate(mine)]
+        assert [v for v, _ in s.history(f"own2_{t}").values()] == mine
+    assert len(s.latest()) == 2 + 2 * n_threads
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def test_heap_bytes_one_metric():
+    n = 100_000
+    s = EventStorage(max_length=n)
+    assert s._heap_bytes() == 0
+    for i in range(n):
+        s.put_scalar("loss", float(i), cur_iter=i)
+    assert n * 8 <= s._heap_bytes() <= n * 8 + 1024
+    for i in range(n, n + n // 2):  # wrapping past max_length allocates nothing more
+        s.put_scalar("loss", float(i), cur_iter=i)
+    assert s._heap_bytes() <= n * 8 + 1024
+    assert len(s.history("loss")) == n
+
+
+def test_heap_bytes_default_max_length_and_irregular_iterations():
+    n = 100_000
+    s = EventStorage()
+    for i in range(n):
+        s.put_scalar("loss", float(i), cur_iter=i)
+    # The ring grows by doubling: at most twice the entries' 8 bytes.
+    assert n * 8 <= s._heap_bytes() <= 2 * n * 8 + 1024
+    s2 = EventStorage()
+    rng = np.random.default_rng(0)
+    its = np.cumsum(rng.integers(1, 4, size=20_000) ** 2).tolist()  # mostly irregular steps
+    for it in its:
+        s2.put_scalar("x", 1.0, cur_iter=it)
+    assert s2.history("x").values()[-1] == (1.0, its[-1])
+    # Worst case 8 + 16 bytes an entry, doubled for growth.
+    assert s2._heap_bytes() <= 2 * 20_000 * 24 + 1024

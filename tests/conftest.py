@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-
 from hookloop.utils.events import EventStorage, has_event_storage
 
 

@@ -9,10 +9,9 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import pytest
 import torch
+from hookloop.utils.events import HistoryBuffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from hookloop.utils.events import HistoryBuffer
 
 
 class RefHistoryBuffer:
@@ -54,8 +53,10 @@ class RefHistoryBuffer:
 
 
 def same(a: float, b: float) -> bool:
-    """Equal as floats, with NaN equal to NaN (no tolerance)."""
-    return (math.isnan(a) and math.isnan(b)) or a == b
+    """Identical floats: NaN equals NaN, and the sign of zero counts (no tolerance)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
 def assert_matches(h: HistoryBuffer, ref: RefHistoryBuffer, windows: List[int]) -> None:
@@ -175,6 +176,18 @@ def test_nan_and_inf_are_stored():
     assert len(h) == 4
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_median_of_negative_zeros_is_positive_zero_like_numpy(n):
+    # np.median ends with a mean, which turns -0.0 into 0.0 (np.median([-0.0]) is 0.0).
+    h = HistoryBuffer()
+    for _ in range(n):
+        h.update(-0.0)
+    assert h.latest() == 0.0 and math.copysign(1.0, h.latest()) == -1.0  # stored as given
+    assert same(h.median(n), float(np.median([-0.0] * n)))
+    assert math.copysign(1.0, h.median(n)) == 1.0
+    assert same(h.avg(n), float(np.mean([-0.0] * n)))
+
+
 def test_empty_buffer():
     h = HistoryBuffer()
     with pytest.raises(IndexError):
@@ -244,7 +257,7 @@ def test_non_number_value_is_type_error_and_stores_nothing(bad):
 def test_scalar_like_values_are_accepted(value):
     h = HistoryBuffer()
     h.update(value)
-    assert h.latest() == float(value)
+    assert h.latest() == (1.0 if value is True else 2.0)
     assert type(h.latest()) is float
 
 

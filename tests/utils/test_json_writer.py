@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from hookloop.engine import PeriodicWriter, TrainerBase
 from hookloop.utils.events import EventStorage, EventWriter, JSONWriter, get_event_storage
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def _load_reference():
@@ -219,7 +218,9 @@ _finite_or_not = st.floats(allow_nan=True, allow_infinity=True).map(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     data=st.lists(
         st.tuples(_finite_or_not, st.floats(), st.integers(0, 3)), min_size=1, max_size=30

@@ -141,7 +141,9 @@ class EventStorage(_core.EventStorage):
             )
         if hist_tensor.numel() == 0:
             raise ValueError(f"put_histogram('{hist_name}') got an empty tensor")
-        t = hist_tensor.detach().float()
+        t = hist_tensor.detach()
+        if not t.is_floating_point():
+            t = t.float()  # histc needs a floating dtype; detectron2 would fail here
         ht_min, ht_max = t.min().item(), t.max().item()
         hist_counts = torch.histc(t, bins=bins)
         hist_edges = torch.linspace(start=ht_min, end=ht_max, steps=bins + 1, dtype=torch.float32)

@@ -128,8 +128,12 @@ impl History {
         if let Some(run) = self.runs.back_mut() {
             if run.len == 1 {
                 let delta = it - run.first;
-                // Integral steps that fit i32 start a run; anything else stays a run of one.
-                if delta.fract() == 0.0 && delta.abs() <= f64::from(i32::MAX) {
+                // Integral steps that fit i32 and reproduce `it` exactly start a run; anything
+                // else (e.g. float iterations whose difference rounds) stays a run of one.
+                if delta.fract() == 0.0
+                    && delta.abs() <= f64::from(i32::MAX)
+                    && run.first + delta == it
+                {
                     run.step = delta as i32;
                     run.len = 2;
                     return;
@@ -304,16 +308,17 @@ pub fn median_in_place(window: &mut [f64]) -> f64 {
     let mid = n / 2;
     let (lower, upper, _) = window.select_nth_unstable_by(mid, f64::total_cmp);
     let upper = *upper;
+    // numpy takes the mean of the middle value(s), and its sum starts from +0.0: so the
+    // median of [-0.0] is 0.0, and of two middle values a, b it is (0 + (a + b)) / 2.
     if n % 2 == 1 {
-        upper
+        0.0 + upper
     } else {
-        // numpy takes the mean of the two middle values: (a + b) / 2.
         let below = lower
             .iter()
             .copied()
             .max_by(f64::total_cmp)
             .unwrap_or(upper);
-        (below + upper) / 2.0
+        (0.0 + (below + upper)) / 2.0
     }
 }
 

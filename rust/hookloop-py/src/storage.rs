@@ -117,18 +117,27 @@ impl PyEventStorage {
     ) -> PyResult<()> {
         let Some(kwargs) = kwargs else { return Ok(()) };
         let it = iteration("cur_iter", cur_iter)?;
+        // Convert first (Python code may run), then store under one lock. As in detectron2's
+        // loop of put_scalar calls, the values before a bad one are kept.
         let mut items: Vec<(Bound<'_, PyString>, f64)> = Vec::with_capacity(kwargs.len());
+        let mut failure = None;
         for (k, v) in kwargs.iter() {
             let k = k.cast_into::<PyString>()?;
-            let value = scalar_value(k.to_str()?, &v)?;
-            items.push((k, value));
+            match scalar_value(k.to_str()?, &v) {
+                Ok(value) => items.push((k, value)),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
         }
         let mut state = self.lock();
         for (k, v) in &items {
-            state
-                .core
-                .put_scalar(k.to_str()?, *v, smoothing_hint, it)
-                .py_err()?;
+            state.core.put_scalar(k.to_str()?, *v, smoothing_hint, it).py_err()?;
+        }
+        drop(state);
+        if let Some(e) = failure {
+            return Err(e);
         }
         Ok(())
     }

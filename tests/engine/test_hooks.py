@@ -1,0 +1,337 @@
+"""The hooks of ``hookloop.engine.hooks`` against detectron2's ``hooks.py``."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from hookloop.engine import (
+    CallbackHook,
+    HookBase,
+    IterationTimer,
+    LRScheduler,
+    PeriodicWriter,
+    TrainerBase,
+)
+from hookloop.utils.events import EventWriter, get_event_storage
+
+torch.set_num_threads(1)
+
+HOOKS_LOGGER = "hookloop.engine.hooks"
+
+
+class NoopTrainer(TrainerBase):
+    def __init__(self, optimizer=None, scheduler=None):
+        super().__init__()
+        self.optimizer = optimizer
+        if scheduler is not None:
+            self.scheduler = scheduler
+
+    def run_step(self):
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+
+def history(storage, name):
+    return storage.history(name).values()
+
+
+# ----------------------------------------------------------------------------------------------
+# IterationTimer
+
+
+@pytest.mark.parametrize("start,warmup", [(0, 2), (3, 1), (0, 3)])
+def test_iteration_timer_puts_time_after_warmup(start, warmup):
+    trainer = NoopTrainer()
+    trainer.register_hooks([IterationTimer(warmup_iter=warmup)])
+    trainer.train(start, start + 6)
+    values = history(trainer.storage, "time")
+    # detectron2: put once iter - start_iter + 1 >= warmup_iter.
+    assert [it for _, it in values] == list(range(start + max(warmup - 1, 0), start + 6))
+    assert all(v >= 0 for v, _ in values)
+    assert trainer.storage.smoothing_hints()["time"] is True
+
+
+def test_iteration_timer_logs_summary(caplog):
+    caplog.set_level(logging.INFO, logger=HOOKS_LOGGER)
+    trainer = NoopTrainer()
+    trainer.register_hooks([IterationTimer(warmup_iter=2)])
+    trainer.train(0, 5)
+    msgs = [r.getMessage() for r in caplog.records if r.name == HOOKS_LOGGER]
+    # num_iter = storage.iter + 1 - start_iter - warmup_iter, storage.iter == max_iter.
+    assert any(m.startswith("Overall training speed: 4 iterations in 0:00:00 (") for m in msgs)
+    assert any(m.startswith("Total training time: 0:00:00 (0:00:00 on hooks)") for m in msgs)
+
+
+def test_iteration_timer_no_speed_line_within_warmup(caplog):
+    caplog.set_level(logging.INFO, logger=HOOKS_LOGGER)
+    trainer = NoopTrainer()
+    trainer.register_hooks([IterationTimer(warmup_iter=3)])
+    trainer.train(0, 1)
+    msgs = [r.getMessage() for r in caplog.records if r.name == HOOKS_LOGGER]
+    assert not any("Overall training speed" in m for m in msgs)
+    assert any(m.startswith("Total training time") for m in msgs)
+    assert "time" not in trainer.storage.histories()
+
+
+# ----------------------------------------------------------------------------------------------
+# LRScheduler
+
+
+def _sgd(lr=1.0, groups=None):
+    if groups is None:
+        return torch.optim.SGD(nn.Linear(4, 1).parameters(), lr=lr)
+    return torch.optim.SGD(groups, lr=lr)
+
+
+@pytest.mark.parametrize("from_trainer", [False, True])
+def test_lr_scheduler_puts_lr_and_steps(from_trainer):
+    opt = _sgd(1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if from_trainer:
+        trainer = NoopTrainer(opt, sched)
+        hook = LRScheduler()
+    else:
+        trainer = NoopTrainer(opt)
+        hook = LRScheduler(opt, sched)
+    trainer.register_hooks([hook])
+    trainer.train(0, 5)
+    assert history(trainer.storage, "lr") == [
+        (1.0, 0),
+        (1.0, 1),
+        (0.5, 2),
+        (0.5, 3),
+        (0.25, 4),
+    ]
+    assert trainer.storage.smoothing_hints()["lr"] is False
+    assert sched.last_epoch == 5
+    assert opt.param_groups[0]["lr"] == 0.25
+
+
+def test_lr_scheduler_summarizes_best_param_group():
+    small = [nn.Parameter(torch.zeros(1))]
+    big = [nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    opt = torch.optim.SGD([{"params": small, "lr": 0.1}, {"params": big, "lr": 0.7}], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)
+    trainer = NoopTrainer(opt)
+    trainer.register_hooks([LRScheduler(opt, sched)])
+    trainer.train(0, 2)
+    assert [v for v, _ in history(trainer.storage, "lr")] == [0.7, 0.7]
+
+
+def _params(n):
+    return [nn.Parameter(torch.zeros(1)) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "groups,expected",
+    [
+        ([(1, 0.1), (3, 0.2)], 1),  # the group with most parameters
+        ([(2, 0.1), (2, 0.2), (1, 0.3)], 0),  # first of the largest
+        ([(1, 0.1), (1, 0.2), (1, 0.2)], 1),  # all single: most common lr, first group with it
+        ([(1, 0.3), (1, 0.1), (1, 0.1), (1, 0.3)], 0),  # tie: first lr counted
+        ([(1, 0.5)], 0),
+    ],
+)
+def test_get_best_param_group_id(groups, expected):
+    opt = torch.optim.SGD([{"params": _params(n), "lr": lr} for n, lr in groups], lr=1.0)
+    assert LRScheduler.get_best_param_group_id(opt) == expected
+
+
+def test_lr_scheduler_state_dict_round_trip():
+    opt = _sgd(1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    trainer = NoopTrainer(opt)
+    hook = LRScheduler(opt, sched)
+    trainer.register_hooks([hook])
+    trainer.train(0, 3)
+    sd = hook.state_dict()
+    assert sd == sched.state_dict()
+    assert sd["last_epoch"] == 3
+
+    opt2 = _sgd(1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    hook2 = LRScheduler(opt2, sched2)
+    hook2.load_state_dict(sd)
+    assert sched2.last_epoch == 3
+    assert sched2.state_dict() == sd
+    assert trainer.state_dict()["hooks"] == {"LRScheduler": sd}
+
+
+def test_lr_scheduler_non_torch_scheduler_is_stateless():
+    steps = []
+
+    class MyScheduler:
+        def step(self):
+            steps.append(1)
+
+    opt = _sgd(0.3)
+    trainer = NoopTrainer()
+    hook = LRScheduler(opt, MyScheduler())
+    trainer.register_hooks([hook])
+    trainer.train(0, 3)
+    assert steps == [1, 1, 1]
+    assert hook.state_dict() == {}
+    hook.load_state_dict({"ignored": 1})
+    assert "hooks" not in trainer.state_dict()
+    assert [v for v, _ in history(trainer.storage, "lr")] == [0.3] * 3
+
+
+# ----------------------------------------------------------------------------------------------
+# CallbackHook
+
+
+def test_callback_hook_calls_with_trainer():
+    log = []
+    trainer = NoopTrainer()
+    hook = CallbackHook(
+        before_train=lambda t: log.append(("before_train", t.iter)),
+        before_step=lambda t: log.append(("before_step", t.iter)),
+        after_step=lambda t: log.append(("after_step", t.iter)),
+        after_train=lambda t: log.append(("after_train", t.iter)),
+    )
+    trainer.register_hooks([hook])
+    trainer.train(1, 3)
+    assert log == [
+        ("before_train", 1),
+        ("before_step", 1),
+        ("after_step", 1),
+        ("before_step", 2),
+        ("after_step", 2),
+        ("after_train", 3),
+    ]
+
+
+def test_callback_hook_receives_trainer_proxy():
+    seen = []
+    trainer = NoopTrainer()
+    trainer.register_hooks([CallbackHook(before_train=seen.append)])
+    trainer.train(0, 1)
+    assert type(seen[0]) in (weakref.ProxyType, weakref.CallableProxyType)
+    assert seen[0].max_iter == 1
+
+
+def test_callback_hook_partial_callbacks():
+    log = []
+    trainer = NoopTrainer()
+    trainer.register_hooks([CallbackHook(after_step=lambda t: log.append(t.iter))])
+    trainer.train(0, 3)
+    assert log == [0, 1, 2]
+
+
+def test_callback_hook_releases_callbacks_after_train():
+    class Callback:
+        def __call__(self, trainer):
+            pass
+
+    cb = Callback()
+    ref = weakref.ref(cb)
+    trainer = NoopTrainer()
+    trainer.register_hooks([CallbackHook(before_step=cb, after_train=cb)])
+    del cb
+    gc.collect()
+    assert ref() is not None
+    trainer.train(0, 2)
+    assert ref() is None
+
+
+# ----------------------------------------------------------------------------------------------
+# PeriodicWriter
+
+
+class RecordingWriter(EventWriter):
+    def __init__(self, log, name="w"):
+        self.log = log
+        self.name = name
+
+    def write(self):
+        self.log.append((self.name, "write", get_event_storage().iter))
+
+    def close(self):
+        self.log.append((self.name, "close", get_event_storage().iter))
+
+
+@pytest.mark.parametrize(
+    "start,stop,period,writes",
+    [
+        (0, 8, 3, [2, 5, 7]),  # periodic and last
+        (0, 8, 4, [3, 7]),  # last iteration is also periodic: written once
+        (5, 10, 3, [5, 8, 9]),
+        (0, 3, 20, [2]),
+        (0, 1, 1, [0]),
+    ],
+)
+def test_periodic_writer(start, stop, period, writes):
+    log = []
+    trainer = NoopTrainer()
+    trainer.register_hooks([PeriodicWriter([RecordingWriter(log)], period=period)])
+    trainer.train(start, stop)
+    assert log == [("w", "write", i) for i in writes] + [
+        ("w", "write", stop),
+        ("w", "close", stop),
+    ]
+
+
+def test_periodic_writer_several_writers_in_order():
+    log = []
+    trainer = NoopTrainer()
+    writers = [RecordingWriter(log, "a"), RecordingWriter(log, "b")]
+    trainer.register_hooks([PeriodicWriter(writers, period=2)])
+    trainer.train(0, 2)
+    assert log == [
+        ("a", "write", 1),
+        ("b", "write", 1),
+        ("a", "write", 2),
+        ("a", "close", 2),
+        ("b", "write", 2),
+        ("b", "close", 2),
+    ]
+
+
+def test_periodic_writer_sees_metrics_of_the_step():
+    seen = []
+
+    class Writer(EventWriter):
+        def write(self):
+            storage = get_event_storage()
+            seen.append(storage.latest().get("x"))
+
+    class Put(HookBase):
+        def after_step(self):
+            self.trainer.storage.put_scalar("x", float(self.trainer.iter))
+
+    trainer = NoopTrainer()
+    trainer.register_hooks([Put(), PeriodicWriter([Writer()], period=2)])
+    trainer.train(0, 4)
+    assert seen == [(1.0, 1), (3.0, 3), (3.0, 3)]
+
+
+def test_periodic_writer_rejects_non_writer():
+    with pytest.raises(TypeError, match="EventWriter"):
+        PeriodicWriter([object()])
+
+
+@pytest.mark.parametrize("period", [0, -2])
+def test_periodic_writer_rejects_bad_period(period):
+    with pytest.raises(ValueError, match="period"):
+        PeriodicWriter([RecordingWriter([])], period=period)
+
+
+def test_periodic_writer_on_failure_still_writes_and_closes():
+    log = []
+
+    class Fail(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 3:
+                raise RuntimeError("x")
+
+    trainer = NoopTrainer()
+    trainer.register_hooks([PeriodicWriter([RecordingWriter(log)], period=2), Fail()])
+    with pytest.raises(RuntimeError):
+        trainer.train(0, 10)
+    assert log == [("w", "write", 1), ("w", "write", 3), ("w", "write", 3), ("w", "close", 3)]

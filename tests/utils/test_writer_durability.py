@@ -1,0 +1,213 @@
+"""What the writers leave on disk when a run is killed, exits without closing, or the disk
+is full. The runs happen in child processes (sys.executable)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hookloop.utils.events import EventStorage, JSONWriter
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+TIMEOUT = 60
+
+
+def _child(script, *args):
+    return [sys.executable, "-c", textwrap.dedent(script), *map(str, args)]
+
+
+def _event_file(d):
+    files = [p for p in Path(d).iterdir() if p.name.startswith("events.out.tfevents.")]
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _json_rows(path):
+    # every line must be whole JSON
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _scalars(tb_dir, tag):
+    acc = EventAccumulator(str(_event_file(tb_dir)), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _assert_tb_matches_json(tb_dir, rows, tag="loss"):
+    by_iter = {r["iteration"]: np.float32(r[tag]) for r in rows}
+    points = _scalars(tb_dir, tag)
+    assert points, "no scalar could be read back"
+    steps = [s for s, _ in points]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))
+    for step, value in points:
+        if step in by_iter:
+            assert np.float32(value) == by_iter[step]
+    return steps
+
+
+KILLED_RUN = """
+    import sys
+    from hookloop.engine import PeriodicWriter, TrainerBase
+    from hookloop.utils.events import JSONWriter, TensorboardXWriter
+
+    out = sys.argv[1]
+
+    class Trainer(TrainerBase):
+        def run_step(self):
+            i = self.iter
+            self.storage.put_scalar("loss", 1.0 / (i + 1), smoothing_hint=False)
+            self.storage.put_scalar("损失/ü", i * 0.5)
+            self.storage.put_scalar("lr", 0.1, smoothing_hint=False)
+
+    trainer = Trainer()
+    writers = [JSONWriter(out + "/metrics.json"), TensorboardXWriter(out + "/tb")]
+    trainer.register_hooks([PeriodicWriter(writers, period=1)])
+    trainer.train(0, 10**9)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_leaves_readable_files(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    proc = subprocess.Popen(_child(KILLED_RUN, tmp_path), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            if metrics.exists() and metrics.read_bytes().count(b"\n") >= 300:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the child wrote fewer than 300 lines in time")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(TIMEOUT)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    rows = _json_rows(metrics)
+    assert len(rows) >= 300
+    assert [r["iteration"] for r in rows] == list(range(len(rows)))
+    assert rows[7] == {
+        "iteration": 7,
+        "loss": 0.125,
+        "lr": 0.1,
+        "损失/ü": 1.75,
+    }  # median of 0, 0.5, ..., 3.5
+    steps = _assert_tb_matches_json(tmp_path / "tb", rows)
+    assert steps[0] == 0
+
+    # the file stays appendable: a new writer continues it with whole lines
+    w = JSONWriter(metrics)
+    with EventStorage(10**6) as s:
+        s.put_scalar("loss", 2.0)
+        w.write()
+    w.close()
+    after = _json_rows(metrics)
+    assert after[: len(rows)] == rows
+    assert after[-1] == {"iteration": 10**6, "loss": 2.0}
+
+
+UNCLOSED_RUN = """
+    import sys
+    from hookloop.utils.events import EventStorage, JSONWriter, TensorboardXWriter
+
+    out, n, fsync = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    json_writer = JSONWriter(out + "/metrics.json", fsync=fsync)
+    tb_writer = TensorboardXWriter(out + "/tb", fsync=fsync)
+    storage = EventStorage()
+    with storage:
+        for i in range(n):
+            storage.iter = i
+            storage.put_scalar("loss", i * 0.25, smoothing_hint=False)
+            json_writer.write()
+            tb_writer.write()
+    # exits here without close() or flush(); the writers are still referenced
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsync", ["always", "never"])
+def test_normal_exit_without_close_flushes_everything(tmp_path, fsync):
+    n = 500
+    done = subprocess.run(
+        _child(UNCLOSED_RUN, tmp_path, n, fsync), capture_output=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    rows = _json_rows(tmp_path / "metrics.json")
+    assert rows == [{"iteration": i, "loss": i * 0.25} for i in range(n)]
+    assert _assert_tb_matches_json(tmp_path / "tb", rows) == list(range(n))
+
+
+EXCEPTION_RUN = """
+    import sys
+    from hookloop.engine import PeriodicWriter, TrainerBase
+    from hookloop.utils.events import JSONWriter, TensorboardXWriter
+
+    out = sys.argv[1]
+
+    class Trainer(TrainerBase):
+        def run_step(self):
+            self.storage.put_scalar("loss", float(self.iter), smoothing_hint=False)
+            if self.iter == 37:
+                raise RuntimeError("diverged")
+
+    trainer = Trainer()
+    writers = [JSONWriter(out + "/metrics.json"), TensorboardXWriter(out + "/tb")]
+    trainer.register_hooks([PeriodicWriter(writers, period=10)])
+    trainer.train(0, 1000)
+"""
+
+
+@pytest.mark.slow
+def test_exception_in_training_writes_the_last_iteration(tmp_path):
+    done = subprocess.run(_child(EXCEPTION_RUN, tmp_path), capture_output=True, timeout=TIMEOUT)
+    assert done.returncode != 0
+    assert b"RuntimeError: diverged" in done.stderr
+    rows = _json_rows(tmp_path / "metrics.json")
+    assert [r["iteration"] for r in rows] == [9, 19, 29, 37]
+    assert rows[-1] == {"iteration": 37, "loss": 37.0}
+    assert _scalars(tmp_path / "tb", "loss") == [(9, 9.0), (19, 19.0), (29, 29.0), (37, 37.0)]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_is_reported_naming_the_file():
+    w = JSONWriter("/dev/full", fsync="never")
+    errors = []
+    with EventStorage() as s:
+        for i in range(3):
+            s.iter = i
+            s.put_scalar("loss", 1.0)
+            try:
+                w.write()
+            except OSError as e:
+                errors.append(e)
+    try:
+        w.close()
+    except OSError as e:
+        errors.append(e)
+    assert errors, "ENOSPC was swallowed"
+    for e in errors:
+        assert "/dev/full" in str(e)
+        assert e.filename == "/dev/full"
+        assert e.errno == 28  # ENOSPC
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_disk_full_is_reported_by_flush():
+    w = JSONWriter("/dev/full", fsync="never")
+    with EventStorage() as s:
+        s.put_scalar("loss", 1.0)
+        w.write()
+    errors = []
+    for op in (w.flush, w.close):
+        try:
+            op()
+        except OSError as e:
+            errors.append(e)
+    assert errors and all("/dev/full" in str(e) for e in errors)

@@ -1132,7 +1132,9 @@ def test_zero_grad_before_forward(zero_first):
     trainer.train(0, 3)
     # zero_grad() sets grads to None: before the forward, or after it (then the forward of
     # iterations > 0 still sees the previous gradient).
-    assert trainer.model.grad_none_at_forward == ([True] * 3 if zero_first else [True, False, False])
+    assert trainer.model.grad_none_at_forward == (
+        [True] * 3 if zero_first else [True, False, False]
+    )
 
 
 @pytest.mark.parametrize("zero_first", [False, True])

@@ -190,12 +190,16 @@ def test_bad_value_is_type_error_naming_metric_and_keeps_earlier_values(storage,
         storage.put_scalar("loss_cls", bad)
     with pytest.raises(TypeError, match="new_metric"):
         storage.put_scalar("new_metric", bad)
-    with pytest.raises(TypeError, match="loss_box"):
-        storage.put_scalars(acc=0.75, loss_box=bad)
 
     assert {k: h.values() for k, h in storage.histories().items()} == before
     assert storage.latest() == latest_before
     assert "new_metric" not in storage.latest()
+
+    # put_scalars stores the values before the bad one, as detectron2's loop of put_scalar does.
+    with pytest.raises(TypeError, match="loss_box"):
+        storage.put_scalars(acc=0.75, loss_box=bad)
+    assert storage.history("acc").values() == before["acc"] + [(0.75, 1)]
+    assert storage.history("loss_box").values() == before["loss_box"]
     # The storage is still usable.
     storage.put_scalar("loss_cls", 3.0)
     assert storage.history("loss_cls").values() == [(1.0, 0), (3.0, 1)]

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -45,6 +45,7 @@ from hookloop.engine import train_loop as hl_loop  # noqa: E402
 from hookloop.utils import events as hl_events  # noqa: E402
 
 perf_ns = time.perf_counter_ns
+thread_ns = time.thread_time_ns
 
 # ---------------------------------------------------------------------------------------------
 # configuration
@@ -54,7 +55,7 @@ perf_ns = time.perf_counter_ns
 class Config:
     """Sizes of every measurement. ``full()`` is what RESULTS.md quotes."""
 
-    repeats: int = 7
+    repeats: int = 9
     # 1. put_scalar
     put_fills: Tuple[int, ...] = (0, 100_000, 1_000_000, 2_000_000)
     put_max_length: int = 1_000_000  # fvcore's default: evicts once full
@@ -72,8 +73,9 @@ class Config:
     writer_n: int = 200
     writer_prefill: int = 1_000
     # 6. default stack
-    stack_n: Dict[int, int] = field(default_factory=lambda: {20: 2_000, 1: 500})
-    stack_repeats: int = 5
+    # many short runs: a burst of load from a neighbour spoils one repeat, not the median
+    stack_n: Dict[int, int] = field(default_factory=lambda: {20: 1_000, 1: 300})
+    stack_repeats: int = 25
 
     @classmethod
     def full(cls) -> Config:
@@ -91,8 +93,8 @@ class Config:
             wm_n=1_000,
             writer_n=50,
             writer_prefill=1_000,
-            stack_n={20: 400, 1: 150},
-            stack_repeats=3,
+            stack_n={20: 200, 1: 100},
+            stack_repeats=5,
         )
 
     @classmethod
@@ -128,6 +130,12 @@ class Stat:
     @classmethod
     def of(cls, values: Sequence[float]) -> Stat:
         return cls(statistics.median(values), min(values))
+
+    @classmethod
+    def over(cls, runs: Sequence[float], floor: Sequence[float]) -> Stat:
+        """A cost over a floor measured in the same repeats: the median of the per-repeat
+        differences, and the best run minus the best floor."""
+        return cls(statistics.median([a - b for a, b in zip(runs, floor)]), min(runs) - min(floor))
 
 
 @dataclass
@@ -197,8 +205,8 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def _timed(fn: Callable[[], float]) -> float:
-    """Runs one measurement with the collector off (as timeit does)."""
-    gc.collect()
+    """Runs one measurement with the collector off (as timeit does; run_all collects once
+    before each section)."""
     gc.disable()
     try:
         return fn()
@@ -226,15 +234,25 @@ def _human(n: int) -> str:
     return f"{n / 1e6:g}e6" if n >= 1_000_000 and n % 100_000 == 0 else f"{n:,}"
 
 
-def configure_logging() -> None:
-    """CommonMetricPrinter's loggers: enabled at INFO so every line is formatted and handed to
-    a handler, which drops it (a NullHandler), on both sides."""
+@contextlib.contextmanager
+def printer_logging() -> Iterator[None]:
+    """CommonMetricPrinter's loggers, on both sides: enabled at INFO so every line is formatted
+    and handed to a handler, which drops it (a NullHandler). Restored on exit."""
+    saved = []
     for name in (hl_events.logger.name, ref.EVENTS_LOGGER):
         lg = logging.getLogger(name)
+        handler = logging.NullHandler()
+        saved.append((lg, lg.level, lg.propagate, handler))
         lg.setLevel(logging.INFO)
         lg.propagate = False
-        if not any(isinstance(h, logging.NullHandler) for h in lg.handlers):
-            lg.addHandler(logging.NullHandler())
+        lg.addHandler(handler)
+    try:
+        yield
+    finally:
+        for lg, level, propagate, handler in saved:
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,7 +462,7 @@ def bench_loop(cfg: Config) -> List[Row]:
     )  # fmt: skip
 
     def diff(a: str, b: str) -> Stat:
-        return Stat.of([x - y for x, y in zip(res[a], res[b])])
+        return Stat.over(res[a], res[b])
 
     nn = f"{n:,} × {cfg.repeats}"
     return [
@@ -569,6 +587,7 @@ def _writer_case(cfg: Config, kind: str, tmpdir: str) -> List[Row]:
             writers[impl] = _make_writer(impl, kind, d)
         next_iter = {impl: cfg.writer_prefill for impl in storages}
         end_to_end: Dict[str, List[float]] = {"hl": [], "ref": []}
+        per_call: Dict[str, List[int]] = {"hl": [], "ref": []}
 
         def measure(impl: str) -> Callable[[], float]:
             s, w = storages[impl], writers[impl]
@@ -585,6 +604,7 @@ def _writer_case(cfg: Config, kind: str, tmpdir: str) -> List[Row]:
                     _flush(w)
                     spent += t1 - t0
                     total += perf_ns() - t0
+                    per_call[impl].append(t1 - t0)
                 end_to_end[impl].append(total / n / 1e3)
                 return spent / n / 1e3
 
@@ -599,7 +619,9 @@ def _writer_case(cfg: Config, kind: str, tmpdir: str) -> List[Row]:
     nn = f"{n:,} × {cfg.repeats}"
     rows = [
         Row("5", f"{_WRITER_TITLES[kind]}, 20 scalars, training thread", "µs/call",
-            Stat.of(res["hl"]), Stat.of(res["ref"]), nn, "≤ 20 µs", 20.0)
+            Stat.of(res["hl"]), Stat.of(res["ref"]), nn, "≤ 20 µs", 20.0,
+            f"median of single calls: hookloop {statistics.median(per_call['hl']) / 1e3:.1f} µs, "
+            f"reference {statistics.median(per_call['ref']) / 1e3:.1f} µs")
     ]  # fmt: skip
     if kind != "printer":
         rows.append(
@@ -644,58 +666,81 @@ def _model_opt_sched() -> Tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
 
 
 class _HLStackTrainer(hl_loop.SimpleTrainer):
-    loop_end_ns = 0
+    loop_end: Tuple[int, int] = (0, 0)
 
     def after_train(self) -> None:
-        self.loop_end_ns = perf_ns()
+        self.loop_end = (perf_ns(), thread_ns())
         super().after_train()
 
 
 class _RefStackTrainer(ref.SimpleTrainer):
-    loop_end_ns = 0
+    loop_end: Tuple[int, int] = (0, 0)
 
     def after_train(self) -> None:
-        self.loop_end_ns = perf_ns()
+        self.loop_end = (perf_ns(), thread_ns())
         super().after_train()
 
 
-def make_stack_trainer(impl: str, period: int, n: int, d: str) -> Any:
-    """SimpleTrainer + IterationTimer, LRScheduler, PeriodicWriter([printer, JSON, TB])."""
+ALL_WRITERS = ("printer", "json", "tb")
+
+
+def make_stack_trainer(
+    impl: str,
+    period: int,
+    n: int,
+    d: str,
+    writers: Sequence[str] = ALL_WRITERS,
+    json_fsync: str = "always",
+) -> Any:
+    """SimpleTrainer + IterationTimer, LRScheduler, PeriodicWriter([printer, JSON, TB]), as
+    detectron2's DefaultTrainer orders them. ``writers`` picks a subset (none: no
+    PeriodicWriter); ``json_fsync`` is hookloop's JSONWriter option."""
     model, opt, sched = _model_opt_sched()
     data = itertools.repeat(None)
+    json_path = os.path.join(d, "metrics.json")
     if impl == "hl":
-        t = _HLStackTrainer(model, data, opt)
-        t.register_hooks([
-            hl_hooks.IterationTimer(),
-            hl_hooks.LRScheduler(opt, sched),
-            hl_hooks.PeriodicWriter([
-                hl_events.CommonMetricPrinter(n),
-                hl_events.JSONWriter(os.path.join(d, "metrics.json")),
-                hl_events.TensorboardXWriter(d),
-            ], period),
-        ])  # fmt: skip
+        t: Any = _HLStackTrainer(model, data, opt)
+        make = {
+            "printer": lambda: hl_events.CommonMetricPrinter(n),
+            "json": lambda: hl_events.JSONWriter(json_path, fsync=json_fsync),
+            "tb": lambda: hl_events.TensorboardXWriter(d),
+        }
+        hooks = [hl_hooks.IterationTimer(), hl_hooks.LRScheduler(opt, sched)]
+        periodic: Any = hl_hooks.PeriodicWriter
     else:
         t = _RefStackTrainer(model, data, opt)
-        t.register_hooks([
-            ref.IterationTimer(),
-            ref.LRScheduler(opt, sched),
-            ref.PeriodicWriter([
-                ref.CommonMetricPrinter(n),
-                ref.JSONWriter(os.path.join(d, "metrics.json")),
-                ref.TensorboardXWriter(d),
-            ], period),
-        ])  # fmt: skip
+        make = {
+            "printer": lambda: ref.CommonMetricPrinter(n),
+            "json": lambda: ref.JSONWriter(json_path),
+            "tb": lambda: ref.TensorboardXWriter(d),
+        }
+        hooks = [ref.IterationTimer(), ref.LRScheduler(opt, sched)]
+        periodic = ref.PeriodicWriter
+    if writers:
+        hooks.append(periodic([make[w]() for w in writers], period))
+    t.register_hooks(hooks)
     return t
 
 
-def _bare_stack(n: int) -> float:
+@dataclass
+class StackRun:
+    """µs per iteration of one run: wall time to the end of the last iteration, the same
+    including after_train, and the training thread's CPU time to the end of the last
+    iteration (not counting waits, other threads, or time the thread was preempted)."""
+
+    wall: float
+    wall_total: float
+    cpu: float
+
+
+def _bare_stack(n: int) -> StackRun:
     """The same model step with no bookkeeping: SimpleTrainer.run_step without
     after_backward/write_metrics, plus the scheduler step LRScheduler makes."""
     model, opt, sched = _model_opt_sched()
     data_iter = iter(itertools.repeat(None))
     model.train()
     perf = time.perf_counter
-    t0 = perf_ns()
+    t0, c0 = perf_ns(), thread_ns()
     for _ in range(n):
         if not model.training:
             raise RuntimeError
@@ -708,43 +753,88 @@ def _bare_stack(n: int) -> float:
         losses.backward()
         opt.step()
         sched.step()
-    return (perf_ns() - t0) / n / 1e3
+    wall = (perf_ns() - t0) / n / 1e3
+    return StackRun(wall, wall, (thread_ns() - c0) / n / 1e3)
 
 
-def _stack_case(cfg: Config, period: int, n: int, tmpdir: str) -> List[Row]:
-    bare: List[float] = []
-    runs: Dict[str, List[Tuple[float, float]]] = {"hl": [], "ref": []}
+def _run_stack(impl: str, period: int, n: int, tmpdir: str, *args: Any) -> StackRun:
+    if impl == "bare":
+        return _bare_stack(n)
+    d = tempfile.mkdtemp(prefix=f"stack-{impl}-{period}-", dir=tmpdir)
+    t = make_stack_trainer(impl, period, n, d, *args)
+    t0, c0 = perf_ns(), thread_ns()
+    t.train(0, n)
+    t1 = perf_ns()
+    end, end_cpu = t.loop_end
+    return StackRun((end - t0) / n / 1e3, (t1 - t0) / n / 1e3, (end_cpu - c0) / n / 1e3)
 
-    def run(impl: str) -> Callable[[], float]:
+
+def _stack_variants(
+    cfg: Config, n: int, variants: Dict[str, Tuple[Any, ...]], tmpdir: str
+) -> Dict[str, List[StackRun]]:
+    """Interleaved runs of ``_run_stack(*variants[k])``, each repeat in a rotating order."""
+    runs: Dict[str, List[StackRun]] = {k: [] for k in variants}
+
+    def run(k: str) -> Callable[[], float]:
         def f() -> float:
-            if impl == "bare":
-                bare.append(_bare_stack(n))
-                return 0.0
-            d = tempfile.mkdtemp(prefix=f"stack-{impl}-{period}-", dir=tmpdir)
-            t = make_stack_trainer(impl, period, n, d)
-            t0 = perf_ns()
-            t.train(0, n)
-            t1 = perf_ns()
-            runs[impl].append(((t.loop_end_ns - t0) / n / 1e3, (t1 - t0) / n / 1e3))
+            impl, period, *args = variants[k]
+            runs[k].append(_run_stack(impl, period, n, tmpdir, *args))
             return 0.0
 
         return f
 
-    _interleaved({k: run(k) for k in ("bare", "hl", "ref")}, cfg.stack_repeats)
+    _interleaved({k: run(k) for k in variants}, cfg.stack_repeats)
+    return runs
 
-    def over(impl: str, which: int) -> Stat:
-        return Stat.of([r[which] - b for r, b in zip(runs[impl], bare)])
 
+def _over(runs: Dict[str, List[StackRun]], k: str, field: str) -> Stat:
+    return Stat.over(
+        [getattr(r, field) for r in runs[k]], [getattr(r, field) for r in runs["bare"]]
+    )
+
+
+def _stack_case(cfg: Config, period: int, n: int, tmpdir: str) -> List[Row]:
+    runs = _stack_variants(
+        cfg, n, {"bare": ("bare", period), "hl": ("hl", period), "ref": ("ref", period)}, tmpdir
+    )
     target = 10.0 if period == 20 else 25.0
     nn = f"{n:,} × {cfg.stack_repeats}"
     return [
         Row("6", f"period {period}: bare model step (floor, absolute; incl. StepLR.step)",
-            "µs/iter", Stat.of(bare), None, nn),
-        Row("6", f"period {period}: default stack over bare, training loop (to the end of "
-            "the last iteration)", "µs/iter", over("hl", 0), over("ref", 0), nn,
-            f"≤ {target:g} µs", target),
-        Row("6", f"period {period}: same, including after_train (last write, close: waits "
-            "for writer threads)", "µs/iter", over("hl", 1), over("ref", 1), nn),
+            "µs/iter", Stat.of([r.wall for r in runs["bare"]]), None, nn),
+        Row("6", f"period {period}: default stack over bare, wall time to the end of the "
+            "last iteration", "µs/iter", _over(runs, "hl", "wall"), _over(runs, "ref", "wall"),
+            nn, f"≤ {target:g} µs", target),
+        Row("6", f"period {period}: same, training-thread CPU time (no waits, no preemption)",
+            "µs/iter", _over(runs, "hl", "cpu"), _over(runs, "ref", "cpu"), nn),
+        Row("6", f"period {period}: same, wall time including after_train (last write, "
+            "close: waits for writer threads)", "µs/iter", _over(runs, "hl", "wall_total"),
+            _over(runs, "ref", "wall_total"), nn),
+    ]  # fmt: skip
+
+
+_BREAKDOWN = (
+    ("IterationTimer + LRScheduler + write_metrics, no writer", (), "always"),
+    ("… + PeriodicWriter([CommonMetricPrinter])", ("printer",), "always"),
+    ("… + PeriodicWriter([JSONWriter])", ("json",), "always"),
+    ("… + PeriodicWriter([JSONWriter(fsync='never')])", ("json",), "never"),
+    ("… + PeriodicWriter([TensorboardXWriter])", ("tb",), "always"),
+)
+
+
+def bench_breakdown(cfg: Config, tmpdir: str) -> List[Row]:
+    """Where hookloop's period-1 stack spends its time: one writer at a time."""
+    n = cfg.stack_n[1]
+    variants: Dict[str, Tuple[Any, ...]] = {"bare": ("bare", 1)}
+    for k, (_, writers, fsync) in enumerate(_BREAKDOWN):
+        variants[str(k)] = ("hl", 1, writers, fsync)
+    runs = _stack_variants(cfg, n, variants, tmpdir)
+    nn = f"{n:,} × {cfg.stack_repeats}"
+    return [
+        Row("6b", f"hookloop, period 1: {what}, over bare, training-thread CPU time",
+            "µs/iter", _over(runs, str(k), "cpu"), None, nn,
+            note=f"wall: {_fmt(_over(runs, str(k), 'wall').median)} µs")
+        for k, (what, _, _) in enumerate(_BREAKDOWN)
     ]  # fmt: skip
 
 
@@ -840,12 +930,11 @@ def machine_info(argv: Sequence[str]) -> Dict[str, Any]:
     }
 
 
-SECTIONS = ("put_scalar", "memory", "loop", "write_metrics", "writers", "stack")
+SECTIONS = ("put_scalar", "memory", "loop", "write_metrics", "writers", "stack", "breakdown")
 
 
 def run_all(cfg: Config, tmpdir: str, log: Callable[[str], None] = lambda s: None) -> List[Row]:
     """Runs every section; memory first, while the heap is fresh. Returns rows in table order."""
-    configure_logging()
     found: Dict[str, List[Row]] = {}
     steps: List[Tuple[str, Callable[[], List[Row]]]] = [
         ("memory", lambda: bench_memory(cfg)),
@@ -854,11 +943,14 @@ def run_all(cfg: Config, tmpdir: str, log: Callable[[str], None] = lambda s: Non
         ("write_metrics", lambda: bench_write_metrics(cfg)),
         ("writers", lambda: bench_writers(cfg, tmpdir)),
         ("stack", lambda: bench_stack(cfg, tmpdir)),
+        ("breakdown", lambda: bench_breakdown(cfg, tmpdir)),
     ]
-    for name, fn in steps:
-        t0 = time.perf_counter()
-        found[name] = fn()
-        log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+    with printer_logging():
+        for name, fn in steps:
+            gc.collect()
+            t0 = time.perf_counter()
+            found[name] = fn()
+            log(f"  {name}: {time.perf_counter() - t0:.1f} s")
     return [r for name in SECTIONS for r in found[name]]
 
 

@@ -8,8 +8,6 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
-
 from hookloop.engine import (
     AMPTrainer,
     CallbackHook,
@@ -21,6 +19,7 @@ from hookloop.engine import (
     TrainerBase,
 )
 from hookloop.utils.events import EventWriter
+from torch import nn
 
 torch.set_num_threads(1)
 

@@ -8,8 +8,6 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
-
 from hookloop.engine import (
     CallbackHook,
     HookBase,
@@ -19,6 +17,7 @@ from hookloop.engine import (
     TrainerBase,
 )
 from hookloop.utils.events import EventWriter, get_event_storage
+from torch import nn
 
 torch.set_num_threads(1)
 

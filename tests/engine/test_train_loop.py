@@ -15,10 +15,9 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
-
 from hookloop.engine import AMPTrainer, HookBase, LRScheduler, SimpleTrainer, TrainerBase
 from hookloop.utils.events import EventStorage, get_event_storage
+from torch import nn
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-
 from hookloop.utils import comm
 
 torch.set_num_threads(1)
@@ -80,6 +79,10 @@ def _worker(rank, world_size, port, out_dir):
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
+    # gloo's threads can abort ("terminate called without an active exception") during
+    # interpreter teardown, a torch flake unrelated to what this test checks: the results are
+    # written, so leave without the teardown.
+    os._exit(0)
 
 
 @pytest.mark.slow

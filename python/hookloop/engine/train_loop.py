@@ -11,10 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import operator
 import time
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -82,6 +83,29 @@ class HookBase:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned; stateless hooks ignore it."""
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _STAGES:
+            self._stages_changed()
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        if name in _STAGES:
+            self._stages_changed()
+
+    def _stages_changed(self) -> None:
+        # A stage method set on the instance after registration: the trainer's dispatch table
+        # was built without it, so rebuild it.
+        trainer = self.__dict__.get("trainer")
+        if trainer is not None:
+            try:
+                trainer._hooks._sync()
+            except ReferenceError:  # the trainer is gone
+                pass
+
+
+_STAGES = frozenset(("before_train", "after_train", "before_step", "after_step", "after_backward"))
+
 
 class _HookList(list):
     """The trainer's hook list. Any change rebuilds the Rust dispatch table, so code that edits
@@ -116,12 +140,20 @@ class _HookList(list):
     del _name, _mutator
 
 
-def _check_iters(start_iter: Any, max_iter: Any) -> None:
+def _check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
+    """Both as ints (numpy ints accepted, as range() accepts them), or a clear error."""
+    out = []
     for name, value in (("start_iter", start_iter), ("max_iter", max_iter)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"train() {name} must be an int, got {type(value).__name__}")
+        if isinstance(value, bool):
+            raise TypeError(f"train() {name} must be an int, got bool")
+        try:
+            out.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"train() {name} must be an int, got {type(value).__name__}") from None
+    start_iter, max_iter = out
     if max_iter < start_iter:
         raise ValueError(f"train() max_iter ({max_iter}) must be >= start_iter ({start_iter})")
+    return start_iter, max_iter
 
 
 class TrainerBase:
@@ -183,7 +215,7 @@ class TrainerBase:
         Args:
             start_iter, max_iter (int): See docs above
         """
-        _check_iters(start_iter, max_iter)
+        start_iter, max_iter = _check_iters(start_iter, max_iter)
         logger.info("Starting training from iteration {}".format(start_iter))
 
         self.iter = self.start_iter = start_iter
@@ -355,7 +387,7 @@ class SimpleTrainer(TrainerBase):
 
     def _dispatch_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
         if self.async_write_metrics:
-            self._raise_async_errors(wait=False)
+            self._raise_async_errors()
             self._pending_writes.append(
                 self.concurrent_executor.submit(
                     self._write_metrics, loss_dict, data_time, iter=self.iter
@@ -364,10 +396,11 @@ class SimpleTrainer(TrainerBase):
         else:
             self._write_metrics(loss_dict, data_time)
 
-    def _raise_async_errors(self, wait: bool) -> None:
-        """Re-raises, on the training thread, an exception from an asynchronous metric write."""
+    def _raise_async_errors(self) -> None:
+        """Re-raises, on the training thread, an exception from a finished asynchronous metric
+        write (the oldest first)."""
         pending = self._pending_writes
-        while pending and (wait or pending[0].done()):
+        while pending and pending[0].done():
             pending.popleft().result()
 
     @property
@@ -465,7 +498,14 @@ class SimpleTrainer(TrainerBase):
         finally:
             self.concurrent_executor.shutdown(wait=True)
             self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._raise_async_errors(wait=True)
+        errors = [e for e in (f.exception() for f in self._pending_writes) if e is not None]
+        self._pending_writes.clear()
+        # A write that failed after the last step stops a run that otherwise succeeded; when
+        # training already failed (maybe on an earlier such error), later ones are its echo.
+        if errors and self.iter == self.max_iter:
+            raise errors[0]
+        for e in errors:
+            logger.error("Asynchronous metric write failed after training stopped: %r", e)
 
 
 def _mean(values: List[float]) -> float:

@@ -1,0 +1,83 @@
+"""The benchmark code in benches/ runs, and its detectron2-style baseline writes what hookloop
+writes. Sizes are tiny and no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterator, List, Tuple
+
+import pytest
+
+BENCHES = Path(__file__).resolve().parents[1] / "benches"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[Any]:
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_overhead
+
+        yield bench_overhead
+    finally:
+        sys.path.remove(str(BENCHES))
+
+
+def _lines(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_reference_metrics_json_is_byte_identical_to_hookloop(bench: Any, tmp_path: Path) -> None:
+    hl_text, ref_text = bench.json_parity_run(str(tmp_path), n_iter=45, period=7)
+    assert hl_text == ref_text
+    lines = [json.loads(line) for line in hl_text.splitlines()]
+    iterations = [line["iteration"] for line in lines]
+    # every 7th iteration and the last, plus the separate lines of the late metric
+    assert {6, 13, 20, 27, 34, 41, 44} <= set(iterations)
+    assert any(set(line) == {"iteration", "late"} for line in lines)
+    full = next(line for line in lines if line["iteration"] == 6)
+    assert {"total_loss", "loss_a", "loss_d", "data_time", "rank_data_time", "lr"} <= set(full)
+
+
+def _structure(path: Path) -> List[Tuple[int, List[str]]]:
+    return [(line["iteration"], sorted(line)) for line in _lines(path)]
+
+
+def test_default_stack_writes_the_same_files(bench: Any, tmp_path: Path) -> None:
+    # Times differ between runs, so compare what is written, not the values.
+    n, period = 23, 5
+    for impl in ("hl", "ref"):
+        d = tmp_path / impl
+        d.mkdir()
+        bench.make_stack_trainer(impl, period, n, str(d)).train(0, n)
+    hl, ref = (
+        _structure(tmp_path / "hl" / "metrics.json"),
+        _structure(tmp_path / "ref" / "metrics.json"),
+    )
+    assert hl == ref
+    assert [it for it, _ in hl] == [4, 9, 14, 19, 22]
+    assert "time" in hl[-1][1] and "lr" in hl[-1][1] and "loss_cls" in hl[-1][1]
+    for impl in ("hl", "ref"):
+        events = list((tmp_path / impl).glob("events.out.tfevents.*"))
+        assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_every_benchmark_runs(bench: Any, tmp_path: Path) -> None:
+    rows = bench.run_all(bench.Config.tiny(), str(tmp_path))
+    assert {r.section for r in rows} == {"1", "2", "3", "4", "5", "6", "6b"}
+    for r in rows:
+        assert r.hookloop is not None
+        for stat in (r.hookloop, r.reference):
+            if stat is not None:
+                assert math.isfinite(stat.median) and math.isfinite(stat.min)
+    table = bench.format_table(rows)
+    assert len(table.splitlines()) == len(rows) + 2
+    assert all(r.met is not None for r in rows if r.target)
+
+
+def test_main_refuses_a_debug_build(bench: Any, monkeypatch: Any, capsys: Any) -> None:
+    monkeypatch.setattr(bench.hookloop, "BUILD_PROFILE", "debug")
+    assert bench.main(["--quick"]) == 2
+    assert "debug" in capsys.readouterr().err

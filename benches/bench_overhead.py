@@ -152,7 +152,8 @@ class Row:
 
     @property
     def ratio(self) -> Optional[float]:
-        if self.hookloop is None or self.reference is None or self.hookloop.median <= 0:
+        # under one unit (ns, µs, MiB) hookloop's figure is noise, and so would the ratio be
+        if self.hookloop is None or self.reference is None or self.hookloop.median < 1.0:
             return None
         return self.reference.median / self.hookloop.median
 
@@ -787,10 +788,8 @@ def _stack_variants(
     return runs
 
 
-def _over(runs: Dict[str, List[StackRun]], k: str, field: str) -> Stat:
-    return Stat.over(
-        [getattr(r, field) for r in runs[k]], [getattr(r, field) for r in runs["bare"]]
-    )
+def _over(runs: Dict[str, List[StackRun]], k: str, attr: str) -> Stat:
+    return Stat.over([getattr(r, attr) for r in runs[k]], [getattr(r, attr) for r in runs["bare"]])
 
 
 def _stack_case(cfg: Config, period: int, n: int, tmpdir: str) -> List[Row]:

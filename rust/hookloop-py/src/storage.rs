@@ -133,7 +133,10 @@ impl PyEventStorage {
         }
         let mut state = self.lock();
         for (k, v) in &items {
-            state.core.put_scalar(k.to_str()?, *v, smoothing_hint, it).py_err()?;
+            state
+                .core
+                .put_scalar(k.to_str()?, *v, smoothing_hint, it)
+                .py_err()?;
         }
         drop(state);
         if let Some(e) = failure {

@@ -14,6 +14,8 @@ __all__ = [
     "JsonWriter",
     "MetricPrinter",
     "TensorboardWriter",
+    "_IterationTimerBase",
+    "_PeriodicWriterBase",
     "__version__",
     "flush_writers",
 ]
@@ -60,6 +62,9 @@ class EventStorage:
     def put_scalars(
         self, *, smoothing_hint: bool = True, cur_iter: Optional[_Iter] = None, **kwargs: Any
     ) -> None: ...
+    def _put_losses(
+        self, loss_dict: dict[str, Any], data_time: float, cur_iter: int, prefix: str
+    ) -> Optional[dict[str, float]]: ...
     def _put_image(self, img_name: str, img_tensor: Any) -> bool: ...
     def _put_histogram(
         self,
@@ -122,6 +127,27 @@ class Dispatcher:
         before_step: Optional[Any] = None,
         after_step: Optional[Any] = None,
     ) -> None: ...
+
+@disjoint_base
+class _IterationTimerBase:
+    def __new__(cls, warmup_iter: int = 3, *_args: Any, **_kwargs: Any) -> _IterationTimerBase: ...
+    @property
+    def _warmup_iter(self) -> int: ...
+    def _start(self) -> None: ...
+    def _elapsed(self) -> Tuple[float, float]: ...
+    def before_step(self) -> None: ...
+    def after_step(self) -> None: ...
+
+@disjoint_base
+class _PeriodicWriterBase:
+    def __new__(
+        cls, writers: Any, period: int = 20, *_args: Any, **_kwargs: Any
+    ) -> _PeriodicWriterBase: ...
+    @property
+    def _writers(self) -> list[Any]: ...
+    @property
+    def _period(self) -> int: ...
+    def after_step(self) -> None: ...
 
 @final
 class JsonWriter:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
 from collections import Counter
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 
+from hookloop import _core
 from hookloop.engine.train_loop import HookBase
 from hookloop.utils.events import EventWriter
 
@@ -21,45 +21,9 @@ __all__ = [
     "IterationTimer",
     "PeriodicWriter",
     "LRScheduler",
-    "Timer",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class Timer:
-    """A pausable wall-clock timer (fvcore's ``Timer``), on ``time.perf_counter``."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self._start = time.perf_counter()
-        self._paused: Optional[float] = None
-        self._total_paused = 0.0
-        self._count_start = 1
-
-    def pause(self) -> None:
-        if self._paused is not None:
-            raise ValueError("Trying to pause a Timer that is already paused!")
-        self._paused = time.perf_counter()
-
-    def is_paused(self) -> bool:
-        return self._paused is not None
-
-    def resume(self) -> None:
-        if self._paused is None:
-            raise ValueError("Trying to resume a Timer that is not paused!")
-        self._total_paused += time.perf_counter() - self._paused
-        self._paused = None
-        self._count_start += 1
-
-    def seconds(self) -> float:
-        end_time = self._paused if self._paused is not None else time.perf_counter()
-        return end_time - self._start - self._total_paused
-
-    def avg_seconds(self) -> float:
-        return self.seconds() / self._count_start
 
 
 class CallbackHook(HookBase):
@@ -100,7 +64,7 @@ class CallbackHook(HookBase):
             self._after_step(self.trainer)
 
 
-class IterationTimer(HookBase):
+class IterationTimer(_core._IterationTimerBase, HookBase):
     """Track the time spent for each iteration (each run_step call in the trainer). Print a
     summary in the end of training.
 
@@ -108,6 +72,9 @@ class IterationTimer(HookBase):
     :meth:`after_step` methods. Under the convention that :meth:`before_step` of all hooks
     should only take negligible amount of time, the :class:`IterationTimer` hook should be
     placed at the beginning of the list of hooks to obtain accurate timing.
+
+    ``before_step``/``after_step`` run in Rust (``hookloop._core._IterationTimerBase``); the
+    ``time`` scalar and the summary lines are detectron2's.
     """
 
     def __init__(self, warmup_iter: int = 3) -> None:
@@ -116,19 +83,14 @@ class IterationTimer(HookBase):
             warmup_iter (int): the number of iterations at the beginning to exclude from
                 timing.
         """
-        self._warmup_iter = warmup_iter
-        self._step_timer = Timer()
-        self._start_time = time.perf_counter()
-        self._total_timer = Timer()
+        if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int):
+            raise TypeError(f"warmup_iter must be an int, got {type(warmup_iter).__name__}")
 
     def before_train(self) -> None:
-        self._start_time = time.perf_counter()
-        self._total_timer.reset()
-        self._total_timer.pause()
+        self._start()
 
     def after_train(self) -> None:
-        total_time = time.perf_counter() - self._start_time
-        total_time_minus_hooks = self._total_timer.seconds()
+        total_time, total_time_minus_hooks = self._elapsed()
         hook_time = total_time - total_time_minus_hooks
 
         num_iter = self.trainer.storage.iter + 1 - self.trainer.start_iter - self._warmup_iter
@@ -151,28 +113,13 @@ class IterationTimer(HookBase):
             )
         )
 
-    def before_step(self) -> None:
-        self._step_timer.reset()
-        self._total_timer.resume()
 
-    def after_step(self) -> None:
-        # +1 because we're in after_step, the current step is done but not yet counted
-        iter_done = self.trainer.storage.iter - self.trainer.start_iter + 1
-        if iter_done >= self._warmup_iter:
-            sec = self._step_timer.seconds()
-            self.trainer.storage.put_scalars(time=sec)
-        else:
-            self._start_time = time.perf_counter()
-            self._total_timer.reset()
-
-        self._total_timer.pause()
-
-
-class PeriodicWriter(HookBase):
+class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
     """Write events to EventStorage (by calling ``writer.write()``) periodically.
 
     It is executed every ``period`` iterations and after the last iteration. Note that
-    ``period`` does not affect how data is smoothed by each writer.
+    ``period`` does not affect how data is smoothed by each writer. The per-step check runs
+    in Rust (``hookloop._core._PeriodicWriterBase``).
     """
 
     def __init__(self, writers: Iterable[EventWriter], period: int = 20) -> None:
@@ -181,20 +128,11 @@ class PeriodicWriter(HookBase):
             writers (list[EventWriter]): a list of EventWriter objects
             period (int): the period to write
         """
-        self._writers = list(writers)
         for w in self._writers:
             if not isinstance(w, EventWriter):
                 raise TypeError(f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter")
-        if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
-            raise ValueError(f"PeriodicWriter period must be a positive int, got {period!r}")
-        self._period = period
-
-    def after_step(self) -> None:
-        if (self.trainer.iter + 1) % self._period == 0 or (
-            self.trainer.iter == self.trainer.max_iter - 1
-        ):
-            for writer in self._writers:
-                writer.write()
+        if isinstance(period, bool) or not isinstance(period, int):
+            raise TypeError(f"PeriodicWriter period must be an int, got {type(period).__name__}")
 
     def after_train(self) -> None:
         for writer in self._writers:

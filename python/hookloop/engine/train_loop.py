@@ -447,14 +447,22 @@ class SimpleTrainer(TrainerBase):
             cur_iter (int): the iteration the metrics belong to
             prefix (str): prefix for logging keys
         """
-        # item() is what detectron2's v.detach().cpu().item() computes, at a third of the cost
-        # (it reads the value without building a detached tensor or a CPU copy).
-        metrics_dict: Dict[str, Any] = {k: v.item() for k, v in loss_dict.items()}
         storage = get_event_storage()
-
-        if comm.get_world_size() == 1:
+        if type(loss_dict) is dict and comm.get_world_size() == 1:
             # One process: the gathered list would be [metrics_dict], whose max and mean are
-            # its own values; skip the collective and the numpy calls.
+            # its own values. The whole write is one call into Rust, which reads each loss
+            # with item() (what detectron2's v.detach().cpu().item() computes, without
+            # building a detached tensor and a CPU copy).
+            not_finite = storage._put_losses(loss_dict, data_time, cur_iter, prefix)
+            if not_finite is not None:
+                raise FloatingPointError(
+                    f"Loss became infinite or NaN at iteration={cur_iter}!\n"
+                    f"loss_dict = {not_finite}"
+                )
+            return
+
+        metrics_dict: Dict[str, Any] = {k: v.item() for k, v in loss_dict.items()}
+        if comm.get_world_size() == 1:
             storage.put_scalars(rank_data_time=data_time, data_time=data_time, cur_iter=cur_iter)
         else:
             # Keep track of data time per rank

@@ -7,6 +7,7 @@ mod convert;
 mod dispatch;
 mod errors;
 mod history;
+mod hooks;
 mod storage;
 mod writers;
 
@@ -24,6 +25,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<history::PyHistoryBuffer>()?;
     m.add_class::<storage::PyEventStorage>()?;
     m.add_class::<dispatch::PyDispatcher>()?;
+    m.add_class::<hooks::PyIterationTimerBase>()?;
+    m.add_class::<hooks::PyPeriodicWriterBase>()?;
     m.add_class::<writers::PyJsonWriter>()?;
     m.add_class::<writers::PyTensorboardWriter>()?;
     m.add_class::<writers::PyMetricPrinter>()?;

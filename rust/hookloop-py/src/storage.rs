@@ -13,7 +13,7 @@ use hookloop_core::tfevents::HistogramPoint;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
-use pyo3::{PyTraverseError, PyVisit};
+use pyo3::{intern, PyTraverseError, PyVisit};
 
 use crate::convert::{iter_to_py, iteration, positive, scalar_value, type_name};
 use crate::errors::IntoPyResult;
@@ -143,6 +143,54 @@ impl PyEventStorage {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// The single-process body of `SimpleTrainer.write_metrics` in one crossing: reads each
+    /// loss with `.item()`, puts `rank_data_time`, `data_time`, `{prefix}total_loss` and (for
+    /// several losses) each loss at `cur_iter`. Returns None, or, when the total is not finite,
+    /// the `{name: value}` dict for the caller's `FloatingPointError` (then, as in detectron2,
+    /// only the two data times were put).
+    fn _put_losses<'py>(
+        &self,
+        py: Python<'py>,
+        loss_dict: &Bound<'py, PyDict>,
+        data_time: f64,
+        cur_iter: i64,
+        prefix: &str,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let item = intern!(py, "item");
+        let mut losses: Vec<(Bound<'py, PyString>, f64)> = Vec::with_capacity(loss_dict.len());
+        // Python's sum() starts from the int 0, and 0 + x == x for every float but -0.0,
+        // which 0.0 + x turns into 0.0 exactly as 0 + x does.
+        let mut total = 0.0;
+        for (k, v) in loss_dict.iter() {
+            let k = k.cast_into::<PyString>()?;
+            let value = scalar_value(k.to_str()?, &v.call_method0(item)?)?;
+            total += value;
+            losses.push((k, value));
+        }
+        let it = Some(Iter::Int(cur_iter));
+        let mut state = self.lock();
+        let core = &mut state.core;
+        core.put_scalar("rank_data_time", data_time, true, it)
+            .py_err()?;
+        core.put_scalar("data_time", data_time, true, it).py_err()?;
+        if !total.is_finite() {
+            drop(state);
+            let out = PyDict::new(py);
+            for (k, v) in &losses {
+                out.set_item(k, v)?;
+            }
+            return Ok(Some(out));
+        }
+        core.put_scalar(&format!("{prefix}total_loss"), total, true, it)
+            .py_err()?;
+        if losses.len() > 1 {
+            for (k, v) in &losses {
+                core.put_scalar(k.to_str()?, *v, true, it).py_err()?;
+            }
+        }
+        Ok(None)
     }
 
     /// Queues an image (kept as given) for the TensorBoard writer. Validation and conversion

@@ -185,8 +185,9 @@ class LRScheduler(HookBase):
     def after_step(self) -> None:
         optimizer: Any = self._optimizer
         lr = optimizer.param_groups[self._best_param_group_id]["lr"]
-        self.trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
-        self.scheduler.step()
+        trainer: Any = self.trainer
+        trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
+        (self._scheduler or trainer.scheduler).step()
 
     @property
     def scheduler(self) -> Any:

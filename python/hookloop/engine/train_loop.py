@@ -381,20 +381,21 @@ class SimpleTrainer(TrainerBase):
 
         self.after_backward()
 
-        self._dispatch_metrics(loss_dict, data_time)
+        if self.async_write_metrics:
+            self._submit_metrics(loss_dict, data_time)
+        else:
+            self._write_metrics(loss_dict, data_time)
 
         self.optimizer.step()
 
-    def _dispatch_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
-        if self.async_write_metrics:
-            self._raise_async_errors()
-            self._pending_writes.append(
-                self.concurrent_executor.submit(
-                    self._write_metrics, loss_dict, data_time, iter=self.iter
-                )
+    def _submit_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
+        """Writes metrics on the executor thread, after re-raising any earlier write's error."""
+        self._raise_async_errors()
+        self._pending_writes.append(
+            self.concurrent_executor.submit(
+                self._write_metrics, loss_dict, data_time, iter=self.iter
             )
-        else:
-            self._write_metrics(loss_dict, data_time)
+        )
 
     def _raise_async_errors(self) -> None:
         """Re-raises, on the training thread, an exception from a finished asynchronous metric
@@ -603,7 +604,10 @@ class AMPTrainer(SimpleTrainer):
 
         self.after_backward()
 
-        self._dispatch_metrics(loss_dict, data_time)
+        if self.async_write_metrics:
+            self._submit_metrics(loss_dict, data_time)
+        else:
+            self._write_metrics(loss_dict, data_time)
 
         self.grad_scaler.step(self.optimizer)
         self.grad_scaler.update()

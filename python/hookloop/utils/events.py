@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import socket
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional, Tuple, Union
 
@@ -395,8 +396,15 @@ class CommonMetricPrinter(EventWriter):
 
             max_mem_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
         line = self._native.format(storage, max_mem_mb)
-        if line is not None:
-            self.logger.info(line)
+        if line is not None and self.logger.isEnabledFor(logging.INFO):
+            # logger.info(line), without the stack walk that finds the caller: the record
+            # names this line as its origin, as logger.info would.
+            frame = sys._getframe()
+            record = self.logger.makeRecord(
+                self.logger.name, logging.INFO, frame.f_code.co_filename, frame.f_lineno,
+                line, None, None, "write",
+            )  # fmt: skip
+            self.logger.handle(record)
 
 
 def _cuda_available() -> bool:

@@ -67,11 +67,13 @@ pub enum Payload {
 
 /// A file owned by the writer thread.
 pub trait Sink: Send {
-    /// Formats and appends a payload; on error nothing partial stays in the file.
+    /// Formats a payload into the sink's buffer (no I/O; the thread calls `sync` once per
+    /// batch, so a burst of writes is one write call and at most one fsync).
     fn write(&mut self, payload: Payload) -> Result<()>;
-    /// Pushes written data to the disk if the policy says so after each batch.
+    /// Appends the buffer to the file in one write call (on error nothing partial stays in
+    /// the file), then fsyncs if the policy says so after each batch.
     fn sync(&mut self) -> Result<()>;
-    /// Final sync (per policy) and close.
+    /// Appends the buffer, syncs per policy, and closes.
     fn close(&mut self) -> Result<()>;
 }
 
@@ -79,6 +81,8 @@ pub trait Sink: Send {
 pub struct JsonSink {
     path: PathBuf,
     file: File,
+    /// Whole lines formatted but not yet written.
+    pending: String,
     /// Length of the file after the last whole write: where a failed write is cut back to.
     len: u64,
     fsync: FsyncPolicy,
@@ -104,6 +108,7 @@ impl JsonSink {
         Ok(JsonSink {
             path: path.to_owned(),
             file,
+            pending: String::new(),
             len,
             fsync,
         })
@@ -127,20 +132,12 @@ fn whole_lines_len(file: &mut File, len: u64) -> std::io::Result<u64> {
     Ok(0)
 }
 
-impl Sink for JsonSink {
-    fn write(&mut self, payload: Payload) -> Result<()> {
-        let Payload::Json(rows) = payload else {
-            return Ok(());
-        };
-        let mut text = String::new();
-        for row in &rows {
-            let scalars: Vec<(&str, f64)> =
-                row.scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-            text.push_str(&json_metrics_line(row.iter, &scalars));
-        }
-        if text.is_empty() {
+impl JsonSink {
+    fn write_pending(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
             return Ok(());
         }
+        let text = std::mem::take(&mut self.pending);
         // One write call: a killed process leaves whole lines; a failed one is cut back.
         if let Err(e) = self.file.write_all(text.as_bytes()) {
             let _ = self.file.set_len(self.len);
@@ -149,8 +146,24 @@ impl Sink for JsonSink {
         self.len += text.len() as u64;
         Ok(())
     }
+}
+
+impl Sink for JsonSink {
+    fn write(&mut self, payload: Payload) -> Result<()> {
+        let Payload::Json(rows) = payload else {
+            return Ok(());
+        };
+        for row in &rows {
+            let scalars: Vec<(&str, f64)> =
+                row.scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            self.pending
+                .push_str(&json_metrics_line(row.iter, &scalars));
+        }
+        Ok(())
+    }
 
     fn sync(&mut self) -> Result<()> {
+        self.write_pending()?;
         if self.fsync == FsyncPolicy::Always {
             self.file
                 .sync_data()
@@ -160,6 +173,7 @@ impl Sink for JsonSink {
     }
 
     fn close(&mut self) -> Result<()> {
+        self.write_pending()?;
         if self.fsync != FsyncPolicy::Never {
             self.file
                 .sync_data()
@@ -205,6 +219,21 @@ impl EventSink {
     }
 }
 
+impl EventSink {
+    fn write_pending(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        // EventFile::append writes once and cuts a failed write back to whole records.
+        let result = self
+            .file
+            .append(&self.buf)
+            .map_err(|e| Error::io(self.file.path(), e));
+        self.buf.clear();
+        result
+    }
+}
+
 impl Sink for EventSink {
     fn write(&mut self, payload: Payload) -> Result<()> {
         let Payload::Events {
@@ -216,28 +245,24 @@ impl Sink for EventSink {
         else {
             return Ok(());
         };
-        self.buf.clear();
+        // On a bad image encode_events leaves the buffer as it was.
         encode_events(&mut self.buf, wall_time, &scalars, &images, &histograms).map_err(|e| {
             Error::BadImage {
                 tag: String::new(),
                 reason: e.to_string(),
             }
-        })?;
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        self.file
-            .append(&self.buf)
-            .map_err(|e| Error::io(self.file.path(), e))
+        })
     }
 
     fn sync(&mut self) -> Result<()> {
+        self.write_pending()?;
         self.file
             .flush(self.fsync == FsyncPolicy::Always)
             .map_err(|e| Error::io(self.file.path(), e))
     }
 
     fn close(&mut self) -> Result<()> {
+        self.write_pending()?;
         self.file
             .flush(self.fsync != FsyncPolicy::Never)
             .map_err(|e| Error::io(self.file.path(), e))
@@ -289,7 +314,7 @@ struct Queue {
 }
 
 /// How often the writer thread looks for new writes while any writer is open.
-const POLL: Duration = Duration::from_millis(2);
+const POLL: Duration = Duration::from_millis(5);
 
 /// Messages queued before a sender waits for the thread: a writer that cannot keep up slows
 /// training down instead of growing memory without limit.
@@ -617,6 +642,7 @@ mod tests {
         std::fs::write(&path, "{\"iteration\": 1}\n{\"itera").unwrap();
         let mut sink = JsonSink::open(&path, FsyncPolicy::Never).unwrap();
         sink.write(Payload::Json(vec![row(2, &[])])).unwrap();
+        sink.sync().unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             "{\"iteration\": 1}\n{\"iteration\": 2}\n"
@@ -645,6 +671,7 @@ mod tests {
         let sink = JsonSink {
             path: path.clone(),
             file,
+            pending: String::new(),
             len: 0,
             fsync: FsyncPolicy::Never,
         };

@@ -402,7 +402,7 @@ class CommonMetricPrinter(EventWriter):
             frame = sys._getframe()
             record = self.logger.makeRecord(
                 self.logger.name, logging.INFO, frame.f_code.co_filename, frame.f_lineno,
-                line, None, None, "write",
+                line, (), None, "write",
             )  # fmt: skip
             self.logger.handle(record)
 

@@ -189,8 +189,7 @@ impl History {
     /// two middle values for an even count; NaN if any value in the window is NaN or the
     /// history is empty).
     pub fn median(&self, window_size: i64) -> crate::Result<f64> {
-        let mut window: Vec<f64> = self.window(window_size)?.copied().collect();
-        Ok(median_in_place(&mut window))
+        Ok(median_of(self.window(window_size)?))
     }
 
     /// The mean of the last `window_size` values, bit-identical to `numpy.mean` (which sums
@@ -299,25 +298,43 @@ impl History {
     }
 }
 
-/// `numpy.median` of a scratch slice, which it reorders.
-pub fn median_in_place(window: &mut [f64]) -> f64 {
-    let n = window.len();
-    if n == 0 || window.iter().any(|v| v.is_nan()) {
+/// An order-preserving integer key of a non-NaN float (-0.0 sorts just below +0.0): selecting
+/// on integers is several times faster than on floats with `total_cmp`.
+fn order_key(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
+    }
+}
+
+fn from_order_key(k: u64) -> f64 {
+    f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
+}
+
+/// `numpy.median` of `values`: NaN if any value is NaN or there are none.
+pub fn median_of<'a>(values: impl ExactSizeIterator<Item = &'a f64>) -> f64 {
+    let mut keys: Vec<u64> = Vec::with_capacity(values.len());
+    for &v in values {
+        if v.is_nan() {
+            return f64::NAN;
+        }
+        keys.push(order_key(v));
+    }
+    let n = keys.len();
+    if n == 0 {
         return f64::NAN;
     }
     let mid = n / 2;
-    let (lower, upper, _) = window.select_nth_unstable_by(mid, f64::total_cmp);
-    let upper = *upper;
+    let (lower, upper, _) = keys.select_nth_unstable(mid);
+    let upper = from_order_key(*upper);
     // numpy takes the mean of the middle value(s), and its sum starts from +0.0: so the
     // median of [-0.0] is 0.0, and of two middle values a, b it is (0 + (a + b)) / 2.
     if n % 2 == 1 {
         0.0 + upper
     } else {
-        let below = lower
-            .iter()
-            .copied()
-            .max_by(f64::total_cmp)
-            .unwrap_or(upper);
+        let below = lower.iter().copied().max().map_or(upper, from_order_key);
         (0.0 + (below + upper)) / 2.0
     }
 }
@@ -397,6 +414,25 @@ mod tests {
         assert_eq!(h.median(2).unwrap(), 6.5);
         h.update(f64::NAN, None);
         assert!(h.median(3).unwrap().is_nan());
+    }
+
+    #[test]
+    fn order_keys_sort_like_total_cmp() {
+        let mut xs = vec![
+            3.5,
+            -0.0,
+            0.0,
+            -1e300,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            5e-324,
+            -2.0,
+        ];
+        let mut keys: Vec<u64> = xs.iter().map(|&x| order_key(x)).collect();
+        keys.sort_unstable();
+        xs.sort_by(f64::total_cmp);
+        let back: Vec<u64> = keys.iter().map(|&k| from_order_key(k).to_bits()).collect();
+        assert_eq!(back, xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! Not synchronised itself: the binding wraps it in one `Mutex`, taken once per Python call.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use indexmap::IndexMap;
 use rustc_hash::FxBuildHasher;
@@ -26,7 +27,8 @@ pub struct Scalar {
 /// A scalar as writers see it: the smoothed (or latest) value and its iteration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SmoothedScalar {
-    pub name: String,
+    /// Shared with the storage's key: a snapshot costs a reference count, not an allocation.
+    pub name: Arc<str>,
     pub value: f64,
     pub iter: Iter,
 }
@@ -34,7 +36,7 @@ pub struct SmoothedScalar {
 /// detectron2's `EventStorage` state, minus the images (Python objects, kept by the binding).
 #[derive(Debug)]
 pub struct Storage {
-    scalars: IndexMap<String, Scalar, FxBuildHasher>,
+    scalars: IndexMap<Arc<str>, Scalar, FxBuildHasher>,
     iter: i64,
     prefix: String,
     max_length: usize,
@@ -123,7 +125,7 @@ impl Storage {
         let mut history = History::new(self.max_length)?;
         history.update(value, Some(iter));
         self.scalars.insert(
-            name.to_owned(),
+            Arc::from(name),
             Scalar {
                 history,
                 smoothing_hint: hint,
@@ -150,7 +152,7 @@ impl Storage {
 
     /// All scalars in the order they were first put.
     pub fn scalars(&self) -> impl ExactSizeIterator<Item = (&str, &Scalar)> {
-        self.scalars.iter().map(|(k, v)| (k.as_str(), v))
+        self.scalars.iter().map(|(k, v)| (&**k, v))
     }
 
     /// Number of distinct scalar names.

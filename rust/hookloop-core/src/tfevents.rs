@@ -274,7 +274,7 @@ impl From<png::EncodingError> for TfEventsError {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScalarPoint {
     /// Series name.
-    pub tag: String,
+    pub tag: std::sync::Arc<str>,
     /// The value; rounded to `f32` when written.
     pub value: f64,
     /// Global step.
@@ -837,7 +837,7 @@ mod tests {
         for (event, scalar) in events[..2].iter().zip(&scalars) {
             assert_eq!(event.step, scalar.step);
             let value = only_value(event);
-            assert_eq!(value.tag, scalar.tag);
+            assert_eq!(value.tag, &*scalar.tag);
             assert_eq!(
                 value.value,
                 Some(summary::value::Value::SimpleValue(scalar.value as f32))

@@ -50,7 +50,7 @@ impl FsyncPolicy {
 #[derive(Debug, Clone, PartialEq)]
 pub struct JsonRow {
     pub iter: Iter,
-    pub scalars: Vec<(String, f64)>,
+    pub scalars: Vec<(Arc<str>, f64)>,
 }
 
 /// What a writer hands to the thread.
@@ -154,8 +154,7 @@ impl Sink for JsonSink {
             return Ok(());
         };
         for row in &rows {
-            let scalars: Vec<(&str, f64)> =
-                row.scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let scalars: Vec<(&str, f64)> = row.scalars.iter().map(|(k, v)| (&**k, *v)).collect();
             self.pending
                 .push_str(&json_metrics_line(row.iter, &scalars));
         }
@@ -608,7 +607,7 @@ mod tests {
     fn row(iter: i64, scalars: &[(&str, f64)]) -> JsonRow {
         JsonRow {
             iter: Iter::Int(iter),
-            scalars: scalars.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            scalars: scalars.iter().map(|(k, v)| (Arc::from(*k), *v)).collect(),
         }
     }
 

@@ -315,7 +315,7 @@ impl PyEventStorage {
             .py_err()?;
         let out = PyDict::new(py);
         for s in items {
-            out.set_item(s.name, (s.value, iter_to_py(py, s.iter)?))?;
+            out.set_item(&*s.name, (s.value, iter_to_py(py, s.iter)?))?;
         }
         Ok(out)
     }

@@ -202,7 +202,11 @@ impl PyTensorboardWriter {
     ) -> PyResult<()> {
         let scalars = scalars
             .into_iter()
-            .map(|(tag, value, step)| ScalarPoint { tag, value, step })
+            .map(|(tag, value, step)| ScalarPoint {
+                tag: tag.into(),
+                value,
+                step,
+            })
             .collect();
         let mut imgs = Vec::with_capacity(images.len());
         for (tag, step, height, width, channels, pixels) in images {

@@ -29,13 +29,18 @@ __all__ = [
 _LOCAL_PROCESS_GROUP: Optional[Any] = None
 
 
+# Whether this torch build has torch.distributed at all; fixed for the process, and checked on
+# every metric write, so looked up once.
+_AVAILABLE = dist.is_available()
+
+
 def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return _AVAILABLE and dist.is_initialized()
 
 
 def get_world_size() -> int:
     """Number of processes in the default group (1 without torch.distributed)."""
-    return dist.get_world_size() if _initialized() else 1
+    return dist.get_world_size() if _AVAILABLE and dist.is_initialized() else 1
 
 
 def get_rank() -> int:

@@ -209,8 +209,10 @@ class JSONWriter(EventWriter):
             file exists; the file is opened (created) here, so an unwritable path fails now.
         window_size (int): the window size of median smoothing for scalars whose
             ``smoothing_hint`` is True.
-        fsync (str): ``"always"`` (default, as detectron2: fsync after each write, done on the
-            writer thread), ``"close"`` (only when closed) or ``"never"``.
+        fsync (str): ``"always"`` (default: the writer thread fsyncs each batch of lines it
+            writes, every 5 ms at most, so a line is on disk milliseconds after ``write()``;
+            detectron2 fsyncs inside each ``write()``), ``"close"`` (only when closed) or
+            ``"never"``.
     """
 
     def __init__(

@@ -334,3 +334,35 @@ def test_periodic_writer_on_failure_still_writes_and_closes():
     with pytest.raises(RuntimeError):
         trainer.train(0, 10)
     assert log == [("w", "write", 1), ("w", "write", 3), ("w", "write", 3), ("w", "close", 3)]
+
+
+def test_native_hooks_can_be_subclassed_with_their_own_constructors():
+    # IterationTimer and PeriodicWriter have Rust bases; a subclass with another signature (as
+    # research repos write) must still construct and behave like the base.
+    class Recorder(EventWriter):
+        def __init__(self):
+            self.iters = []
+
+        def write(self):
+            self.iters.append(get_event_storage().iter)
+
+    class NamedWriter(PeriodicWriter):
+        def __init__(self, name, writer):
+            self.name = name
+            super().__init__([writer], period=5)
+
+    class QuickTimer(IterationTimer):
+        def __init__(self, label):
+            self.label = label
+            super().__init__(warmup_iter=2)
+
+    rec = Recorder()
+    timer, writer = QuickTimer("t"), NamedWriter("w", rec)
+    trainer = NoopTrainer()
+    trainer.register_hooks([timer, writer])
+    trainer.train(0, 12)
+    assert rec.iters == [4, 9, 11, 12]
+    assert (timer.label, writer.name, timer._warmup_iter) == ("t", "w", 2)
+    # warmup_iter=2: iteration 0 is warmup (iter_done = 1 < 2), the other 11 are timed.
+    assert len(trainer.storage.history("time").values()) == 11
+    assert writer._writers == [rec] and writer._period == 5

@@ -85,6 +85,7 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         """
         if isinstance(warmup_iter, bool) or not isinstance(warmup_iter, int):
             raise TypeError(f"warmup_iter must be an int, got {type(warmup_iter).__name__}")
+        self._configure(warmup_iter)
 
     def before_train(self) -> None:
         self._start()
@@ -128,11 +129,13 @@ class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
             writers (list[EventWriter]): a list of EventWriter objects
             period (int): the period to write
         """
-        for w in self._writers:
+        writers = list(writers)
+        for w in writers:
             if not isinstance(w, EventWriter):
                 raise TypeError(f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter")
         if isinstance(period, bool) or not isinstance(period, int):
             raise TypeError(f"PeriodicWriter period must be an int, got {type(period).__name__}")
+        self._configure(writers, period)
 
     def after_train(self) -> None:
         for writer in self._writers:

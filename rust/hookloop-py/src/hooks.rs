@@ -54,6 +54,8 @@ impl Stopwatch {
 
 #[derive(Debug)]
 struct TimerState {
+    /// Iterations at the start excluded from timing.
+    warmup_iter: i64,
     /// When training (or, during warmup, the last warmup step) started.
     start: Instant,
     /// When the current step's before_step ran.
@@ -70,34 +72,39 @@ struct TimerState {
     frozen
 )]
 pub struct PyIterationTimerBase {
-    warmup_iter: i64,
     state: Mutex<TimerState>,
 }
 
 #[pymethods]
 impl PyIterationTimerBase {
+    /// Takes any arguments, so that subclasses keep their own constructor signatures; the
+    /// Python `__init__` configures it with `_configure`.
     #[new]
-    #[pyo3(signature = (warmup_iter = 3, *_args, **_kwargs))]
+    #[pyo3(signature = (*_args, **_kwargs))]
     fn new(
-        warmup_iter: i64,
         _args: &Bound<'_, pyo3::types::PyTuple>,
         _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> Self {
         let now = Instant::now();
+        let state = TimerState {
+            warmup_iter: 3,
+            start: now,
+            step_start: now,
+            in_steps: Stopwatch::paused(),
+        };
         PyIterationTimerBase {
-            warmup_iter,
-            state: Mutex::new(TimerState {
-                start: now,
-                step_start: now,
-                in_steps: Stopwatch::paused(),
-            }),
+            state: Mutex::new(state),
         }
+    }
+
+    fn _configure(&self, warmup_iter: i64) {
+        lock(&self.state).warmup_iter = warmup_iter;
     }
 
     /// The number of iterations excluded from timing at the start.
     #[getter]
     fn _warmup_iter(&self) -> i64 {
-        self.warmup_iter
+        lock(&self.state).warmup_iter
     }
 
     /// Restarts both clocks (called from `before_train`).
@@ -136,7 +143,7 @@ impl PyIterationTimerBase {
         let mut state = storage.lock();
         // +1 because we're in after_step, the current step is done but not yet counted
         let iter_done = state.core.iter() - start_iter + 1;
-        if iter_done >= this.warmup_iter {
+        if iter_done >= s.warmup_iter {
             let sec = now.duration_since(s.step_start).as_secs_f64();
             state.core.put_scalar("time", sec, true, None).py_err()?;
             s.in_steps.pause(now);
@@ -156,56 +163,67 @@ impl PyIterationTimerBase {
     frozen
 )]
 pub struct PyPeriodicWriterBase {
-    writers: Py<PyList>,
-    period: i64,
+    config: Mutex<(Py<PyList>, i64)>,
 }
 
 #[pymethods]
 impl PyPeriodicWriterBase {
+    /// Takes any arguments, so that subclasses keep their own constructor signatures; the
+    /// Python `__init__` configures it with `_configure`.
     #[new]
-    #[pyo3(signature = (writers, period = 20, *_args, **_kwargs))]
+    #[pyo3(signature = (*_args, **_kwargs))]
     fn new(
         py: Python<'_>,
-        writers: &Bound<'_, PyAny>,
-        period: i64,
         _args: &Bound<'_, pyo3::types::PyTuple>,
         _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
-    ) -> PyResult<Self> {
+    ) -> Self {
+        PyPeriodicWriterBase {
+            config: Mutex::new((PyList::empty(py).unbind(), 20)),
+        }
+    }
+
+    /// Sets the writers (any iterable, kept as a list) and the period (positive).
+    fn _configure(&self, writers: &Bound<'_, PyAny>, period: i64) -> PyResult<()> {
         if period <= 0 {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "PeriodicWriter period must be a positive int, got {period}"
             )));
         }
-        let writers = PyList::new(py, writers.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
-        Ok(PyPeriodicWriterBase {
-            writers: writers.unbind(),
-            period,
-        })
+        let list = PyList::new(
+            writers.py(),
+            writers.try_iter()?.collect::<PyResult<Vec<_>>>()?,
+        )?;
+        let old = std::mem::replace(&mut *lock(&self.config), (list.unbind(), period));
+        drop(old); // after unlocking: dropping the old list may run Python code
+        Ok(())
     }
 
     /// The writers, in order (a list; edits are honoured).
     #[getter]
     fn _writers(&self, py: Python<'_>) -> Py<PyList> {
-        self.writers.clone_ref(py)
+        lock(&self.config).0.clone_ref(py)
     }
 
     #[getter]
     fn _period(&self) -> i64 {
-        self.period
+        lock(&self.config).1
     }
 
     fn after_step(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
-        let this = slf.get();
+        let (writers, period) = {
+            let config = lock(&slf.get().config);
+            (config.0.clone_ref(py), config.1)
+        };
         let trainer = slf.getattr(intern!(py, "trainer"))?;
         let iter: i64 = trainer.getattr(intern!(py, "iter"))?.extract()?;
-        let due = (iter + 1) % this.period == 0 || {
+        let due = (iter + 1) % period == 0 || {
             let max_iter: i64 = trainer.getattr(intern!(py, "max_iter"))?.extract()?;
             iter == max_iter - 1
         };
         if due {
-            let writers = this.writers.bind(py).clone();
-            for w in writers.iter() {
+            // The lock is not held here: a writer may reconfigure this hook.
+            for w in writers.bind(py).iter() {
                 w.call_method0(intern!(py, "write"))?;
             }
         }
@@ -213,6 +231,9 @@ impl PyPeriodicWriterBase {
     }
 
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
-        visit.call(&self.writers)
+        if let Ok(config) = self.config.try_lock() {
+            visit.call(&config.0)?;
+        }
+        Ok(())
     }
 }

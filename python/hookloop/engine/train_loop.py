@@ -121,23 +121,26 @@ class _HookList(list):
     def _sync(self) -> None:
         self._dispatcher.set_hooks(self, HookBase)
 
-    def _mutator(name: str):  # type: ignore[misc]
-        base = getattr(list, name)
 
-        def method(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            result = base(self, *args, **kwargs)
-            self._sync()
-            return self if name in ("__iadd__", "__imul__") else result
+def _resyncing(name: str) -> Any:
+    """``list.<name>``, followed by a rebuild of the dispatch table."""
+    base = getattr(list, name)
 
-        method.__name__ = name
-        return method
+    def method(self: _HookList, *args: Any, **kwargs: Any) -> Any:
+        result = base(self, *args, **kwargs)
+        self._sync()
+        return self if name in ("__iadd__", "__imul__") else result
 
-    for _name in (
-        "append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
-        "__setitem__", "__delitem__", "__iadd__", "__imul__",
-    ):  # fmt: skip
-        locals()[_name] = _mutator(_name)
-    del _name, _mutator
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in (
+    "append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
+    "__setitem__", "__delitem__", "__iadd__", "__imul__",
+):  # fmt: skip
+    setattr(_HookList, _name, _resyncing(_name))
+del _name
 
 
 def _check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:

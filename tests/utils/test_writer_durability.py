@@ -211,3 +211,31 @@ def test_disk_full_is_reported_by_flush():
         except OSError as e:
             errors.append(e)
     assert errors and all("/dev/full" in str(e) for e in errors)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_cannot_write_through_the_parents_writer(tmp_path):
+    # A forked child (a DataLoader worker, say) inherits the writer but not its thread:
+    # writing must fail clearly, closing must not hang, and the parent's file stays whole.
+    from hookloop.utils.events import EventStorage, JSONWriter
+
+    path = tmp_path / "metrics.json"
+    writer = JSONWriter(path)
+    with EventStorage() as storage:
+        storage.put_scalar("a", 1.0)
+        writer.write()
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 1
+            try:
+                storage.step()
+                storage.put_scalar("a", 2.0)
+                writer.write()
+            except OSError as e:
+                code = 0 if "forked child" in str(e) and str(path) in str(e) else 2
+            writer.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        writer.close()
+    assert path.read_text() == '{"a": 1.0, "iteration": 0}\n'

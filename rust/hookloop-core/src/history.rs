@@ -418,7 +418,7 @@ mod tests {
 
     #[test]
     fn order_keys_sort_like_total_cmp() {
-        let mut xs = vec![
+        let mut xs = [
             3.5,
             -0.0,
             0.0,

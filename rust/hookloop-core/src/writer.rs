@@ -480,6 +480,9 @@ pub fn flush_all() -> Result<()> {
 /// The training thread's side of one open sink.
 pub struct SinkHandle {
     id: u64,
+    /// The process that opened it: a forked child inherits the handle but not the thread, so
+    /// it must not queue anything (nobody would write it, and a flush would wait forever).
+    pid: u32,
     queue: Arc<Queue>,
     status: Arc<Status>,
     kind: &'static str,
@@ -497,6 +500,7 @@ impl SinkHandle {
         queue.push(Msg::Open(id, sink, status.clone()), true);
         Ok(SinkHandle {
             id,
+            pid: std::process::id(),
             queue,
             status,
             kind,
@@ -507,6 +511,13 @@ impl SinkHandle {
 
     /// Raises the error the thread met since the last call, if any.
     pub fn check(&self) -> Result<()> {
+        if self.pid != std::process::id() {
+            let msg = format!(
+                "this {} was opened in process {}; a forked child cannot use it",
+                self.kind, self.pid
+            );
+            return Err(Error::io(&self.path, std::io::Error::other(msg)));
+        }
         if self.closed {
             return Err(Error::Closed {
                 writer: self.kind,
@@ -540,6 +551,9 @@ impl SinkHandle {
             return Ok(());
         }
         self.closed = true;
+        if self.pid != std::process::id() {
+            return Ok(()); // the parent owns the file; see `pid`
+        }
         let id = self.id;
         self.queue.round_trip(|ack| Msg::Close(id, ack));
         match self.status.take() {

@@ -114,7 +114,8 @@ impl PyDispatcher {
                 }
             }
         }
-        *lock(&self.table) = Arc::new(table);
+        let old = std::mem::replace(&mut *lock(&self.table), Arc::new(table));
+        drop(old); // after unlocking: dropping hooks may run Python code (__del__)
         Ok(())
     }
 
@@ -208,8 +209,11 @@ impl PyDispatcher {
     }
 
     fn __clear__(&self) {
-        if let Ok(mut table) = self.table.try_lock() {
-            *table = Arc::new(Table::default());
-        }
+        let old = self
+            .table
+            .try_lock()
+            .map(|mut t| std::mem::replace(&mut *t, Arc::new(Table::default())))
+            .ok();
+        drop(old); // after unlocking, as in set_hooks
     }
 }

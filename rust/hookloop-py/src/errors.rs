@@ -15,11 +15,14 @@ pub fn to_py(err: Error) -> PyErr {
         | Error::BadMaxLength(_)
         | Error::BadImage { .. }
         | Error::Closed { .. } => PyValueError::new_err(err.to_string()),
-        Error::Io { path, source } => {
-            let errno = source.raw_os_error().unwrap_or(0);
-            let message = source.to_string();
-            PyOSError::new_err((errno, message, path.display().to_string()))
-        }
+        Error::Io { path, source } => match source.raw_os_error() {
+            // OSError(errno, strerror, filename): sets .errno/.filename, as open() would.
+            Some(errno) => {
+                let message = source.to_string();
+                PyOSError::new_err((errno, message, path.display().to_string()))
+            }
+            None => PyOSError::new_err(format!("{source}: '{}'", path.display())),
+        },
     }
 }
 

@@ -15,6 +15,7 @@ __all__ = [
     "MetricPrinter",
     "TensorboardWriter",
     "_IterationTimerBase",
+    "_NativeWriter",
     "_PeriodicWriterBase",
     "__version__",
     "flush_writers",
@@ -149,12 +150,8 @@ class _PeriodicWriterBase:
     def _period(self) -> int: ...
     def after_step(self) -> None: ...
 
-@final
-class JsonWriter:
-    def __new__(
-        cls, json_file: Union[str, PathLike[str]], window_size: int = 20, fsync: str = "always"
-    ) -> JsonWriter: ...
-    def write(self, storage: EventStorage) -> None: ...
+@disjoint_base
+class _NativeWriter:
     def flush(self) -> None: ...
     def close(self) -> None: ...
     @property
@@ -165,7 +162,14 @@ class JsonWriter:
     def _last_write(self) -> float: ...
 
 @final
-class TensorboardWriter:
+class JsonWriter(_NativeWriter):
+    def __new__(
+        cls, json_file: Union[str, PathLike[str]], window_size: int = 20, fsync: str = "always"
+    ) -> JsonWriter: ...
+    def write(self, storage: EventStorage) -> None: ...
+
+@final
+class TensorboardWriter(_NativeWriter):
     def __new__(
         cls,
         log_dir: Union[str, PathLike[str]],
@@ -184,14 +188,6 @@ class TensorboardWriter:
         ] = ...,
         walltime: Optional[float] = None,
     ) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
-    @property
-    def path(self) -> str: ...
-    @property
-    def window_size(self) -> int: ...
-    @property
-    def _last_write(self) -> float: ...
 
 @final
 class MetricPrinter:

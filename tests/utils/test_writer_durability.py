@@ -80,7 +80,10 @@ def test_sigkill_mid_run_leaves_readable_files(tmp_path):
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read().decode()
-            if metrics.exists() and metrics.read_bytes().count(b"\n") >= 300:
+            # The writer thread writes both files at each of its 5 ms pickups, in no fixed
+            # order: wait until both exist, so the kill cannot fall between them.
+            events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+            if events and metrics.exists() and metrics.read_bytes().count(b"\n") >= 300:
                 break
             time.sleep(0.02)
         else:

@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use hookloop_core::printer::Printer;
 use hookloop_core::tfevents::{HistogramPoint, ImagePoint, ScalarPoint};
 use hookloop_core::writer::{
-    flush_all, group_new_by_iteration, EventSink, FsyncPolicy, JsonSink, Payload, SinkHandle,
+    flush_all, group_new_by_iteration, EventSink, FsyncPolicy, JsonSink, Payload, Sink, SinkHandle,
 };
 use hookloop_core::Error;
 use pyo3::exceptions::PyValueError;
@@ -36,64 +36,54 @@ fn wall_time() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// What both file writers share: the handle to their sink on the writer thread, the last
+/// iteration written, and their configuration.
 struct Native {
     handle: SinkHandle,
     last_write: f64,
 }
 
-/// metrics.json writer (`hookloop.utils.events.JSONWriter` wraps it).
-#[pyclass(name = "JsonWriter", module = "hookloop._core", frozen)]
-pub struct PyJsonWriter {
+/// Base of `JsonWriter` and `TensorboardWriter`: flush, close and the shared attributes.
+#[pyclass(name = "_NativeWriter", module = "hookloop._core", frozen, subclass)]
+pub struct PyNativeWriter {
     inner: Mutex<Native>,
     window_size: i64,
     path: PathBuf,
 }
 
-#[pymethods]
-impl PyJsonWriter {
-    #[new]
-    #[pyo3(signature = (json_file, window_size = 20, fsync = "always"))]
-    fn new(json_file: PathBuf, window_size: i64, fsync: &str) -> PyResult<Self> {
+impl PyNativeWriter {
+    fn open(
+        sink: Box<dyn Sink>,
+        kind: &'static str,
+        path: PathBuf,
+        window_size: i64,
+    ) -> PyResult<Self> {
         positive("window_size", window_size)?;
-        let sink = JsonSink::open(&json_file, fsync_policy(fsync)?).py_err()?;
-        let handle = SinkHandle::open(Box::new(sink), "JSONWriter", json_file.clone()).py_err()?;
-        Ok(PyJsonWriter {
+        let handle = SinkHandle::open(sink, kind, path.clone()).py_err()?;
+        Ok(PyNativeWriter {
             inner: Mutex::new(Native {
                 handle,
                 last_write: -1.0,
             }),
             window_size,
-            path: json_file,
+            path,
         })
     }
+}
 
-    /// Queues one line per iteration with scalars not yet written.
-    fn write(&self, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
-        let mut inner = lock(&self.inner);
-        inner.handle.check().py_err()?;
-        let smoothed = storage
-            .get()
-            .lock()
-            .core
-            .smoothed_newer_than(self.window_size, inner.last_write)
-            .py_err()?;
-        let rows = group_new_by_iteration(smoothed, &mut inner.last_write);
-        if rows.is_empty() {
-            return Ok(());
-        }
-        inner.handle.send(Payload::Json(rows)).py_err()
-    }
-
+#[pymethods]
+impl PyNativeWriter {
     /// Waits until everything queued is in the file (and fsynced per policy).
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| lock(&self.inner).handle.flush()).py_err()
     }
 
-    /// Writes what is queued, fsyncs (unless fsync='never') and closes the file.
+    /// Writes what is queued, fsyncs per policy and closes the file; closing twice is a no-op.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| lock(&self.inner).handle.close()).py_err()
     }
 
+    /// The file (for TensorBoard: the event file, created at the first write).
     #[getter]
     fn path(&self) -> PathBuf {
         self.path.clone()
@@ -111,19 +101,47 @@ impl PyJsonWriter {
     }
 }
 
-/// TensorBoard event-file writer (`hookloop.utils.events.TensorboardXWriter` wraps it).
-#[pyclass(name = "TensorboardWriter", module = "hookloop._core", frozen)]
-pub struct PyTensorboardWriter {
-    inner: Mutex<Native>,
-    window_size: i64,
-    path: PathBuf,
-}
+/// metrics.json writer (`hookloop.utils.events.JSONWriter` wraps it).
+#[pyclass(name = "JsonWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
+pub struct PyJsonWriter;
 
-impl PyTensorboardWriter {
-    fn send(&self, payload: Payload) -> PyResult<()> {
-        lock(&self.inner).handle.send(payload).py_err()
+#[pymethods]
+impl PyJsonWriter {
+    #[new]
+    #[pyo3(signature = (json_file, window_size = 20, fsync = "always"))]
+    fn new(
+        json_file: PathBuf,
+        window_size: i64,
+        fsync: &str,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        positive("window_size", window_size)?;
+        let sink = JsonSink::open(&json_file, fsync_policy(fsync)?).py_err()?;
+        let base = PyNativeWriter::open(Box::new(sink), "JSONWriter", json_file, window_size)?;
+        Ok(PyClassInitializer::from(base).add_subclass(PyJsonWriter))
+    }
+
+    /// Queues one line per iteration with scalars not yet written.
+    fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
+        let base = slf.as_super().get();
+        let mut inner = lock(&base.inner);
+        inner.handle.check().py_err()?;
+        let smoothed = storage
+            .get()
+            .lock()
+            .core
+            .smoothed_newer_than(base.window_size, inner.last_write)
+            .py_err()?;
+        let rows = group_new_by_iteration(smoothed, &mut inner.last_write);
+        if rows.is_empty() {
+            return Ok(());
+        }
+        inner.handle.send(Payload::Json(rows)).py_err()
     }
 }
+
+/// TensorBoard event-file writer (`hookloop.utils.events.TensorboardXWriter` wraps it).
+#[pyclass(name = "TensorboardWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
+pub struct PyTensorboardWriter;
 
 type ImageArg<'py> = (String, i64, u32, u32, u8, Bound<'py, PyBytes>);
 type HistArg = (String, i64, f64, f64, f64, f64, f64, Vec<f64>, Vec<f64>);
@@ -138,32 +156,24 @@ impl PyTensorboardWriter {
         hostname: &str,
         filename_suffix: &str,
         fsync: &str,
-    ) -> PyResult<Self> {
-        positive("window_size", window_size)?;
+    ) -> PyResult<PyClassInitializer<Self>> {
         let sink = EventSink::new(log_dir, hostname, filename_suffix, fsync_policy(fsync)?);
         let path = sink.path();
-        let handle =
-            SinkHandle::open(Box::new(sink), "TensorboardXWriter", path.clone()).py_err()?;
-        Ok(PyTensorboardWriter {
-            inner: Mutex::new(Native {
-                handle,
-                last_write: -1.0,
-            }),
-            window_size,
-            path,
-        })
+        let base = PyNativeWriter::open(Box::new(sink), "TensorboardXWriter", path, window_size)?;
+        Ok(PyClassInitializer::from(base).add_subclass(PyTensorboardWriter))
     }
 
     /// Queues new smoothed scalars and the storage's histograms; returns how many images wait
     /// in the storage (the Python layer converts those tensors and calls `add_points`).
-    fn write(&self, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
-        let mut inner = lock(&self.inner);
+    fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
+        let base = slf.as_super().get();
+        let mut inner = lock(&base.inner);
         inner.handle.check().py_err()?;
         let (smoothed, histograms, n_images) = {
             let mut state = storage.get().lock();
             let smoothed = state
                 .core
-                .smoothed_newer_than(self.window_size, inner.last_write)
+                .smoothed_newer_than(base.window_size, inner.last_write)
                 .py_err()?;
             (smoothed, state.core.take_histograms(), state.images.len())
         };
@@ -194,7 +204,7 @@ impl PyTensorboardWriter {
     /// bucket_limits, bucket_counts)`. PNG encoding happens on the writer thread.
     #[pyo3(signature = (scalars = vec![], images = vec![], histograms = vec![], walltime = None))]
     fn add_points(
-        &self,
+        slf: &Bound<'_, Self>,
         scalars: Vec<(String, f64, i64)>,
         images: Vec<ImageArg<'_>>,
         histograms: Vec<HistArg>,
@@ -258,31 +268,8 @@ impl PyTensorboardWriter {
             images: imgs,
             histograms,
         };
-        self.send(payload)
-    }
-
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| lock(&self.inner).handle.flush()).py_err()
-    }
-
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| lock(&self.inner).handle.close()).py_err()
-    }
-
-    /// The event file's path (created at the first write).
-    #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
-    }
-
-    #[getter]
-    fn window_size(&self) -> i64 {
-        self.window_size
-    }
-
-    #[getter]
-    fn _last_write(&self) -> f64 {
-        lock(&self.inner).last_write
+        let base = slf.as_super().get();
+        lock(&base.inner).handle.send(payload).py_err()
     }
 }
 

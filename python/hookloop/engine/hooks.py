@@ -145,9 +145,13 @@ class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
             writer.close()
 
 
-class LRScheduler(HookBase):
+class LRScheduler(_core._LRSchedulerBase, HookBase):
     """A hook which executes a torch builtin LR scheduler and summarizes the LR. It is
     executed after every iteration.
+
+    ``after_step`` (put ``lr``, step the scheduler) runs in Rust
+    (``hookloop._core._LRSchedulerBase``); it reads ``_optimizer``, ``_scheduler`` (else
+    ``trainer.scheduler``) and ``_best_param_group_id`` at each step.
     """
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None):
@@ -184,13 +188,6 @@ class LRScheduler(HookBase):
                 if len(g["params"]) == largest_group:
                     return i
         return 0
-
-    def after_step(self) -> None:
-        optimizer: Any = self._optimizer
-        lr = optimizer.param_groups[self._best_param_group_id]["lr"]
-        trainer: Any = self.trainer
-        trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
-        (self._scheduler or trainer.scheduler).step()
 
     @property
     def scheduler(self) -> Any:

@@ -18,11 +18,12 @@ from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hookloop import _core
 from hookloop.utils import comm
-from hookloop.utils.events import EventStorage, get_event_storage
+from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
 __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer"]
 
@@ -182,6 +183,10 @@ class TrainerBase:
         self.__hooks = _HookList(self._dispatcher)
         self.iter: int = 0
         self.start_iter: int = 0
+        if type(self).after_backward is TrainerBase.after_backward:
+            # run_step calls self.after_backward() every iteration: bind it straight to the
+            # dispatcher, which saves a Python frame. A subclass's own after_backward is kept.
+            self.after_backward = self._dispatcher.after_backward  # type: ignore[method-assign]
 
     @property
     def _hooks(self) -> List[HookBase]:
@@ -451,8 +456,9 @@ class SimpleTrainer(TrainerBase):
             cur_iter (int): the iteration the metrics belong to
             prefix (str): prefix for logging keys
         """
-        storage = get_event_storage()
-        if type(loss_dict) is dict and comm.get_world_size() == 1:
+        # get_event_storage() and comm.get_world_size() == 1, inlined: this runs every step.
+        storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
+        if type(loss_dict) is dict and not (comm._AVAILABLE and dist.is_initialized()):
             # One process: the gathered list would be [metrics_dict], whose max and mean are
             # its own values. The whole write is one call into Rust, which reads each loss
             # with item() (what detectron2's v.detach().cpu().item() computes, without

@@ -237,3 +237,52 @@ impl PyPeriodicWriterBase {
         Ok(())
     }
 }
+
+/// Base of `hookloop.engine.hooks.LRScheduler`: its per-step half. The Python class keeps
+/// `_optimizer`, `_scheduler` and `_best_param_group_id` as attributes (detectron2's names);
+/// this reads them at each step, so changing them takes effect at the next step.
+#[pyclass(name = "_LRSchedulerBase", module = "hookloop._core", subclass, frozen)]
+pub struct PyLRSchedulerBase;
+
+#[pymethods]
+impl PyLRSchedulerBase {
+    /// Takes any arguments, so that subclasses keep their own constructor signatures.
+    #[new]
+    #[pyo3(signature = (*_args, **_kwargs))]
+    fn new(
+        _args: &Bound<'_, pyo3::types::PyTuple>,
+        _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+    ) -> Self {
+        PyLRSchedulerBase
+    }
+
+    /// Puts the LR of the summarized param group as "lr" (not smoothed), then steps the
+    /// scheduler (`_scheduler`, else `trainer.scheduler`).
+    fn after_step(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let group = slf.getattr(intern!(py, "_best_param_group_id"))?;
+        let lr = slf
+            .getattr(intern!(py, "_optimizer"))?
+            .getattr(intern!(py, "param_groups"))?
+            .get_item(group)?
+            .get_item(intern!(py, "lr"))?;
+        let lr = crate::convert::scalar_value("lr", &lr)?;
+        let trainer = slf.getattr(intern!(py, "trainer"))?;
+        let storage = trainer.getattr(intern!(py, "storage"))?;
+        storage
+            .cast::<PyEventStorage>()?
+            .get()
+            .lock()
+            .core
+            .put_scalar("lr", lr, false, None)
+            .py_err()?;
+        let scheduler = slf.getattr(intern!(py, "_scheduler"))?;
+        let scheduler = if scheduler.is_truthy()? {
+            scheduler
+        } else {
+            trainer.getattr(intern!(py, "scheduler"))?
+        };
+        scheduler.call_method0(intern!(py, "step"))?;
+        Ok(())
+    }
+}

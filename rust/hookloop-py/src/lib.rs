@@ -27,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dispatch::PyDispatcher>()?;
     m.add_class::<hooks::PyIterationTimerBase>()?;
     m.add_class::<hooks::PyPeriodicWriterBase>()?;
+    m.add_class::<hooks::PyLRSchedulerBase>()?;
     m.add_class::<writers::PyNativeWriter>()?;
     m.add_class::<writers::PyJsonWriter>()?;
     m.add_class::<writers::PyTensorboardWriter>()?;

@@ -221,11 +221,12 @@ impl PyTensorboardWriter {
         let mut imgs = Vec::with_capacity(images.len());
         for (tag, step, height, width, channels, pixels) in images {
             let pixels = pixels.as_bytes().to_vec();
-            let expected = height as usize * width as usize * channels as usize;
+            // In u128: the product of two u32s and a u8 can overflow a u64.
+            let expected = u128::from(height) * u128::from(width) * u128::from(channels);
             if !matches!(channels, 1 | 3 | 4)
                 || height == 0
                 || width == 0
-                || pixels.len() != expected
+                || pixels.len() as u128 != expected
             {
                 return Err(crate::errors::to_py(Error::BadImage {
                     tag,

@@ -173,43 +173,34 @@ impl History {
         }
     }
 
-    fn window(
-        &self,
-        window_size: i64,
-    ) -> crate::Result<std::collections::vec_deque::Iter<'_, f64>> {
+    /// The last `window_size` values as the ring's two contiguous parts (oldest first).
+    fn window(&self, window_size: i64) -> crate::Result<(&[f64], &[f64])> {
         if window_size <= 0 {
             return Err(crate::Error::BadWindow(window_size));
         }
         let n = self.values.len();
         let k = usize::try_from(window_size).unwrap_or(usize::MAX).min(n);
-        Ok(self.values.range(n - k..))
+        let (front, back) = self.values.as_slices();
+        let start = n - k;
+        Ok(if start >= front.len() {
+            (&[][..], &back[start - front.len()..])
+        } else {
+            (&front[start..], back)
+        })
     }
 
     /// The median of the last `window_size` values, equal to `numpy.median` (the mean of the
     /// two middle values for an even count; NaN if any value in the window is NaN or the
     /// history is empty).
     pub fn median(&self, window_size: i64) -> crate::Result<f64> {
-        Ok(median_of(self.window(window_size)?))
+        let (a, b) = self.window(window_size)?;
+        Ok(median_of(a, b))
     }
 
     /// The mean of the last `window_size` values, bit-identical to `numpy.mean` (which sums
     /// pairwise, see `pairwise_sum`). NaN when empty.
     pub fn avg(&self, window_size: i64) -> crate::Result<f64> {
-        let (a, b) = {
-            let n = self.values.len();
-            if window_size <= 0 {
-                return Err(crate::Error::BadWindow(window_size));
-            }
-            let k = usize::try_from(window_size).unwrap_or(usize::MAX).min(n);
-            let (front, back) = self.values.as_slices();
-            // The window is the last k values of front ++ back.
-            let start = n - k;
-            if start >= front.len() {
-                (&[][..], &back[start - front.len()..])
-            } else {
-                (&front[start..], back)
-            }
-        };
+        let (a, b) = self.window(window_size)?;
         let k = a.len() + b.len();
         if k == 0 {
             return Ok(f64::NAN);
@@ -313,10 +304,10 @@ fn from_order_key(k: u64) -> f64 {
     f64::from_bits(if k >> 63 == 1 { k & !(1 << 63) } else { !k })
 }
 
-/// `numpy.median` of `values`: NaN if any value is NaN or there are none.
-pub fn median_of<'a>(values: impl ExactSizeIterator<Item = &'a f64>) -> f64 {
-    let mut keys: Vec<u64> = Vec::with_capacity(values.len());
-    for &v in values {
+/// `numpy.median` of `a` followed by `b`: NaN if any value is NaN or there are none.
+pub fn median_of(a: &[f64], b: &[f64]) -> f64 {
+    let mut keys: Vec<u64> = Vec::with_capacity(a.len() + b.len());
+    for &v in a.iter().chain(b) {
         if v.is_nan() {
             return f64::NAN;
         }

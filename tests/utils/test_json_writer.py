@@ -1,32 +1,16 @@
 """metrics.json: byte-for-byte what detectron2's JSONWriter writes (tests/compat/reference.py
 is the oracle), through PeriodicWriter and a real TrainerBase."""
 
-import importlib.util
 import json
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from compat import reference as ref
 from hookloop.engine import PeriodicWriter, TrainerBase
 from hookloop.utils.events import EventStorage, EventWriter, JSONWriter, get_event_storage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-
-def _load_reference():
-    name = "hookloop_tests_compat_reference"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "compat" / "reference.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-ref = _load_reference()
 
 UNICODE_NAME = "损失/ü"
 EMOJI_NAME = "emoji 😀/x"

@@ -1,32 +1,16 @@
 """CommonMetricPrinter: each logged line equals detectron2's (tests/compat/reference.py)."""
 
 import datetime
-import importlib.util
 import logging
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from compat import reference as ref
 from hookloop.utils.events import CommonMetricPrinter, EventStorage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-
-def _load_reference():
-    name = "hookloop_tests_compat_reference"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "compat" / "reference.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-ref = _load_reference()
 
 LOGGER = "hookloop.utils.events"
 ETA = r"eta: (\d+ days?, )?\d+:\d\d:\d\d  "

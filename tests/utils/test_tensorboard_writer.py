@@ -1,6 +1,5 @@
 """TensorBoard event files, read back with tensorboard's own reader (and its server)."""
 
-import importlib.util
 import io
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from compat import reference as ref
 from hookloop.engine import PeriodicWriter, TrainerBase
 from hookloop.utils.events import (
     EventStorage,
@@ -27,20 +27,6 @@ from hookloop.utils.events import (
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-
-def _load_reference():
-    name = "hookloop_tests_compat_reference"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "compat" / "reference.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-ref = _load_reference()
 
 ALL = {"scalars": 0, "images": 0, "histograms": 0, "compressedHistograms": 0, "tensors": 0}
 

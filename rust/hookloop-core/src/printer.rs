@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use crate::pyfmt::{format_f, format_g, timedelta_str};
-use crate::storage::Storage;
+use crate::storage::{windowed_median, Storage};
 use crate::Result;
 
 /// State of one printer: its configuration and the wall-clock fallback for the ETA.
@@ -68,8 +68,7 @@ impl Printer {
             if !is_loss && !is_metric {
                 continue;
             }
-            let n = s.history.count_recent(w).max(1) as i64;
-            let item = format!("{name}: {}", format_g(s.history.median(n)?, 4));
+            let item = format!("{name}: {}", format_g(windowed_median(&s.history, w)?, 4));
             if is_loss {
                 losses.push(item.clone());
             }

@@ -171,13 +171,6 @@ impl Storage {
         Ok(self.scalar(name)?.history.count_recent(window_size))
     }
 
-    /// The median over the last `window_size` iterations of `name` — the value detectron2's
-    /// writers show for a smoothed scalar.
-    pub fn windowed_median(&self, name: &str, window_size: i64) -> Result<f64> {
-        let history = &self.scalar(name)?.history;
-        windowed_median(history, window_size)
-    }
-
     /// detectron2's `latest_with_smoothing_hint`: per scalar, the median over the last
     /// `window_size` iterations if its hint is set, else its latest value; with the latest
     /// iteration. In first-put order.
@@ -239,8 +232,9 @@ impl Storage {
     }
 }
 
-/// Median over the entries of the last `window_size` iterations (at least one entry).
-fn windowed_median(history: &History, window_size: i64) -> Result<f64> {
+/// Median over the entries of the last `window_size` iterations (at least one entry): the
+/// value detectron2's writers and printer show for a smoothed scalar.
+pub fn windowed_median(history: &History, window_size: i64) -> Result<f64> {
     if window_size <= 0 {
         return Err(Error::BadWindow(window_size));
     }

@@ -561,16 +561,6 @@ impl SinkHandle {
             None => Ok(()),
         }
     }
-
-    /// Whether `close()` was called.
-    pub fn is_closed(&self) -> bool {
-        self.closed
-    }
-
-    /// The path in errors.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
 }
 
 impl Drop for SinkHandle {

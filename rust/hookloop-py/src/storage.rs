@@ -195,12 +195,7 @@ impl PyEventStorage {
 
     /// Queues an image (kept as given) for the TensorBoard writer. Validation and conversion
     /// happen in Python (`hookloop.utils.events`); this only stores it.
-    fn _put_image(
-        &self,
-        py: Python<'_>,
-        img_name: String,
-        img_tensor: Py<PyAny>,
-    ) -> PyResult<bool> {
+    fn _put_image(&self, img_name: String, img_tensor: Py<PyAny>) -> PyResult<bool> {
         let (dropped, first_drop) = {
             let mut state = self.lock();
             let iter = state.core.iter();
@@ -218,7 +213,6 @@ impl PyEventStorage {
         };
         // Dropped after unlocking: the object's __del__ may call back into this storage.
         drop(dropped);
-        let _ = py;
         Ok(first_drop)
     }
 

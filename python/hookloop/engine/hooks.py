@@ -88,7 +88,15 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         self._configure(warmup_iter)
 
     def before_train(self) -> None:
-        self._start()
+        self._start(self.trainer.storage, self.trainer.start_iter)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**HookBase.__getstate__(self), "_warmup_iter": self._warmup_iter}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        self._configure(state.pop("_warmup_iter"))
+        HookBase.__setstate__(self, state)
 
     def after_train(self) -> None:
         total_time, total_time_minus_hooks = self._elapsed()
@@ -115,12 +123,12 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         )
 
 
-class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
+class PeriodicWriter(HookBase):
     """Write events to EventStorage (by calling ``writer.write()``) periodically.
 
     It is executed every ``period`` iterations and after the last iteration. Note that
-    ``period`` does not affect how data is smoothed by each writer. The per-step check runs
-    in Rust (``hookloop._core._PeriodicWriterBase``).
+    ``period`` does not affect how data is smoothed by each writer. Between periods the
+    dispatcher does not call it at all (its period filter, the core's one period rule).
     """
 
     def __init__(self, writers: Iterable[EventWriter], period: int = 20) -> None:
@@ -135,7 +143,22 @@ class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
                 raise TypeError(f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter")
         if isinstance(period, bool) or not isinstance(period, int):
             raise TypeError(f"PeriodicWriter period must be an int, got {type(period).__name__}")
-        self._configure(writers, period)
+        if period <= 0:
+            raise ValueError(f"PeriodicWriter period must be a positive int, got {period}")
+        self._writers = writers
+        self._period = period
+
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        # Only this class's own after_step follows the period; a subclass's may not.
+        if stage == "after_step" and type(self).after_step is PeriodicWriter.after_step:
+            return self._period
+        return None
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        if _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
+            for writer in self._writers:
+                writer.write()
 
     def after_train(self) -> None:
         for writer in self._writers:
@@ -150,8 +173,8 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
     executed after every iteration.
 
     ``after_step`` (put ``lr``, step the scheduler) runs in Rust
-    (``hookloop._core._LRSchedulerBase``); it reads ``_optimizer``, ``_scheduler`` (else
-    ``trainer.scheduler``) and ``_best_param_group_id`` at each step.
+    (``hookloop._core._LRSchedulerBase``). ``_optimizer``, ``_scheduler`` and
+    ``_best_param_group_id`` are that base's state: setting one takes effect at the next step.
     """
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None):
@@ -167,7 +190,25 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
     def before_train(self) -> None:
         trainer: Any = self.trainer
         self._optimizer = self._optimizer or trainer.optimizer
+        if self._scheduler is None:
+            self._scheduler = trainer.scheduler
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
+        self._start(trainer.storage)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {
+            **HookBase.__getstate__(self),
+            "_optimizer": self._optimizer,
+            "_scheduler": self._scheduler,
+            "_best_param_group_id": self._best_param_group_id,
+        }
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        self._optimizer = state.pop("_optimizer")
+        self._scheduler = state.pop("_scheduler")
+        self._best_param_group_id = state.pop("_best_param_group_id")
+        HookBase.__setstate__(self, state)
 
     @staticmethod
     def get_best_param_group_id(optimizer: torch.optim.Optimizer) -> int:
@@ -191,8 +232,10 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
 
     @property
     def scheduler(self) -> Any:
+        if self._scheduler is not None:
+            return self._scheduler
         trainer: Any = self.trainer
-        return self._scheduler or trainer.scheduler
+        return trainer.scheduler
 
     def state_dict(self) -> Dict[str, Any]:
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):

@@ -248,53 +248,13 @@ pub fn write_json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// One line of detectron2's `metrics.json`, newline included:
-/// `json.dumps(d, sort_keys=True) + "\n"` where `d = dict(scalars)` and then
-/// `d["iteration"] = iteration`. A later duplicate name replaces an earlier one, and the
-/// integer `iteration` replaces a scalar of that name, as dict assignment does. Keys sort
-/// by code point, which is `str`'s byte order in UTF-8.
-pub fn json_metrics_line(iteration: crate::history::Iter, scalars: &[(&str, f64)]) -> String {
-    // `None` stands for the integer iteration; it is pushed last, so it wins over any
-    // scalar named "iteration" just as the later of two duplicate scalars wins.
-    let mut entries: Vec<(&str, Option<f64>)> =
-        scalars.iter().map(|&(n, v)| (n, Some(v))).collect();
-    entries.push(("iteration", None));
-    // Stable: equal names stay in input order, so the last of each run is the one kept.
-    entries.sort_by(|a, b| a.0.cmp(b.0));
-
-    let mut out = String::with_capacity(16 + 32 * entries.len());
-    out.push('{');
-    let mut first = true;
-    for (k, &(name, value)) in entries.iter().enumerate() {
-        if entries.get(k + 1).is_some_and(|next| next.0 == name) {
-            continue;
-        }
-        if !first {
-            out.push_str(", ");
-        }
-        first = false;
-        write_json_str(&mut out, name);
-        out.push_str(": ");
-        match value {
-            Some(v) => write_repr_f64(&mut out, v),
-            None => match iteration {
-                crate::history::Iter::Int(i) => {
-                    let _ = write!(out, "{i}");
-                }
-                crate::history::Iter::Float(f) => write_repr_f64(&mut out, f),
-            },
-        }
-    }
-    out.push_str("}\n");
-    out
-}
-
 #[cfg(test)]
 mod tests {
     //! Every expected string below was produced by CPython 3.11 (`repr`, `format`,
     //! `json.dumps`, `str(timedelta)`), not written by hand.
 
     use super::*;
+    use crate::jsonl::json_metrics_line;
 
     /// (iteration, scalars, expected line).
     type MetricsCase = (i64, &'static [(&'static str, f64)], &'static str);

@@ -48,7 +48,7 @@ class ProgressBar(EventWriter):
 
     Args:
         max_iter (int): the number of iterations of the run, for the ETA; None shows only
-            the count and the rate.
+            the count and the rate (and the write after training then counts one more).
         window_size (int): ``total_loss`` is the median over this many recent values, as
             :class:`CommonMetricPrinter` smooths it.
         file (file object): where to draw; ``sys.stderr`` by default.
@@ -114,12 +114,20 @@ class ProgressBar(EventWriter):
         if self._bar is None:
             return
         try:
-            if has_event_storage():
-                self._draw(get_event_storage())
+            if has_event_storage():  # the last state, which tqdm's close() then draws
+                storage = get_event_storage()
+                self._bar.set_postfix_str(self._postfix(storage), refresh=False)
+                self._bar.n = max(self._bar.n, self._done(storage))
             self._bar.close()
         finally:
             self._bar = None
             self._unpatch_handlers()
+
+    def _done(self, storage: Any) -> int:
+        # write() runs after the step of storage.iter, or after training, when storage.iter
+        # is max_iter.
+        done = storage.iter + 1
+        return done if self._max_iter is None else min(done, self._max_iter)
 
     def _postfix(self, storage: Any) -> str:
         parts = []
@@ -138,7 +146,7 @@ class ProgressBar(EventWriter):
         return ", ".join(parts)
 
     def _draw(self, storage: Any) -> None:
-        done = storage.iter + 1  # write() runs after the step of storage.iter
+        done = self._done(storage)
         postfix = self._postfix(storage)
         if self._bar is None:
             self._bar = self._tqdm(

@@ -37,8 +37,9 @@ def _run(bar, iters, log_at=None, logger=None):
 
 
 def _segments(text):
-    """What a terminal shows, line by line: the text after the last carriage return."""
-    return [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+    """What a terminal shows, line by line: the text after the last carriage return (tqdm pads
+    a redraw with spaces where the previous one was longer)."""
+    return [line.rsplit("\r", 1)[-1].rstrip(" ") for line in text.split("\n")]
 
 
 def test_terminal_shows_iteration_rate_eta_loss_and_lr():

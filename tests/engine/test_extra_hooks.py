@@ -215,6 +215,8 @@ def test_profilers_reject_bad_arguments(tmp_path):
         TorchProfiler(True, tmp_path)
     with pytest.raises(TypeError, match="output_dir"):
         TorchProfiler(lambda t: True, 3)
+    with pytest.raises(TypeError, match="activities"):
+        TorchProfiler(lambda t: True, tmp_path, activities=1)
     with pytest.raises(TypeError, match="enable_predicate"), pytest.warns(DeprecationWarning):
         AutogradProfiler(None, tmp_path)
 

@@ -359,6 +359,11 @@ class TorchProfiler(HookBase):
             "TorchProfiler", "enable_predicate", enable_predicate
         )
         self._output_dir = _path_arg("TorchProfiler", "output_dir", output_dir)
+        if activities is not None and not isinstance(activities, Iterable):
+            raise TypeError(
+                f"TorchProfiler activities must be an iterable or None, "
+                f"got {type(activities).__name__}"
+            )
         self._activities = None if activities is None else list(activities)
         self._save_tensorboard = bool(save_tensorboard)
         self._profiler: Any = None

@@ -105,6 +105,15 @@ def update_bn_stats(
     ]
     if not bn_layers:
         return
+    tqdm_class: Any = None
+    if progress == "tqdm":
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            raise ImportError(
+                "update_bn_stats(progress='tqdm') needs tqdm: pip install 'hookloop[progress]'"
+            ) from None
+        tqdm_class = tqdm
 
     # bn.running_mean = (1 - momentum) * bn.running_mean + momentum * batch_mean: with
     # momentum 1/k at a layer's k-th call, running_mean after k calls is the average of the k
@@ -121,11 +130,7 @@ def update_bn_stats(
         return hook
 
     handles = [bn.register_forward_pre_hook(counting_hook(bn, i)) for i, bn in enumerate(bn_layers)]
-    bar: Any = None
-    if progress == "tqdm":
-        from tqdm import tqdm
-
-        bar = tqdm(total=num_iters)
+    bar = None if tqdm_class is None else tqdm_class(total=num_iters)
     done = 0
     ok = False
     try:

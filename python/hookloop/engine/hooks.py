@@ -246,3 +246,334 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
             logger.info("Loading scheduler from state_dict ...")
             self.scheduler.load_state_dict(dict(state_dict))
+
+
+# ----------------------------------------------------------------------------------------------
+# PreciseBN, the profilers and TorchMemoryStats (detectron2's hooks of the same names).
+
+import itertools  # noqa: E402
+import os  # noqa: E402
+import warnings  # noqa: E402
+from typing import Iterator, Union  # noqa: E402
+
+from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats  # noqa: E402
+from hookloop.utils import comm  # noqa: E402
+from hookloop.utils.events import EventStorage  # noqa: E402
+
+__all__ += ["PreciseBN", "TorchProfiler", "AutogradProfiler", "TorchMemoryStats"]
+
+
+def _int_arg(owner: str, name: str, value: Any, minimum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner} {name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{owner} {name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _callable_arg(owner: str, name: str, value: Any) -> Callable[..., Any]:
+    if not callable(value):
+        raise TypeError(f"{owner} {name} must be callable, got {type(value).__name__}")
+    return value
+
+
+def _path_arg(owner: str, name: str, value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{owner} {name} must be a str or os.PathLike, got {type(value).__name__}")
+    return os.fspath(value)
+
+
+class PreciseBN(HookBase):
+    """The standard implementation of BatchNorm uses EMA in inference, which is sometimes
+    suboptimal. This class computes the true average of statistics rather than the moving
+    average, and put true averages to every BN layer in the given model.
+
+    It is executed every ``period`` iterations and after the last iteration.
+    """
+
+    def __init__(
+        self, period: int, model: torch.nn.Module, data_loader: Iterable[Any], num_iter: int
+    ) -> None:
+        """
+        Args:
+            period (int): the period this hook is run, or 0 to not run during training.
+                The hook will always run in the end of training.
+            model (nn.Module): a module whose all BN layers in training mode will be
+                updated by precise BN. Note that user is responsible for ensuring the BN
+                layers to be updated are in training mode when this hook is triggered.
+            data_loader (iterable): it will produce data to be run by `model(data)`. One
+                iterator is made from it, at the first run, and later runs continue it.
+            num_iter (int): number of iterations used to compute the precise statistics.
+        """
+        self._logger = logger
+        self._period = _int_arg("PreciseBN", "period", period)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"PreciseBN model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if not isinstance(data_loader, Iterable):
+            raise TypeError(
+                f"PreciseBN data_loader must be iterable, got {type(data_loader).__name__}"
+            )
+        self._num_iter = _int_arg("PreciseBN", "num_iter", num_iter, minimum=1)
+        self._model = model
+        self._data_loader = data_loader
+        self._data_iter: Optional[Iterator[Any]] = None
+        self._disabled = len(get_bn_modules(model)) == 0
+        if self._disabled:
+            self._logger.info(
+                "PreciseBN is disabled because model does not contain BN layers in training mode."
+            )
+
+    def after_step(self) -> None:
+        if self._disabled:
+            return
+        next_iter = self.trainer.iter + 1
+        is_final = next_iter == self.trainer.max_iter
+        if is_final or (self._period > 0 and next_iter % self._period == 0):
+            self.update_stats()
+
+    def update_stats(self) -> None:
+        """Update the model with precise statistics. Users can manually call this method."""
+        if self._disabled:
+            return
+        if self._data_iter is None:
+            self._data_iter = iter(self._data_loader)
+        data_iter = self._data_iter
+
+        def data_loader() -> Iterator[Any]:
+            for num_iter in itertools.count(1):
+                if num_iter % 100 == 0:
+                    self._logger.info(
+                        "Running precise-BN ... {}/{} iterations.".format(num_iter, self._num_iter)
+                    )
+                # This way we can reuse the same iterator
+                try:
+                    batch = next(data_iter)
+                except StopIteration:
+                    return
+                yield batch
+
+        with EventStorage():  # capture events in a new storage to discard them
+            self._logger.info(
+                "Running precise-BN for {} iterations...  ".format(self._num_iter)
+                + "Note that this could produce different statistics every time."
+            )
+            update_bn_stats(self._model, data_loader(), self._num_iter)
+
+
+class TorchProfiler(HookBase):
+    """A hook which runs `torch.profiler.profile`.
+
+    Examples:
+    ::
+        hooks.TorchProfiler(
+             lambda trainer: 10 < trainer.iter < 20, self.cfg.OUTPUT_DIR
+        )
+
+    The above example will run the profiler for iteration 10~20 and dump
+    results to ``OUTPUT_DIR``. We did not profile the first few iterations
+    because they are typically slower than the rest.
+    The result files can be loaded in the ``chrome://tracing`` page in chrome browser,
+    and the tensorboard visualizations can be visualized using
+    ``tensorboard --logdir OUTPUT_DIR/log``
+    """
+
+    def __init__(
+        self,
+        enable_predicate: Callable[[Any], bool],
+        output_dir: Union[str, os.PathLike[str]],
+        *,
+        activities: Optional[Iterable[Any]] = None,
+        save_tensorboard: bool = True,
+    ) -> None:
+        """
+        Args:
+            enable_predicate (callable[trainer -> bool]): a function which takes a trainer,
+                and returns whether to enable the profiler.
+                It will be called once every step, and can be used to select which steps to
+                profile.
+            output_dir (str): the output directory to dump tracing files.
+            activities (iterable): same as in `torch.profiler.profile`.
+            save_tensorboard (bool): whether to save tensorboard visualizations at
+                (output_dir)/log/
+        """
+        self._enable_predicate = _callable_arg(
+            "TorchProfiler", "enable_predicate", enable_predicate
+        )
+        self._output_dir = _path_arg("TorchProfiler", "output_dir", output_dir)
+        if activities is not None and not isinstance(activities, Iterable):
+            raise TypeError(
+                f"TorchProfiler activities must be an iterable or None, "
+                f"got {type(activities).__name__}"
+            )
+        self._activities = None if activities is None else list(activities)
+        self._save_tensorboard = bool(save_tensorboard)
+        self._profiler: Any = None
+
+    def before_step(self) -> None:
+        if self._enable_predicate(self.trainer):
+            if self._save_tensorboard:
+                on_trace_ready = torch.profiler.tensorboard_trace_handler(
+                    os.path.join(
+                        self._output_dir,
+                        "log",
+                        "profiler-tensorboard-iter{}".format(self.trainer.iter),
+                    ),
+                    f"worker{comm.get_rank()}",
+                )
+            else:
+                on_trace_ready = None
+            self._profiler = torch.profiler.profile(
+                activities=self._activities,
+                on_trace_ready=on_trace_ready,
+                record_shapes=True,
+                profile_memory=True,
+                with_stack=True,
+                with_flops=True,
+            )
+            self._profiler.__enter__()
+        else:
+            self._profiler = None
+
+    def after_step(self) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        if not self._save_tensorboard:
+            os.makedirs(self._output_dir, exist_ok=True)
+            out_file = os.path.join(
+                self._output_dir, "profiler-trace-iter{}.json".format(self.trainer.iter)
+            )
+            profiler.export_chrome_trace(out_file)
+
+    def after_train(self) -> None:
+        # A step that raised left its profiler running; only one can run per process.
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)
+
+
+class AutogradProfiler(TorchProfiler):
+    """A hook which runs `torch.autograd.profiler.profile`.
+
+    Examples:
+    ::
+        hooks.AutogradProfiler(
+             lambda trainer: 10 < trainer.iter < 20, self.cfg.OUTPUT_DIR
+        )
+
+    The above example will run the profiler for iteration 10~20 and dump
+    results to ``OUTPUT_DIR``. We did not profile the first few iterations
+    because they are typically slower than the rest.
+    The result files can be loaded in the ``chrome://tracing`` page in chrome browser.
+
+    Note:
+        When used together with NCCL on older version of GPUs,
+        autograd profiler may cause deadlock because it unnecessarily allocates
+        memory on every device it sees. The memory management calls, if
+        interleaved with NCCL calls, lead to deadlock on GPUs that do not
+        support ``cudaLaunchCooperativeKernelMultiDevice``.
+    """
+
+    def __init__(
+        self,
+        enable_predicate: Callable[[Any], bool],
+        output_dir: Union[str, os.PathLike[str]],
+        *,
+        use_cuda: bool = True,
+    ) -> None:
+        """
+        Args:
+            enable_predicate (callable[trainer -> bool]): a function which takes a trainer,
+                and returns whether to enable the profiler.
+                It will be called once every step, and can be used to select which steps to
+                profile.
+            output_dir (str): the output directory to dump tracing files.
+            use_cuda (bool): same as in `torch.autograd.profiler.profile`. Without a CUDA
+                device only the CPU is profiled (one log line says so).
+        """
+        warnings.warn(
+            "AutogradProfiler has been deprecated in favor of TorchProfiler.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self._enable_predicate = _callable_arg(
+            "AutogradProfiler", "enable_predicate", enable_predicate
+        )
+        self._output_dir = _path_arg("AutogradProfiler", "output_dir", output_dir)
+        self._use_cuda = bool(use_cuda)
+        self._save_tensorboard = False
+        self._profiler = None
+        if self._use_cuda and not torch.cuda.is_available():
+            logger.info("AutogradProfiler: CUDA is not available; profiling the CPU only.")
+            self._use_cuda = False
+
+    def before_step(self) -> None:
+        if self._enable_predicate(self.trainer):
+            self._profiler = torch.autograd.profiler.profile(
+                use_device="cuda" if self._use_cuda else None
+            )
+            self._profiler.__enter__()
+        else:
+            self._profiler = None
+
+
+class TorchMemoryStats(HookBase):
+    """Writes pytorch's cuda memory statistics periodically.
+
+    Without a CUDA device it logs that once and does nothing else.
+    """
+
+    def __init__(self, period: int = 20, max_runs: int = 10) -> None:
+        """
+        Args:
+            period (int): Output stats each 'period' iterations, and after the last one.
+            max_runs (int): Stop the logging after 'max_runs' logs; the last one adds
+                ``torch.cuda.memory_summary()``.
+        """
+        self._logger = logger
+        self._period = _int_arg("TorchMemoryStats", "period", period, minimum=1)
+        self._max_runs = _int_arg("TorchMemoryStats", "max_runs", max_runs, minimum=0)
+        self._runs = 0
+        self._no_cuda = False
+
+    def after_step(self) -> None:
+        if self._runs >= self._max_runs or self._no_cuda:
+            return
+        next_iter = self.trainer.iter + 1
+        if next_iter % self._period == 0 or next_iter == self.trainer.max_iter:
+            if not torch.cuda.is_available():
+                self._logger.info(
+                    "TorchMemoryStats: CUDA is not available; no memory statistics are logged."
+                )
+                self._no_cuda = True
+                return
+            max_reserved_mb = torch.cuda.max_memory_reserved() / 1024.0 / 1024.0
+            reserved_mb = torch.cuda.memory_reserved() / 1024.0 / 1024.0
+            max_allocated_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
+            allocated_mb = torch.cuda.memory_allocated() / 1024.0 / 1024.0
+
+            self._logger.info(
+                (
+                    " iter: {} "
+                    " max_reserved_mem: {:.0f}MB "
+                    " reserved_mem: {:.0f}MB "
+                    " max_allocated_mem: {:.0f}MB "
+                    " allocated_mem: {:.0f}MB "
+                ).format(
+                    self.trainer.iter,
+                    max_reserved_mb,
+                    reserved_mb,
+                    max_allocated_mb,
+                    allocated_mb,
+                )
+            )
+
+            self._runs += 1
+            if self._runs == self._max_runs:
+                mem_summary = torch.cuda.memory_summary()
+                self._logger.info("\n" + mem_summary)
+
+            torch.cuda.reset_peak_memory_stats()

@@ -48,7 +48,10 @@ impl Stage {
 
     /// Whether the stage runs once per iteration (where a period filter applies).
     pub fn per_step(self) -> bool {
-        matches!(self, Stage::BeforeStep | Stage::AfterStep | Stage::AfterBackward)
+        matches!(
+            self,
+            Stage::BeforeStep | Stage::AfterStep | Stage::AfterBackward
+        )
     }
 }
 
@@ -144,7 +147,7 @@ impl<C> Table<C> {
     pub fn due(&self, stage: Stage, iter: i64, max_iter: i64) -> impl Iterator<Item = &Entry<C>> {
         self.stages[stage as usize]
             .iter()
-            .filter(move |e| e.period.is_none_or(|p| periodic_due(iter, p, max_iter)))
+            .filter(move |e| e.period.map_or(true, |p| periodic_due(iter, p, max_iter)))
     }
 
     /// All entries with their stage, for statistics.

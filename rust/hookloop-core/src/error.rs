@@ -115,7 +115,10 @@ pub enum ImageError {
     #[error("image is {width}x{height}; width and height must be positive")]
     Empty { width: u64, height: u64 },
     /// Width or height exceeds `i32::MAX`, the limit of both PNG and the `Image` message.
-    #[error("image is {width}x{height}; width and height must be at most {}", i32::MAX)]
+    #[error(
+        "image is {width}x{height}; width and height must be at most {}",
+        i32::MAX
+    )]
     TooLarge { width: u64, height: u64 },
     /// The pixel buffer does not hold `width * height * channels` bytes.
     #[error("image of {width}x{height}x{channels} needs {} bytes of HWC uint8 pixels, got {len}", u128::from(*width) * u128::from(*height) * u128::from(*channels))]
@@ -165,7 +168,11 @@ impl Error {
     }
 
     /// A `WrongType` for `what`.
-    pub fn wrong_type(what: impl Into<String>, expected: &'static str, got: impl Into<String>) -> Self {
+    pub fn wrong_type(
+        what: impl Into<String>,
+        expected: &'static str,
+        got: impl Into<String>,
+    ) -> Self {
         Error::WrongType {
             what: what.into(),
             expected,
@@ -178,7 +185,10 @@ impl Error {
 /// returns it as a `usize`; the one place that rule lives.
 pub fn positive(what: &str, value: i64) -> Result<usize> {
     if value <= 0 {
-        return Err(Error::bad_value(what, format!("must be a positive integer, got {value}")));
+        return Err(Error::bad_value(
+            what,
+            format!("must be a positive integer, got {value}"),
+        ));
     }
     usize::try_from(value).map_err(|_| Error::OutOfRange {
         what: what.to_owned(),

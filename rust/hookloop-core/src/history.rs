@@ -578,7 +578,10 @@ mod tests {
         h.update(2.5, Some(Iter::Float(20.5)));
         let back = History::from_state(h.state(None)).unwrap();
         assert_eq!(back.values(), h.values());
-        assert_eq!((back.count(), back.global_avg()), (h.count(), h.global_avg()));
+        assert_eq!(
+            (back.count(), back.global_avg()),
+            (h.count(), h.global_avg())
+        );
         assert_eq!(back.max_length(), 4);
         let recent = History::from_state(h.state(Some(2))).unwrap();
         assert_eq!(recent.values(), h.values()[2..].to_vec());
@@ -589,6 +592,9 @@ mod tests {
     fn inconsistent_state_is_an_error() {
         let mut state = filled(4, 4).state(None);
         state.max_length = 2;
-        assert!(matches!(History::from_state(state), Err(crate::Error::BadState { .. })));
+        assert!(matches!(
+            History::from_state(state),
+            Err(crate::Error::BadState { .. })
+        ));
     }
 }

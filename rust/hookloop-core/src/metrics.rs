@@ -94,7 +94,10 @@ mod tests {
             losses: &losses,
         };
         write_metrics(&mut s, Iter::Int(0), "val_", 0.1, Some(reduced)).unwrap();
-        assert_eq!(names(&s), ["rank_data_time", "data_time", "val_total_loss", "a", "b"]);
+        assert_eq!(
+            names(&s),
+            ["rank_data_time", "data_time", "val_total_loss", "a", "b"]
+        );
         assert_eq!(s.scalar("val_total_loss").unwrap().latest.0, 3.0);
         // rank_data_time is this rank's; data_time the reduced one.
         assert_eq!(s.scalar("rank_data_time").unwrap().latest.0, 0.1);
@@ -117,7 +120,9 @@ mod tests {
             losses: &losses,
         };
         let err = write_metrics(&mut s, Iter::Int(7), "", 0.0, Some(reduced)).unwrap_err();
-        assert!(matches!(err, Error::NonFiniteLoss { iter: Iter::Int(7), ref losses } if losses.len() == 2));
+        assert!(
+            matches!(err, Error::NonFiniteLoss { iter: Iter::Int(7), ref losses } if losses.len() == 2)
+        );
         assert_eq!(names(&s), ["rank_data_time", "data_time"]);
     }
 

@@ -146,9 +146,8 @@ impl Printer {
         let mut eta = None;
         if let Some((last_iter, last_time)) = self.last_write {
             if iteration != last_iter {
-                let per_iter =
-                    now.duration_since(last_time).as_secs_f64()
-                        / (i128::from(iteration) - i128::from(last_iter)) as f64;
+                let per_iter = now.duration_since(last_time).as_secs_f64()
+                    / (i128::from(iteration) - i128::from(last_iter)) as f64;
                 let eta_seconds = per_iter * remaining;
                 if eta_seconds.is_finite() {
                     eta = Some(timedelta_str(eta_seconds as i64));

@@ -243,7 +243,11 @@ impl Storage {
     /// latest iteration is after it (without computing medians it would throw away); advances
     /// `*last_write` to the newest iteration returned. The one `last_write` rule of every
     /// writer.
-    pub fn smoothed_since(&self, window_size: i64, last_write: &mut f64) -> Result<Vec<SmoothedScalar>> {
+    pub fn smoothed_since(
+        &self,
+        window_size: i64,
+        last_write: &mut f64,
+    ) -> Result<Vec<SmoothedScalar>> {
         let out = self.smoothed_newer_than(window_size, *last_write)?;
         for s in &out {
             *last_write = last_write.max(s.iter.as_f64());

@@ -678,7 +678,6 @@ impl Sink for EventSink {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use std::io::{BufReader, Cursor};
@@ -1145,7 +1144,9 @@ mod tests {
         let dir = scratch_dir("events-lazy").join("tb");
         let sink = EventSink::new(dir.clone(), "host", "", FsyncPolicy::Close);
         let path = sink.path();
-        let mut h = crate::writer::SinkHandle::open(Box::new(sink), "TensorboardXWriter", path.clone()).unwrap();
+        let mut h =
+            crate::writer::SinkHandle::open(Box::new(sink), "TensorboardXWriter", path.clone())
+                .unwrap();
         h.flush().unwrap();
         assert!(!dir.exists());
         let scalars = vec![ScalarPoint {
@@ -1169,5 +1170,4 @@ mod tests {
             .unwrap()
             .starts_with("events.out.tfevents."));
     }
-
 }

@@ -228,7 +228,11 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
             }
         }
         sync_dirty(&mut sinks, &mut dirty);
-        empty_polls = if got { 0 } else { empty_polls.saturating_add(1) };
+        empty_polls = if got {
+            0
+        } else {
+            empty_polls.saturating_add(1)
+        };
         if sinks.is_empty() || empty_polls >= IDLE_POLLS {
             idle.store(true, Ordering::Release);
             // A message sent between the drain and the store found `idle` false and did not
@@ -258,9 +262,8 @@ fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHash
         Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) => Some(*id),
         Msg::Barrier(_) => None,
     };
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        handle(msg, sinks, dirty)
-    }));
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg, sinks, dirty)));
     if let Err(panic) = result {
         let message = panic
             .downcast_ref::<&str>()
@@ -481,7 +484,10 @@ mod tests {
         let writes: Vec<&String> = log.iter().filter(|s| s.starts_with("write")).collect();
         assert_eq!(writes, ["write 0", "write 1", "write 2"]);
         assert_eq!(log.last().map(String::as_str), Some("close"));
-        assert!(matches!(h.send(Payload::Json(vec![])), Err(Error::Closed { .. })));
+        assert!(matches!(
+            h.send(Payload::Json(vec![])),
+            Err(Error::Closed { .. })
+        ));
     }
 
     #[test]

@@ -72,7 +72,11 @@ fn wrong_type(what: &str, value: &Bound<'_, PyAny>, shape: Option<String>) -> Py
         Some(shape) => format!("a {} of shape {shape}", type_name(value)),
         None => type_name(value),
     };
-    to_py(Error::wrong_type(format!("value for '{what}'"), SCALAR, got))
+    to_py(Error::wrong_type(
+        format!("value for '{what}'"),
+        SCALAR,
+        got,
+    ))
 }
 
 /// The type name of `value`, for messages.
@@ -92,7 +96,9 @@ pub fn int64(what: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
     }
     match value.extract::<i64>() {
         Ok(i) => Ok(i),
-        Err(_) if value.is_instance_of::<PyInt>() || value.hasattr("__index__").unwrap_or(false) => {
+        Err(_)
+            if value.is_instance_of::<PyInt>() || value.hasattr("__index__").unwrap_or(false) =>
+        {
             Err(to_py(Error::OutOfRange {
                 what: what.to_owned(),
                 value: value.str().map(|s| s.to_string()).unwrap_or_default(),

@@ -69,9 +69,17 @@ impl PyDispatcher {
             let (hook, stage, call, period): (usize, usize, Bound<'_, PyAny>, i64) =
                 entry?.extract()?;
             let stage = Stage::from_index(stage).ok_or_else(|| {
-                to_py(Error::bad_value("stage index", format!("{stage} is not a stage")))
+                to_py(Error::bad_value(
+                    "stage index",
+                    format!("{stage} is not a stage"),
+                ))
             })?;
-            table.push(stage, hook, call.unbind(), u64::try_from(period).unwrap_or(0));
+            table.push(
+                stage,
+                hook,
+                call.unbind(),
+                u64::try_from(period).unwrap_or(0),
+            );
         }
         let built = Arc::new(Built { table, hooks, copy });
         let old = std::mem::replace(&mut *Self::lock(&self.built), built.clone());
@@ -232,6 +240,7 @@ impl PyDispatcher {
     /// before_step, `run_step()`, after_step. `before_step`/`after_step` are the trainer's own
     /// methods when a subclass overrides them; `None` means TrainerBase's, run here directly
     /// (the same code as `Dispatcher.before_step`/`after_step`).
+    #[expect(clippy::too_many_arguments, reason = "mirrors the Python call")]
     #[pyo3(signature = (trainer, start_iter, max_iter, run_step, before_step = None, after_step = None))]
     fn run_loop(
         &self,

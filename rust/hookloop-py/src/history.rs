@@ -36,9 +36,9 @@ impl PyHistoryBuffer {
     fn with<T: Send>(&self, f: impl FnOnce(&mut History) -> T + Send) -> PyResult<T> {
         match &self.source {
             Source::Owned(h) => Ok(h.with(f)),
-            Source::View { state, name } => state
-                .with(|s| s.core.history_mut(name).map(f))
-                .py_err(),
+            Source::View { state, name } => {
+                state.with(|s| s.core.history_mut(name).map(f)).py_err()
+            }
         }
     }
 
@@ -71,11 +71,7 @@ impl PyHistoryBuffer {
         let this = slf.get();
         let state = this.with(|h| h.state(None))?;
         let args = PyTuple::new(py, [state.max_length])?;
-        Ok((
-            slf.get_type().into_any(),
-            args,
-            history_to_py(py, &state)?,
-        ))
+        Ok((slf.get_type().into_any(), args, history_to_py(py, &state)?))
     }
 
     /// Restores what `__reduce__` saved.

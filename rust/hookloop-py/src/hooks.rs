@@ -156,7 +156,10 @@ impl PyLRSchedulerBase {
 
     #[getter]
     fn _optimizer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        lock(&self.state).optimizer.as_ref().map(|o| o.clone_ref(py))
+        lock(&self.state)
+            .optimizer
+            .as_ref()
+            .map(|o| o.clone_ref(py))
     }
 
     #[setter(_optimizer)]
@@ -167,7 +170,10 @@ impl PyLRSchedulerBase {
 
     #[getter]
     fn _scheduler(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        lock(&self.state).scheduler.as_ref().map(|o| o.clone_ref(py))
+        lock(&self.state)
+            .scheduler
+            .as_ref()
+            .map(|o| o.clone_ref(py))
     }
 
     #[setter(_scheduler)]

@@ -62,7 +62,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(writers::flush_writers, m)?)?;
     m.add_function(wrap_pyfunction!(periodic_due, m)?)?;
     m.add_function(wrap_pyfunction!(check_chw, m)?)?;
-    m.add("DEFAULT_MAX_LENGTH", hookloop_core::History::DEFAULT_MAX_LENGTH)?;
+    m.add(
+        "DEFAULT_MAX_LENGTH",
+        hookloop_core::History::DEFAULT_MAX_LENGTH,
+    )?;
     m.add(
         "JSON_FSYNC_DEFAULT",
         hookloop_core::writer::FsyncPolicy::JSON_DEFAULT.as_str(),

@@ -198,7 +198,7 @@ impl PyEventStorage {
 
     /// Queues a histogram computed by the Python layer (detectron2's `add_histogram_raw`
     /// parameters). Returns True the first time the queue bound dropped one.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(clippy::too_many_arguments, reason = "add_histogram_raw's parameters")]
     #[pyo3(signature = (tag, min, max, num, sum, sum_squares, bucket_limits, bucket_counts, global_step = None))]
     fn _put_histogram(
         &self,
@@ -508,7 +508,10 @@ fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
 
 pub fn history_state_from_py(d: &Bound<'_, PyDict>) -> PyResult<HistoryState> {
     let values = f64s("values", item(d, "values")?.cast::<PyBytes>()?.as_bytes())?;
-    let iters = f64s("iterations", item(d, "iterations")?.cast::<PyBytes>()?.as_bytes())?;
+    let iters = f64s(
+        "iterations",
+        item(d, "iterations")?.cast::<PyBytes>()?.as_bytes(),
+    )?;
     if values.len() != iters.len() {
         return Err(to_py(Error::BadState {
             what: "HistoryBuffer",
@@ -549,8 +552,13 @@ fn storage_state_to_py<'py>(py: Python<'py>, s: &StorageState) -> PyResult<Bound
 fn storage_state_from_py(d: &Bound<'_, PyDict>) -> PyResult<StorageState> {
     let mut scalars = Vec::new();
     for entry in item(d, "scalars")?.try_iter()? {
-        let (name, hint, value, it, hist): (String, bool, f64, Bound<'_, PyAny>, Bound<'_, PyDict>) =
-            entry?.extract()?;
+        let (name, hint, value, it, hist): (
+            String,
+            bool,
+            f64,
+            Bound<'_, PyAny>,
+            Bound<'_, PyDict>,
+        ) = entry?.extract()?;
         let it = iteration("iteration", Some(&it))?.unwrap_or(Iter::Int(0));
         scalars.push(ScalarState {
             name,

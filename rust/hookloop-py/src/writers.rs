@@ -100,8 +100,8 @@ impl PyNativeWriter {
 
     /// The file (for TensorBoard: the event file, created at the first write).
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path(&self) -> String {
+        self.path.to_string_lossy().into_owned()
     }
 
     #[getter]
@@ -296,7 +296,12 @@ impl PyTensorboardWriter {
 }
 
 /// The console line of `CommonMetricPrinter`.
-#[pyclass(name = "CommonMetricPrinter", module = "hookloop._core", frozen, subclass)]
+#[pyclass(
+    name = "CommonMetricPrinter",
+    module = "hookloop._core",
+    frozen,
+    subclass
+)]
 pub struct PyMetricPrinter {
     inner: Mutex<Printer>,
 }

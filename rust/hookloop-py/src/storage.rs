@@ -45,14 +45,6 @@ impl PyEventStorage {
     }
 }
 
-/// A loss value: a Python float as is, anything else (a tensor) read with `item()`.
-fn loss_value(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
-    if v.is_exact_instance_of::<pyo3::types::PyFloat>() {
-        return scalar_value(name, v);
-    }
-    scalar_value(name, v)
-}
-
 #[pymethods]
 impl PyEventStorage {
     #[new]
@@ -147,7 +139,7 @@ impl PyEventStorage {
                     to_py(Error::wrong_type("loss_dict keys", "str", "another type"))
                 })?;
                 let name = k.to_str()?;
-                values.push((name.to_owned(), loss_value(name, &v)?));
+                values.push((name.to_owned(), scalar_value(name, &v)?));
             }
         }
         let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();

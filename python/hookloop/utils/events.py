@@ -187,8 +187,10 @@ class JSONWriter(EventWriter):
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
     Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
-    A line is always whole on disk: a killed run leaves complete lines (a torn line from an
-    earlier crash is cut off when the file is opened again).
+    Each batch of lines reaches the file with one ``write`` call. A process killed with
+    SIGKILL can be stopped inside that call, so the last line may be torn; a reader that skips
+    an unterminated last line sees only whole lines, and opening the file again (the next
+    run's ``JSONWriter``) cuts the torn tail off.
 
     Args:
         json_file (str or os.PathLike): path to the json file. New data is appended if the

@@ -77,7 +77,8 @@ pub fn group_by_iteration(scalars: Vec<SmoothedScalar>) -> Vec<JsonRow> {
     rows
 }
 
-/// metrics.json: one JSON object per line, appended; a line is whole or absent.
+/// metrics.json: one JSON object per line, appended. A failed write is cut back to whole lines;
+/// a SIGKILL inside a write can leave a torn last line, which `open` cuts off next time.
 pub struct JsonSink {
     path: PathBuf,
     file: File,
@@ -138,7 +139,7 @@ impl JsonSink {
             return Ok(());
         }
         let text = std::mem::take(&mut self.pending);
-        // One write call: a killed process leaves whole lines; a failed one is cut back.
+        // One write call; a failed one is cut back to what was there (a kill may tear it).
         if let Err(e) = self.file.write_all(text.as_bytes()) {
             let _ = self.file.set_len(self.len);
             return Err(Error::io(&self.path, e));

@@ -276,8 +276,7 @@ class Checkpointer:
         return [
             os.path.join(self.save_dir, file)
             for file in sorted(self.path_manager.ls(self.save_dir))
-            if self.path_manager.isfile(os.path.join(self.save_dir, file))
-            and file.endswith(".pth")
+            if self.path_manager.isfile(os.path.join(self.save_dir, file)) and file.endswith(".pth")
         ]
 
     def resume_or_load(self, path: str, *, resume: bool = True) -> Dict[str, Any]:
@@ -576,9 +575,7 @@ def get_missing_parameters_message(keys: List[str]) -> str:
     line per module."""
     groups = _group_checkpoint_keys(keys)
     lines = sorted("  " + k + _group_to_str(v) for k, v in groups.items())
-    return "Some model parameters or buffers are not found in the checkpoint:\n" + "\n".join(
-        lines
-    )
+    return "Some model parameters or buffers are not found in the checkpoint:\n" + "\n".join(lines)
 
 
 def get_unexpected_parameters_message(keys: List[str]) -> str:
@@ -739,9 +736,7 @@ class PeriodicCheckpointer:
                 try:
                     self.path_manager.rm(p)
                 except OSError as e:
-                    logging.getLogger(__name__).warning(
-                        f"Cannot delete old checkpoint {p}: {e}"
-                    )
+                    logging.getLogger(__name__).warning(f"Cannot delete old checkpoint {p}: {e}")
 
         try:
             if isinstance(ckpt, Checkpointer):
@@ -793,4 +788,3 @@ def _mtime_ns(path: str) -> int:
         return os.stat(path).st_mtime_ns
     except OSError:
         return 0
-

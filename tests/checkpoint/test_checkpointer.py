@@ -6,6 +6,8 @@ import copy
 import errno
 import logging
 import os
+import subprocess
+import sys
 from collections import OrderedDict
 from unittest.mock import MagicMock
 
@@ -470,11 +472,24 @@ def test_unpicklable_extra_leaves_no_partial_file(tmp_path):
     assert ckpt.get_checkpoint_file() == str(tmp_path / "first.pth")
 
 
-def test_stale_temporary_file_of_a_killed_save_is_removed(tmp_path):
-    (tmp_path / ".m.pth.abc123.tmp").write_bytes(b"half")
-    (tmp_path / ".other.pth.abc123.tmp").write_bytes(b"half")
+def test_stale_temporary_files_of_killed_saves_are_removed(tmp_path):
+    from hookloop.checkpoint._fileio import _host
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = child.pid  # gone, and reaped
+    here = _host()
+    names = [
+        f".m.pth.{here}~{dead}~abc_1.tmp",  # killed while saving m
+        f".other.pth.{here}~{dead}~abc_2.tmp",  # killed while saving another file
+        f".other.pth.{here}~{os.getpid()}~abc_3.tmp",  # a live process is writing it
+        f".other.pth.elsewhere~{dead}~abc_4.tmp",  # another host's: its pids mean nothing
+        ".unrelated.tmp",
+    ]
+    for n in names:
+        (tmp_path / n).write_bytes(b"half")
     Checkpointer(_model(), str(tmp_path)).save("m")
-    assert _files(tmp_path) == [".other.pth.abc123.tmp", "last_checkpoint", "m.pth"]
+    assert _files(tmp_path) == sorted(names[2:] + ["last_checkpoint", "m.pth"])
 
 
 def test_save_creates_save_dir(tmp_path):

@@ -8,9 +8,10 @@ starts after a ``kill -9``) sees either the old file or the new one, never a par
 from __future__ import annotations
 
 import errno
-import fnmatch
 import logging
 import os
+import re
+import socket
 import tempfile
 from typing import IO, Any, Callable, List
 
@@ -18,9 +19,15 @@ __all__ = ["LocalPathManager", "atomic_write"]
 
 logger = logging.getLogger(__name__)
 
-# Temporary files are ``.<basename>.<random>.tmp``: hidden, and not ``*.pth``, so
-# ``get_all_checkpoint_files`` never lists one.
+# Temporary files are ``.<basename>.<host>~<pid>~<random>.tmp``: hidden, not ``*.pth`` (so
+# ``get_all_checkpoint_files`` never lists one), and naming the process that writes them, so
+# that the next save can remove those of a process that was killed.
 _TMP_SUFFIX = ".tmp"
+_TMP_NAME = re.compile(r"\.(?P<base>.+)\.(?P<host>[^.~]*)~(?P<pid>\d+)~[a-z0-9_]+\.tmp")
+
+
+def _host() -> str:
+    return re.sub(r"[.~/]", "_", socket.gethostname())
 
 
 class LocalPathManager:
@@ -80,19 +87,33 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def remove_stale_tmp(directory: str, basename: str) -> None:
-    """Removes temporary files for ``basename`` left by a process killed while saving it."""
-    pattern = f".{basename}.*{_TMP_SUFFIX}"
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process
+        return True
+    return True
+
+
+def remove_stale_tmp(directory: str) -> None:
+    """Removes the temporary files left in ``directory`` by processes of this host that are
+    gone (killed while saving). Another host's files are left alone: its pids mean nothing
+    here."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
+    host = _host()
     for name in names:
-        if fnmatch.fnmatchcase(name, pattern):
-            try:
-                os.remove(os.path.join(directory, name))
-            except OSError:
-                pass
+        m = _TMP_NAME.fullmatch(name)
+        if m is None or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        try:
+            os.remove(os.path.join(directory, name))
+        except OSError:
+            pass
 
 
 def atomic_write(path: str, write: Callable[[IO[bytes]], None], *, what: str) -> None:
@@ -108,8 +129,9 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], None], *, what: str) ->
     basename = os.path.basename(path)
     try:
         os.makedirs(directory, exist_ok=True)
-        remove_stale_tmp(directory, basename)
-        fd, tmp = tempfile.mkstemp(prefix=f".{basename}.", suffix=_TMP_SUFFIX, dir=directory)
+        remove_stale_tmp(directory)
+        prefix = f".{basename}.{_host()}~{os.getpid()}~"
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=_TMP_SUFFIX, dir=directory)
     except OSError as e:
         raise _io_error(f"Cannot write {what}", path, e) from e
     try:

@@ -75,7 +75,7 @@ class TrainingSampler(Sampler[int]):
         # (this rank's next index is the one at position + rank).
         self._start = 0
         self._position = 0
-        # Generator state at the start of permutation e, for the last two permutations drawn.
+        # Generator state at the start of permutation e, for the last few permutations.
         self._epoch_states: Dict[int, torch.Tensor] = {}
 
     def __iter__(self) -> Iterator[int]:
@@ -92,8 +92,10 @@ class TrainingSampler(Sampler[int]):
         while True:
             base = epoch * size
             if self._shuffle:
-                self._remember(epoch, g.get_state())
                 perm = torch.randperm(size, generator=g).tolist()
+                # The state at the start of the next permutation: what a state_dict() taken
+                # when this one is used up needs.
+                self._remember(epoch + 1, g.get_state())
             else:
                 perm = list(range(size))
             local = nxt - base
@@ -112,6 +114,7 @@ class TrainingSampler(Sampler[int]):
             g.set_state(state)
             return
         g.manual_seed(self._seed)
+        self._remember(0, g.get_state())
         if epoch:
             logger.info(
                 f"TrainingSampler: no generator state for permutation {epoch}; drawing "
@@ -121,8 +124,10 @@ class TrainingSampler(Sampler[int]):
             torch.randperm(self._size, generator=g)
 
     def _remember(self, epoch: int, state: torch.Tensor) -> None:
+        # Kept: the permutation in use, the next one and the previous one (a DataLoader's
+        # prefetching may put the consumed position there).
         self._epoch_states[epoch] = state
-        for e in [e for e in self._epoch_states if e < epoch - 1]:
+        for e in [e for e in self._epoch_states if e < epoch - 2]:
             del self._epoch_states[e]
 
     def state_dict(self) -> Dict[str, Any]:

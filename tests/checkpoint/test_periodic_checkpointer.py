@@ -64,9 +64,7 @@ def test_max_to_keep_deletes_files_from_before_a_restart(tmp_path, with_state):
     first = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path)), 10, max_to_keep=3)
     for iteration in range(50):
         first.step(iteration)
-    assert first.recent_checkpoints == [
-        str(tmp_path / f"model_{i:07d}.pth") for i in (29, 39, 49)
-    ]
+    assert first.recent_checkpoints == [str(tmp_path / f"model_{i:07d}.pth") for i in (29, 39, 49)]
     state = first.state_dict()
     assert state == {"recent_checkpoints": [f"model_{i:07d}.pth" for i in (29, 39, 49)]}
 

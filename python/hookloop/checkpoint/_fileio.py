@@ -116,7 +116,7 @@ def remove_stale_tmp(directory: str) -> None:
             pass
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], None], *, what: str) -> None:
+def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, what: str) -> None:
     """Writes ``path`` atomically with ``write(file)``.
 
     Raises:

@@ -21,12 +21,13 @@ import os
 import re
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from hookloop.checkpoint._fileio import LocalPathManager, _io_error, atomic_write
 
@@ -468,7 +469,7 @@ class Checkpointer:
 
 
 def _is_uninitialized(t: Any) -> bool:
-    return isinstance(t, nn.parameter.UninitializedTensorMixin)
+    return isinstance(t, (UninitializedParameter, UninitializedBuffer))
 
 
 def _log_checkpointable_keys(logger: logging.Logger, key: str, result: Any) -> None:
@@ -773,8 +774,10 @@ class PeriodicCheckpointer:
         """The periodic files this object keeps (basenames, oldest first)."""
         return {"recent_checkpoints": [os.path.basename(p) for p in self.recent_checkpoints]}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        recent = state_dict.get("recent_checkpoints", []) if isinstance(state_dict, dict) else None
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        recent = (
+            state_dict.get("recent_checkpoints", []) if isinstance(state_dict, Mapping) else None
+        )
         if not isinstance(recent, list) or not all(isinstance(n, str) for n in recent):
             raise ValueError(
                 "PeriodicCheckpointer.load_state_dict() needs {'recent_checkpoints': [str]}"

@@ -462,3 +462,34 @@ def test_best_checkpointer_bad_arguments(kwargs, exc, match):
     }
     with pytest.raises(exc, match=match):
         BestCheckpointer(**args)
+
+
+def test_best_checkpointer_async_waits_at_end(tmp_path):
+    trainer = Trainer()
+    ckpt = Checkpointer(trainer.model, str(tmp_path), async_save=True)
+    fn = Scripted(trainer, [{"m": 1.0}, {"m": 2.0}])
+    trainer.register_hooks([EvalHook(2, fn), BestCheckpointer(2, ckpt, "m")])
+    trainer.train(0, 4)
+    assert ckpt._pending is None
+    assert _best_file(tmp_path) == (4, 4.0)
+    assert not ckpt.has_checkpoint()
+
+
+def test_async_error_after_failed_training_is_logged_not_raised(tmp_path, caplog):
+    trainer = Trainer(fail_at=3)
+    ckpt = Checkpointer(trainer.model, str(tmp_path), async_save=True)
+    # the save at iteration 2 fails on the background thread, then training fails
+    ckpt.add_checkpointable("bad", _Unpicklable())
+    trainer.register_hooks([PeriodicCheckpointer(ckpt, 3)])
+    with pytest.raises(RuntimeError, match="boom at 3"):
+        trainer.train(0, 6)
+    assert "Background checkpoint save failed after training stopped" in caplog.text
+    assert _pth(tmp_path) == []
+
+
+class _Unpicklable:
+    def state_dict(self):
+        return {"fn": lambda: 0}
+
+    def load_state_dict(self, sd):
+        pass

@@ -80,6 +80,10 @@ class _PendingSave:
             target()
         except BaseException as e:  # re-raised on the training thread
             self.error = e
+            logging.getLogger(__name__).error(
+                f"Background save of {self.path} failed (raised at the next save or wait()): "
+                f"{e!r}"
+            )
 
 
 class Checkpointer:

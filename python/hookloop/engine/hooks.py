@@ -398,8 +398,12 @@ class BestCheckpointer(HookBase):
 
     def after_train(self) -> None:
         # same conditions as `EvalHook`
-        if _training_finished(self.trainer):
-            self._best_checking()
+        finished = _training_finished(self.trainer)
+        try:
+            if finished:
+                self._best_checking()
+        finally:
+            _wait_for_saves(self._checkpointer, finished)
 
     def state_dict(self) -> Dict[str, Any]:
         return {

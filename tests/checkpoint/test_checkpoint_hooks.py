@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hookloop.checkpoint import Checkpointer
+from hookloop.checkpoint.checkpointer import _save_with
 from hookloop.engine import (
     BestCheckpointer,
     EvalHook,
@@ -313,18 +314,18 @@ def _best_file(tmp_path):
 def test_best_checkpointer_saves_first_then_strict_improvements(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger=HOOKS_LOGGER)
     saves = []
-    orig = Checkpointer._save
+    orig = Checkpointer.save
 
-    def spy(self, name, extra, **kw):
-        saves.append((name, extra["iteration"]))
-        return orig(self, name, extra, **kw)
+    def spy(self, name, **kw):
+        saves.append((name, kw["iteration"]))
+        return orig(self, name, **kw)
 
-    Checkpointer._save = spy
+    Checkpointer.save = spy
     try:
         # evals at iterations 1, 3, 5, 7, 9 and after training (12)
         _, ckpt, best = _best_run(tmp_path, [0.5, 0.5, 0.7, 0.6, 0.6, 0.8])
     finally:
-        Checkpointer._save = orig
+        Checkpointer.save = orig
     assert saves == [("model_best", 1), ("model_best", 5), ("model_best", 12)]
     assert (best.best_metric, best.best_iter) == (0.8, 12)
     assert _best_file(tmp_path) == (12, 12.0)
@@ -433,11 +434,11 @@ class _Foreign:
 def test_best_checkpointer_with_another_checkpointer_class(tmp_path):
     inner = Checkpointer(nn.Linear(1, 1), str(tmp_path))
     foreign = _Foreign(inner)
-    hooks_module._save_untagged(foreign, "model_best", iteration=0)
+    _save_with(foreign, "model_best", {"iteration": 0}, tag_last=False)
     assert (tmp_path / "model_best.pth").exists()
     assert not inner.has_checkpoint()  # the pointer it wrote is removed again
     inner.save("model_0000001")
-    hooks_module._save_untagged(foreign, "model_best", iteration=1)
+    _save_with(foreign, "model_best", {"iteration": 1}, tag_last=False)
     assert inner.get_checkpoint_file() == str(tmp_path / "model_0000001.pth")
 
 
@@ -493,3 +494,87 @@ class _Unpicklable:
 
     def load_state_dict(self, sd):
         pass
+
+
+def test_checkpoint_resume_as_detectron2_tests_it(tmp_path):
+    """detectron2's tests/test_engine.py::test_checkpoint_resume, imports rewritten."""
+    from hookloop.engine import LRScheduler, SimpleTrainer
+
+    class SimpleModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return {"loss": x.sum() + sum(p.mean() for p in self.parameters())}
+
+    def data_loader():
+        while True:
+            yield torch.rand(3, 3)
+
+    model = SimpleModel()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 3)
+    d = str(tmp_path)
+    trainer = SimpleTrainer(model, data_loader(), opt)
+    checkpointer = Checkpointer(model, d, opt=opt, trainer=trainer)
+    trainer.register_hooks(
+        [
+            LRScheduler(scheduler=scheduler),
+            # checkpoint after scheduler to properly save the state of scheduler
+            PeriodicCheckpointer(checkpointer, 10),
+        ]
+    )
+    trainer.train(0, 12)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
+    assert scheduler.last_epoch == 12
+    del trainer
+
+    opt = torch.optim.SGD(model.parameters(), 999)  # lr will be loaded
+    trainer = SimpleTrainer(model, data_loader(), opt)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 3)
+    trainer.register_hooks([LRScheduler(scheduler=scheduler)])
+    checkpointer = Checkpointer(model, d, opt=opt, trainer=trainer)
+    checkpointer.resume_or_load("non_exist.pth")
+    assert trainer.iter == 11  # last finished iter number (0-based in Trainer)
+    # number of times `scheduler.step()` was called (1-based)
+    assert scheduler.last_epoch == 12
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-5)
+
+
+@pytest.mark.parametrize(
+    "mode,metrics,call_count",
+    [
+        ("max", [0.3, 0.4, 0.35, 0.5], 3),
+        ("min", [1.0, 0.8, 0.9, 0.9], 2),
+        ("min", [math.nan, 0.8, 0.9, 0.9], 1),
+    ],
+)
+def test_best_checkpointer_as_detectron2_tests_it(tmp_path, mode, metrics, call_count):
+    """detectron2's tests/test_engine.py::test_best_checkpointer, imports rewritten: it mocks
+    ``checkpointer.save``."""
+    from unittest import mock
+
+    trainer = Trainer()
+    values = iter(metrics)
+    checkpointer = Checkpointer(trainer.model, str(tmp_path), trainer=trainer)
+    trainer.register_hooks(
+        [
+            EvalHook(10, lambda: {"metric": next(values)}),
+            BestCheckpointer(10, checkpointer, "metric", mode=mode),
+        ]
+    )
+    with mock.patch.object(checkpointer, "save") as mock_save_method:
+        trainer.train(0, 40)
+        assert mock_save_method.call_count == call_count
+
+
+def test_eval_hook_as_detectron2_tests_it():
+    from unittest import mock
+
+    for total_iter, period, eval_count in [(30, 15, 2), (31, 15, 3), (20, 0, 1)]:
+        test_func = mock.Mock(return_value={"metric": 3.0})
+        trainer = Trainer()
+        trainer.register_hooks([EvalHook(period, test_func)])
+        trainer.train(0, total_iter)
+        assert test_func.call_count == eval_count

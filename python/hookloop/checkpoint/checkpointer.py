@@ -81,9 +81,11 @@ class _PendingSave:
         except BaseException as e:  # re-raised on the training thread
             self.error = e
             logging.getLogger(__name__).error(
-                f"Background save of {self.path} failed (raised at the next save or wait()): "
-                f"{e!r}"
+                f"Background save of {self.path} failed (raised at the next save or wait()): {e!r}"
             )
+
+
+_DEFAULT_SAVE_OPTIONS: Tuple[bool, Optional[Callable[[], None]]] = (True, None)
 
 
 class Checkpointer:
@@ -133,6 +135,8 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self.path_manager: Any = LocalPathManager()
         self._pending: Optional[_PendingSave] = None
+        # What the next save() does besides writing the file; set by _save_with().
+        self._save_options: Tuple[bool, Optional[Callable[[], None]]] = _DEFAULT_SAVE_OPTIONS
 
     def add_checkpointable(self, key: str, checkpointable: Any) -> None:
         """Add a checkpointable object for this checkpointer to track.
@@ -165,7 +169,8 @@ class Checkpointer:
             OSError: naming the file, when it cannot be written. No partial file is left and
                 ``last_checkpoint`` is not moved.
         """
-        self._save(name, kwargs)
+        tag_last, on_saved = getattr(self, "_save_options", _DEFAULT_SAVE_OPTIONS)
+        self._save(name, kwargs, tag_last=tag_last, on_saved=on_saved)
 
     def _save(
         self,
@@ -620,6 +625,42 @@ def _copy_to_cpu(obj: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
+def _save_with(
+    checkpointer: Any,
+    name: str,
+    extra: Dict[str, Any],
+    *,
+    tag_last: bool = True,
+    on_saved: Optional[Callable[[], None]] = None,
+) -> None:
+    """``checkpointer.save(name, **extra)``, optionally without moving ``last_checkpoint``,
+    and calling ``on_saved`` once the file is on disk.
+
+    It goes through ``save()``, so that a subclass's ``save`` (or a test's mock of it) sees
+    every save. A checkpointer of another class (fvcore's) gets the same effect afterwards.
+    """
+    if isinstance(checkpointer, Checkpointer):
+        previous = checkpointer._save_options
+        checkpointer._save_options = (tag_last, on_saved)
+        try:
+            checkpointer.save(name, **extra)
+        finally:
+            checkpointer._save_options = previous
+        return
+    pointer = os.path.join(checkpointer.save_dir, _LAST_CHECKPOINT)
+    before = ""
+    if not tag_last and checkpointer.has_checkpoint():
+        before = checkpointer.get_checkpoint_file()
+    checkpointer.save(name, **extra)
+    if not tag_last:
+        if before:
+            checkpointer.tag_last_checkpoint(os.path.basename(before))
+        elif checkpointer.path_manager.exists(pointer):
+            checkpointer.path_manager.rm(pointer)
+    if on_saved is not None:
+        on_saved()
+
+
 def _as_int(what: str, value: Any) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int, got bool")
@@ -744,12 +785,8 @@ class PeriodicCheckpointer:
                     logging.getLogger(__name__).warning(f"Cannot delete old checkpoint {p}: {e}")
 
         try:
-            if isinstance(ckpt, Checkpointer):
-                # Old files go once the new one is on disk (after the background write).
-                ckpt._save(name, additional_state, on_saved=delete_old)
-            else:
-                ckpt.save(name, **additional_state)
-                delete_old()
+            # Old files go once the new one is on disk (after the background write).
+            _save_with(ckpt, name, additional_state, on_saved=delete_old)
         except BaseException:
             self.recent_checkpoints = before
             raise

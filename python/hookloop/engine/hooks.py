@@ -9,15 +9,14 @@ import datetime
 import logging
 import math
 import operator
-import os
 from collections import Counter
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 
 from hookloop import _core
-from hookloop.checkpoint import Checkpointer
 from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
+from hookloop.checkpoint.checkpointer import _save_with
 from hookloop.engine.train_loop import HookBase
 from hookloop.utils import comm
 from hookloop.utils.events import EventWriter
@@ -241,29 +240,26 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     Note that when used as a hook, it is unable to save additional data other than what's
     defined by the given ``checkpointer``.
 
-    It is executed every ``period`` iterations and after the last iteration:
-    ``<file_prefix>_final`` is saved in ``after_train`` when training reached ``max_iter``
-    (so not after an exception), with ``iteration=max_iter - 1`` as detectron2's. With an
-    ``async_save`` checkpointer, ``after_train`` also waits for the save in flight.
+    It is executed every ``period`` iterations and after the last iteration: as in
+    detectron2, ``<file_prefix>_final`` is saved in the ``after_step`` of iteration
+    ``max_iter - 1``, so only when the last step completed (never after an exception), and
+    the trainer state in it has that iteration, from which a resume starts at ``max_iter``.
+    ``after_train`` waits for an ``async_save`` checkpointer's save in flight.
     """
 
     def before_train(self) -> None:
         self.max_iter = self.trainer.max_iter
 
     def after_step(self) -> None:
-        # No way to use **kwargs
+        # step(self.trainer.iter), inlined: this runs every iteration. No way to use **kwargs.
         iteration = self.trainer.iter
         if (iteration + 1) % self.period == 0:
             self._save_periodic(iteration, {"iteration": iteration})
+        if self.max_iter is not None and iteration >= self.max_iter - 1:
+            self.checkpointer.save(f"{self.file_prefix}_final", iteration=iteration)
 
     def after_train(self) -> None:
-        trainer = self.trainer
-        finished = _training_finished(trainer)
-        try:
-            if finished and trainer.iter > trainer.start_iter:
-                self.checkpointer.save(f"{self.file_prefix}_final", iteration=trainer.max_iter - 1)
-        finally:
-            _wait_for_saves(self.checkpointer, finished)
+        _wait_for_saves(self.checkpointer, _training_finished(self.trainer))
 
 
 def _wait_for_saves(checkpointer: Any, finished: bool) -> None:
@@ -367,7 +363,9 @@ class BestCheckpointer(HookBase):
             return
         if self.best_metric is None or self._compare(latest_metric, self.best_metric):
             previous = self.best_metric, self.best_iter
-            _save_untagged(self._checkpointer, self._file_prefix, iteration=metric_iter)
+            _save_with(
+                self._checkpointer, self._file_prefix, {"iteration": metric_iter}, tag_last=False
+            )
             self.best_metric, self.best_iter = latest_metric, metric_iter
             if previous[0] is None:
                 self._logger.info(
@@ -424,22 +422,6 @@ class BestCheckpointer(HookBase):
         self.best_metric = None if best is None else float(best)
         self.best_iter = None if best_iter is None else int(best_iter)
         self._checked_iter = None if checked is None else int(checked)
-
-
-def _save_untagged(checkpointer: Any, name: str, **extra: Any) -> None:
-    """``checkpointer.save(name, **extra)`` without moving ``last_checkpoint``."""
-    if isinstance(checkpointer, Checkpointer):
-        checkpointer._save(name, extra, tag_last=False)
-        return
-    # Another checkpointer class: put the pointer back where it was.
-    previous = checkpointer.get_checkpoint_file() if checkpointer.has_checkpoint() else ""
-    checkpointer.save(name, **extra)
-    if previous:
-        checkpointer.tag_last_checkpoint(os.path.basename(previous))
-    else:
-        pointer = os.path.join(checkpointer.save_dir, "last_checkpoint")
-        if checkpointer.path_manager.exists(pointer):
-            checkpointer.path_manager.rm(pointer)
 
 
 def _flatten_results_dict(results: Mapping[Any, Any], prefix: str = "") -> Dict[str, Any]:

@@ -580,3 +580,60 @@ def test_load_waits_for_async_save(tmp_path):
     ckpt.load(str(tmp_path / "m.pth"))
     ckpt_dst.load(str(tmp_path / "m.pth"))
     assert _same_params(src, dst)
+
+
+class RecordingPathManager:
+    """A project's own path manager (as detectron2's iopath one): local files through it."""
+
+    def __init__(self):
+        self.opened = []
+
+    def open(self, path, mode="r", **kwargs):
+        self.opened.append((os.path.basename(path), mode))
+        return open(path, mode, **kwargs)
+
+    def exists(self, path):
+        return os.path.exists(path)
+
+    def isfile(self, path):
+        return os.path.isfile(path)
+
+    def ls(self, path):
+        return os.listdir(path)
+
+    def mkdirs(self, path):
+        os.makedirs(path, exist_ok=True)
+
+    def rm(self, path):
+        os.remove(path)
+
+    def get_local_path(self, path, **kwargs):
+        return path
+
+
+def test_custom_path_manager_local_saves_stay_atomic(tmp_path):
+    ckpt = Checkpointer(_model(), str(tmp_path))
+    ckpt.path_manager = pm = RecordingPathManager()
+    ckpt.save("m")
+    assert ckpt.get_checkpoint_file() == str(tmp_path / "m.pth")
+    assert ckpt.get_all_checkpoint_files() == [str(tmp_path / "m.pth")]
+    # the writes went through the atomic path, the reads through the path manager
+    assert pm.opened == [("last_checkpoint", "r")]
+
+
+def test_custom_path_manager_for_urls(tmp_path):
+    ckpt = Checkpointer(_model(), "mem://bucket")
+    written = {}
+
+    class Remote(RecordingPathManager):
+        def open(self, path, mode="r", **kwargs):
+            import io
+
+            buf = io.BytesIO() if "b" in mode else io.StringIO()
+            buf.close = lambda: written.__setitem__(path, buf.getvalue())
+            return buf
+
+    ckpt.path_manager = Remote()
+    ckpt.save("m")
+    assert set(written) == {"mem://bucket/m.pth", "mem://bucket/last_checkpoint"}
+    assert written["mem://bucket/last_checkpoint"] == "m.pth"

@@ -107,7 +107,8 @@ class Checkpointer:
 
     Attributes:
         logger (logging.Logger), path_manager (has ``open``, ``exists``, ``isfile``, ``ls``,
-        ``mkdirs``, ``rm``, ``get_local_path``; saves are atomic with the default local one),
+        ``mkdirs``, ``rm``, ``get_local_path``; saves to a local path are atomic whatever it
+        is, and saves to a URL go through its ``open``),
         save_dir (str), save_to_disk (bool), model, checkpointables (dict).
     """
 
@@ -213,8 +214,14 @@ class Checkpointer:
         else:
             write()
 
+    def _atomic(self, path: str) -> bool:
+        """Whether ``path`` is written atomically: a local path (also with another
+        ``path_manager``, such as detectron2's iopath one); a URL goes through
+        ``path_manager.open``."""
+        return isinstance(self.path_manager, LocalPathManager) or "://" not in path
+
     def _write_file(self, save_file: str, data: Dict[str, Any]) -> None:
-        if isinstance(self.path_manager, LocalPathManager):
+        if self._atomic(save_file):
             atomic_write(save_file, lambda f: torch.save(data, f), what="checkpoint")
         else:
             with self.path_manager.open(save_file, "wb") as f:
@@ -244,7 +251,7 @@ class Checkpointer:
         """
         self.wait()
         save_file = os.path.join(self.save_dir, _LAST_CHECKPOINT)
-        if isinstance(self.path_manager, LocalPathManager):
+        if self._atomic(save_file):
             data = last_filename_basename.encode("utf-8")
             atomic_write(save_file, lambda f: f.write(data), what="last_checkpoint")
         else:

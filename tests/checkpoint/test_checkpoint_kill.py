@@ -1,5 +1,6 @@
-"""A process killed with SIGKILL while saving checkpoints: ``last_checkpoint`` always names a
-file that loads, and holds the state that was saved under that name.
+"""A process killed with SIGKILL while saving checkpoints (synchronously or with
+``async_save``): ``last_checkpoint`` always names a file that loads, and holds the state
+that was saved under that name.
 
 One helper process imports torch once and forks a saver for each kill, so ten kills cost
 well under the time of ten interpreter starts.
@@ -36,13 +37,14 @@ ZYGOTE = """
     model = nn.Linear(512, 512)  # 1 MB of weights: a save takes a few milliseconds
     print("ready", flush=True)
     for line in sys.stdin:
-        delay, start = float(line.split()[0]), int(line.split()[1])
+        delay, start, use_async = line.split()
+        delay, start, use_async = float(delay), int(start), use_async == "1"
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the saver: saves forever, a new iteration each time
             os.close(r)
             try:
-                ckpt = Checkpointer(model, save_dir)
+                ckpt = Checkpointer(model, save_dir, async_save=use_async)
                 periodic = PeriodicCheckpointer(ckpt, 1, max_to_keep=2)
                 it = start
                 while True:
@@ -51,6 +53,7 @@ ZYGOTE = """
                         model.bias.fill_(float(it))
                     periodic.step(it)
                     if it == start:
+                        ckpt.wait()
                         os.write(w, b"x")  # one save is complete
                     it += 1
             finally:
@@ -108,7 +111,8 @@ def test_sigkill_during_saves_leaves_a_loadable_last_checkpoint(tmp_path):
         for k in range(KILLS):
             # Kill points spread over a few saves (each takes milliseconds).
             delay = rng.uniform(0, 0.05)
-            proc.stdin.write(f"{delay} {k * 1000}\n")
+            use_async = k % 2  # every other run saves on a background thread
+            proc.stdin.write(f"{delay} {k * 1000} {use_async}\n")
             proc.stdin.flush()
             assert _readline(proc, TIMEOUT) == "killed"
             it = _check_last_checkpoint(tmp_path)

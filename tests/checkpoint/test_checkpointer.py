@@ -637,3 +637,40 @@ def test_custom_path_manager_for_urls(tmp_path):
     ckpt.save("m")
     assert set(written) == {"mem://bucket/m.pth", "mem://bucket/last_checkpoint"}
     assert written["mem://bucket/last_checkpoint"] == "m.pth"
+
+
+def test_disk_full_while_writing_is_an_os_error(tmp_path, monkeypatch):
+    ckpt = Checkpointer(nn.Linear(100, 100), str(tmp_path))
+    ckpt.save("first")
+    real_fdopen = os.fdopen
+
+    class Full:
+        """A file on a disk that fills up after 1000 bytes."""
+
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(real_fdopen(fd, mode)))
+    try:
+        with pytest.raises(OSError, match=r"second\.pth: No space left on device") as info:
+            ckpt.save("second")
+    finally:
+        monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC
+    assert _files(tmp_path) == ["first.pth", "last_checkpoint"]
+    assert ckpt.get_checkpoint_file() == str(tmp_path / "first.pth")

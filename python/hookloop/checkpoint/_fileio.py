@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import tempfile
-from typing import IO, Any, Callable, List
+from typing import IO, Any, Callable, List, Optional
 
 __all__ = ["LocalPathManager", "atomic_write"]
 
@@ -116,7 +116,7 @@ def remove_stale_tmp(directory: str) -> None:
             pass
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, what: str) -> None:
+def atomic_write(path: str, write: Callable[[Any], object], *, what: str) -> None:
     """Writes ``path`` atomically with ``write(file)``.
 
     Raises:
@@ -134,9 +134,11 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, what: str) 
         fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=_TMP_SUFFIX, dir=directory)
     except OSError as e:
         raise _io_error(f"Cannot write {what}", path, e) from e
+    recorder = None
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorder = _WriteErrors(f)
+            write(recorder)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -145,8 +147,10 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, what: str) 
             os.remove(tmp)
         except OSError:
             pass
-        if isinstance(e, OSError) or _is_torch_write_error(e):
-            raise _io_error(f"Cannot write {what}", path, e) from e
+        # torch.save turns a failed write (a full disk) into a RuntimeError of its own.
+        cause = recorder.error if recorder is not None and recorder.error else e
+        if isinstance(cause, OSError):
+            raise _io_error(f"Cannot write {what}", path, cause) from e
         raise
     try:
         fsync_dir(directory)
@@ -154,6 +158,20 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object], *, what: str) 
         raise _io_error(f"Cannot write {what}", path, e) from e
 
 
-def _is_torch_write_error(e: BaseException) -> bool:
-    # torch.save reports a failed write of its zip container as a RuntimeError.
-    return isinstance(e, RuntimeError) and "PytorchStreamWriter" in str(e)
+class _WriteErrors:
+    """A binary file that remembers the first ``OSError`` its ``write`` raised."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)

@@ -674,3 +674,10 @@ def test_disk_full_while_writing_is_an_os_error(tmp_path, monkeypatch):
     assert info.value.errno == errno.ENOSPC
     assert _files(tmp_path) == ["first.pth", "last_checkpoint"]
     assert ckpt.get_checkpoint_file() == str(tmp_path / "first.pth")
+
+
+def test_save_dir_types(tmp_path):
+    assert Checkpointer(_model(), None).save_dir == ""
+    assert Checkpointer(_model(), tmp_path).save_dir == str(tmp_path)
+    with pytest.raises(TypeError, match="save_dir must be a str or path, got int"):
+        Checkpointer(_model(), 3)

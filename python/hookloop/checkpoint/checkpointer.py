@@ -124,6 +124,8 @@ class Checkpointer:
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             model = model.module
         _check_checkpointable("Checkpointer model", model)
+        if save_dir is None:
+            save_dir = ""
         if not isinstance(save_dir, (str, os.PathLike)):
             raise TypeError(f"save_dir must be a str or path, got {type(save_dir).__name__}")
         self.model = model

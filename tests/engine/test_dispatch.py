@@ -242,3 +242,25 @@ def test_dispatcher_holds_no_cycle_with_the_trainer():
     ref = weakref.ref(t)
     del t
     assert ref() is None
+
+
+def test_checkpoint_and_eval_hooks_are_skipped_between_periods(tmp_path):
+    """They are in every detectron2 hook list: between periods the dispatcher calls none."""
+    from hookloop.checkpoint import Checkpointer
+
+    model = torch.nn.Linear(1, 1)
+    ckpt = Checkpointer(model, str(tmp_path))
+    evals = []
+    hook_list = [
+        hooks.PeriodicCheckpointer(ckpt, period=4),
+        hooks.EvalHook(5, lambda: evals.append(1) or {"acc": 1.0}),
+        hooks.BestCheckpointer(5, ckpt, "acc"),
+    ]
+    t = NoopTrainer()
+    t.register_hooks(hook_list)
+    t._dispatcher.timing = True
+    t.train(0, 12)
+    calls = {type(h).__name__: n for h, stage, n, _, _ in t.hook_stats() if stage == "after_step"}
+    # due at (iter + 1) % period == 0 and at the last iteration (11)
+    assert calls == {"PeriodicCheckpointer": 3, "EvalHook": 3, "BestCheckpointer": 3}
+    assert len(evals) == 3  # at iterations 4 and 9, then after training

@@ -616,8 +616,14 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     def before_train(self) -> None:
         self.max_iter = self.trainer.max_iter
 
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        # Between periods the dispatcher skips after_step (its rule is a superset of this one).
+        if stage == "after_step" and type(self).after_step is PeriodicCheckpointer.after_step:
+            return self.period
+        return None
+
     def after_step(self) -> None:
-        # step(self.trainer.iter), inlined: this runs every iteration. No way to use **kwargs.
+        # step(self.trainer.iter), inlined. No way to use **kwargs.
         iteration = self.trainer.iter
         if (iteration + 1) % self.period == 0:
             self._save_periodic(iteration, {"iteration": iteration})
@@ -626,6 +632,19 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
 
     def after_train(self) -> None:
         _wait_for_saves(self.checkpointer, _training_finished(self.trainer))
+
+
+def _eval_period(hook: Any, cls: type, stage: str) -> Optional[int]:
+    """The dispatcher's period for an evaluation-style ``after_step`` (``cls``'s own, not a
+    subclass's): ``eval_period``, or for 0 ("only after training") one that is never due
+    before the last iteration, where the hook's own check skips it too."""
+    if stage != "after_step" or type(hook).after_step is not cls.after_step:
+        return None
+    return hook._period if hook._period > 0 else _NEVER
+
+
+# A period no run reaches: due only at the last iteration.
+_NEVER = 2**62
 
 
 def _wait_for_saves(checkpointer: Any, finished: bool) -> None:
@@ -750,6 +769,9 @@ class BestCheckpointer(HookBase):
                 f"@ iteration {self.best_iter}."
             )
 
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        return _eval_period(self, BestCheckpointer, stage)
+
     def after_step(self) -> None:
         # same conditions as `EvalHook`
         next_iter = self.trainer.iter + 1
@@ -861,6 +883,9 @@ class EvalHook(HookBase):
         # Evaluation may take different time among workers. A barrier make them start the
         # next iteration together.
         comm.synchronize()
+
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        return _eval_period(self, EvalHook, stage)
 
     def after_step(self) -> None:
         next_iter = self.trainer.iter + 1

@@ -135,7 +135,7 @@ class EventStorage:
     def __setstate__(self, state: dict[str, Any]) -> None: ...
     def __getnewargs__(self) -> Tuple[()]: ...
 
-_Entry = Tuple[int, int, Callable[[], Any], int]
+_Entry = Tuple[int, int, Callable[..., Any], Any, int]
 
 @final
 class Dispatcher:

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import operator
 import time
+import types
 import weakref
 from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -103,10 +104,12 @@ class HookBase:
 _STAGES = ("before_train", "after_train", "before_step", "after_step", "after_backward")
 
 
-def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, int]]:
-    """The dispatcher's table for ``hooks``: ``(hook_index, stage_index, method, period)`` for
-    each stage a hook overrides (a stage left as ``HookBase``'s own is never called) or sets on
-    the instance. Methods are resolved here, once per rebuild."""
+def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
+    """The dispatcher's table for ``hooks``: ``(hook_index, stage_index, function, self,
+    period)`` for each stage a hook overrides (a stage left as ``HookBase``'s own is never
+    called) or sets on the instance. Methods are resolved here, once per rebuild; a Python
+    method is passed as its function and the hook, which the dispatcher calls as
+    ``function(hook)`` (one vectorcall, no bound-method object)."""
     entries = []
     for index, hook in enumerate(hooks):
         cls = type(hook)
@@ -119,8 +122,11 @@ def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, int]]:
                 # Not a hook at all: fail at the call, as detectron2's loop would.
                 method = _missing_stage(hook, stage)
             period_of = getattr(hook, "_dispatch_period", None)
-            period = period_of(stage) if period_of is not None else None
-            entries.append((index, stage_index, method, int(period or 0)))
+            period = int((period_of(stage) if period_of is not None else None) or 0)
+            if isinstance(method, types.MethodType) and method.__self__ is hook:
+                entries.append((index, stage_index, method.__func__, hook, period))
+            else:
+                entries.append((index, stage_index, method, None, period))
     return entries
 
 

@@ -23,9 +23,25 @@ use crate::convert::int64;
 use crate::errors::to_py;
 use crate::storage::PyEventStorage;
 
+/// What an entry calls: a function with the hook as its one argument (a Python method,
+/// unbound: one vectorcall, no bound-method object), or any other callable with none.
+enum Call {
+    Method(Py<PyAny>, Py<PyAny>),
+    Plain(Py<PyAny>),
+}
+
+impl Call {
+    fn call(&self, py: Python<'_>) -> PyResult<()> {
+        match self {
+            Call::Method(func, hook) => func.bind(py).call1((hook.bind(py),)).map(drop),
+            Call::Plain(f) => f.bind(py).call0().map(drop),
+        }
+    }
+}
+
 /// A table and the hook list it was built from.
 struct Built {
-    table: Table<Py<PyAny>>,
+    table: Table<Call>,
     /// The live list (`trainer._hooks`).
     hooks: Py<PyList>,
     /// A copy of it at build time.
@@ -35,7 +51,7 @@ struct Built {
 /// The hook table of one trainer.
 #[pyclass(name = "Dispatcher", module = "hookloop._core", frozen)]
 pub struct PyDispatcher {
-    /// Python callable: `build(hooks) -> [(hook_index, stage_index, method, period), ...]`.
+    /// Python callable: `build(hooks) -> [(hook_index, stage_index, function, self, period)]`.
     build: Py<PyAny>,
     built: Mutex<Arc<Built>>,
     storage: Mutex<Option<Py<PyEventStorage>>>,
@@ -66,20 +82,24 @@ impl PyDispatcher {
         let entries = self.build.bind(py).call1((hooks.bind(py),))?;
         let mut table = Table::default();
         for entry in entries.try_iter()? {
-            let (hook, stage, call, period): (usize, usize, Bound<'_, PyAny>, i64) =
-                entry?.extract()?;
+            let (hook, stage, func, this, period): (
+                usize,
+                usize,
+                Bound<'_, PyAny>,
+                Option<Bound<'_, PyAny>>,
+                i64,
+            ) = entry?.extract()?;
             let stage = Stage::from_index(stage).ok_or_else(|| {
                 to_py(Error::bad_value(
                     "stage index",
                     format!("{stage} is not a stage"),
                 ))
             })?;
-            table.push(
-                stage,
-                hook,
-                call.unbind(),
-                u64::try_from(period).unwrap_or(0),
-            );
+            let call = match this {
+                Some(this) => Call::Method(func.unbind(), this.unbind()),
+                None => Call::Plain(func.unbind()),
+            };
+            table.push(stage, hook, call, u64::try_from(period).unwrap_or(0));
         }
         let built = Arc::new(Built { table, hooks, copy });
         let old = std::mem::replace(&mut *Self::lock(&self.built), built.clone());
@@ -94,11 +114,11 @@ impl PyDispatcher {
         for entry in built.table.due(stage, iter, max_iter) {
             if timing {
                 let start = Instant::now();
-                let result = entry.call.bind(py).call0();
+                let result = entry.call.call(py);
                 entry.stats.record(start.elapsed());
                 result?;
             } else {
-                entry.call.bind(py).call0()?;
+                entry.call.call(py)?;
             }
         }
         Ok(())
@@ -127,8 +147,8 @@ impl PyDispatcher {
 #[pymethods]
 impl PyDispatcher {
     /// `build(hooks)` lists, for the hooks in `hooks` (the trainer's list), the stage methods
-    /// to call: `(hook_index, stage_index, bound_method, period)` with period 0 for "every
-    /// time".
+    /// to call: `(hook_index, stage_index, function, self, period)`, calling `function(self)`
+    /// (or `function()` when `self` is None), with period 0 for "every time".
     #[new]
     fn new(py: Python<'_>, hooks: Bound<'_, PyList>, build: Py<PyAny>) -> PyResult<Self> {
         let built = Built {
@@ -287,7 +307,13 @@ impl PyDispatcher {
             visit.call(&built.hooks)?;
             visit.call(&built.copy)?;
             for (_, entry) in built.table.all() {
-                visit.call(&entry.call)?;
+                match &entry.call {
+                    Call::Method(f, h) => {
+                        visit.call(f)?;
+                        visit.call(h)?;
+                    }
+                    Call::Plain(f) => visit.call(f)?,
+                }
             }
         }
         if let Ok(storage) = self.storage.try_lock() {

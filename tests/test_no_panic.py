@@ -133,7 +133,7 @@ def test_dispatch_and_hook_calls(storage):
     drive(lambda a: d.before_step(a), 1)
     drive(lambda a: d.after_train(a), 1)
     drive(lambda a: d.hooks_for(a), 1)
-    bad_build = _core.Dispatcher([object()], lambda hooks: [(0, 99, print, 0)])
+    bad_build = _core.Dispatcher([object()], lambda hooks: [(0, 99, print, None, 0)])
     with pytest.raises(ValueError, match="stage"):
         bad_build.begin([object()], storage, 10)
     t = _core._IterationTimerBase()

@@ -797,7 +797,8 @@ def test_state_dict_without_stateful_hooks():
     trainer = LoopTrainer()
     trainer.register_hooks([RecordingHook([])])
     trainer.train(0, 3)
-    assert trainer.state_dict() == {"iteration": 3}
+    state = trainer.state_dict()
+    assert set(state) == {"iteration", "rng"} and state["iteration"] == 3
 
 
 def test_state_dict_with_stateful_hooks_and_duplicates():
@@ -805,13 +806,18 @@ def test_state_dict_with_stateful_hooks_and_duplicates():
     first, second = CounterHook(0), CounterHook(100)
     trainer.register_hooks([RecordingHook([]), first, OtherStateHook(), second])
     trainer.train(0, 4)
-    assert trainer.state_dict() == {
-        "iteration": 4,
-        "hooks": {"CounterHook": {"n": 4}, "OtherStateHook": {"x": [1, 2]}},
+    state = trainer.state_dict()
+    # Both hooks of one class are saved (detectron2 keeps only the first): the second under
+    # "CounterHook.1".
+    assert state["iteration"] == 4
+    assert state["hooks"] == {
+        "CounterHook": {"n": 4},
+        "OtherStateHook": {"x": [1, 2]},
+        "CounterHook.1": {"n": 104},
     }
 
 
-def test_load_state_dict_restores_iteration_and_first_hook_of_a_type():
+def test_load_state_dict_of_detectron2_keys_restores_the_first_hook_of_a_type():
     trainer = LoopTrainer()
     first, second, other = CounterHook(), CounterHook(), OtherStateHook()
     trainer.register_hooks([first, other, second])
@@ -854,7 +860,7 @@ def test_simple_trainer_resume_matches_straight_run():
     first.train(0, 10)
     state = copy.deepcopy(first.state_dict())
     weights = copy.deepcopy(first.model.state_dict())
-    assert set(state) == {"iteration", "optimizer", "hooks"}
+    assert set(state) == {"iteration", "optimizer", "hooks", "rng"}
     assert state["iteration"] == 10
     assert set(state["hooks"]) == {"LRScheduler"}
     assert state["hooks"]["LRScheduler"]["last_epoch"] == 10
@@ -1211,7 +1217,7 @@ def test_simple_trainer_state_dict_has_optimizer():
     trainer = simple_trainer(momentum=0.9)
     trainer.train(0, 2)
     sd = trainer.state_dict()
-    assert set(sd) == {"iteration", "optimizer"}
+    assert set(sd) == {"iteration", "optimizer", "rng"}
     assert sd["iteration"] == 2
     assert sd["optimizer"]["param_groups"] == trainer.optimizer.state_dict()["param_groups"]
     other = simple_trainer(momentum=0.9)
@@ -1285,7 +1291,7 @@ def test_amp_trainer_state_dict_has_grad_scaler():
     trainer = amp_trainer()
     trainer.train(0, 2)
     sd = trainer.state_dict()
-    assert set(sd) == {"iteration", "optimizer", "grad_scaler"}
+    assert set(sd) == {"iteration", "optimizer", "grad_scaler", "rng"}
     assert sd["grad_scaler"] == trainer.grad_scaler.state_dict()
     other = amp_trainer()
     other.load_state_dict(sd)

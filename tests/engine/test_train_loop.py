@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from compat import d2
 from hookloop.engine import AMPTrainer, HookBase, LRScheduler, SimpleTrainer, TrainerBase
 from hookloop.utils.events import EventStorage, get_event_storage
 from torch import nn
@@ -87,56 +88,12 @@ def expected_calls(names, start, stop):
     return out
 
 
-class RefTrainerBase:
-    """detectron2's TrainerBase loop in plain Python (with hookloop's ``iter == max_iter`` at the
-    end), used as the reference for subclass overrides."""
+class RefTrainerBase(d2.TrainerBase):
+    """detectron2's TrainerBase loop (``compat.d2``) running hookloop hooks, with hookloop's
+    ``iter == max_iter`` at the end; the reference for subclass overrides."""
 
-    def __init__(self):
-        self._hooks = []
-        self.iter = 0
-        self.start_iter = 0
-
-    def register_hooks(self, hooks):
-        hooks = [h for h in hooks if h is not None]
-        for h in hooks:
-            h.trainer = weakref.proxy(self)
-        self._hooks.extend(hooks)
-
-    def train(self, start_iter, max_iter):
-        self.iter = self.start_iter = start_iter
-        self.max_iter = max_iter
-        with EventStorage(start_iter) as self.storage:
-            try:
-                self.before_train()
-                for self.iter in range(start_iter, max_iter):
-                    self.before_step()
-                    self.run_step()
-                    self.after_step()
-                self.iter = max_iter
-            finally:
-                self.after_train()
-
-    def before_train(self):
-        for h in self._hooks:
-            h.before_train()
-
-    def after_train(self):
-        self.storage.iter = self.iter
-        for h in self._hooks:
-            h.after_train()
-
-    def before_step(self):
-        self.storage.iter = self.iter
-        for h in self._hooks:
-            h.before_step()
-
-    def after_backward(self):
-        for h in self._hooks:
-            h.after_backward()
-
-    def after_step(self):
-        for h in self._hooks:
-            h.after_step()
+    hook_types = (HookBase,)
+    iter_ends_at_max_iter = True
 
 
 class LinearModel(nn.Module):

@@ -91,6 +91,13 @@ class HookBase:
         for callers that invoke the method directly."""
         return None
 
+    def _dispatch_order(self, stage: str) -> int:
+        """Where this hook's ``stage`` method runs among the stage's hooks: by this number
+        (0 by default), then in registration order. ``PeriodicCheckpointer`` uses 1 for
+        ``after_step`` so that its checkpoint holds the state of every other hook's
+        ``after_step`` of that iteration (evaluation results, the best-model record)."""
+        return 0
+
     def __getstate__(self) -> Dict[str, Any]:
         # The trainer is a weak proxy (not picklable); it is set again at registration.
         state = dict(self.__dict__)
@@ -112,6 +119,7 @@ def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
     method is passed as its function and the hook, which the dispatcher calls as
     ``function(hook)`` (one vectorcall, no bound-method object)."""
     entries = []
+    orders = []
     for index, hook in enumerate(hooks):
         cls = type(hook)
         own = getattr(hook, "__dict__", {})
@@ -124,11 +132,15 @@ def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
                 method = _missing_stage(hook, stage)
             period_of = getattr(hook, "_dispatch_period", None)
             period = int((period_of(stage) if period_of is not None else None) or 0)
+            order_of = getattr(hook, "_dispatch_order", None)
+            orders.append(int(order_of(stage)) if order_of is not None else 0)
             if isinstance(method, types.MethodType) and method.__self__ is hook:
                 entries.append((index, stage_index, method.__func__, hook, period))
             else:
                 entries.append((index, stage_index, method, None, period))
-    return entries
+    # Stable: equal orders keep registration order.
+    ranked = sorted(range(len(entries)), key=orders.__getitem__)
+    return [entries[k] for k in ranked]
 
 
 def _missing_stage(hook: Any, stage: str) -> Any:
@@ -443,11 +455,21 @@ class SimpleTrainer(TrainerBase):
             # records the position of the batches actually consumed from here.
             self._data_start = _sampler_state(self.data_loader)
             self._data_start_iter = self.iter
-            self._data_loader_iter_obj = iter(self.data_loader)
+            if self._resumed_rng:
+                # A DataLoader draws its base seed from torch's RNG when its iterator is made.
+                # An uninterrupted run made it at the first iteration; a resumed run must not
+                # shift the RNG stream it restored, so that draw is undone.
+                rng = torch.random.get_rng_state()
+                self._data_loader_iter_obj = iter(self.data_loader)
+                torch.random.set_rng_state(rng)
+                self._resumed_rng = False
+            else:
+                self._data_loader_iter_obj = iter(self.data_loader)
         return self._data_loader_iter_obj
 
     _data_start: Optional[Dict[str, Any]] = None
     _data_start_iter = 0
+    _resumed_rng = False
 
     def _data_state(self) -> Dict[str, Any]:
         """The data position for a checkpoint saved at the end of iteration ``self.iter``:
@@ -564,6 +586,7 @@ class SimpleTrainer(TrainerBase):
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if "data" in state_dict:
             self._load_data_state(state_dict["data"])
+        self._resumed_rng = "rng" in state_dict
 
     def after_train(self) -> None:
         try:

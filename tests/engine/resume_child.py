@@ -1,0 +1,104 @@
+"""A training run for the exact-resume tests, run as a child process:
+
+    python resume_child.py OUT MAX_ITER [--kill-at N] [--kill-in-save N]
+
+It trains a small model with dropout on a seeded random dataset drawn through
+``hookloop.data.TrainingSampler``, with periodic and best checkpoints, an evaluation, an LR
+schedule and the JSON and TensorBoard writers, always resuming from OUT when a checkpoint is
+there. ``--kill-at N`` sends itself SIGKILL at the end of iteration N; ``--kill-in-save N``
+does it in the middle of the checkpoint save of iteration N (after the file's bytes are
+written, before the rename).
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+from hookloop.checkpoint import Checkpointer
+from hookloop.data import TrainingSampler
+from hookloop.engine import HookBase, SimpleTrainer, hooks
+from hookloop.utils.events import JSONWriter, TensorboardXWriter
+
+torch.set_num_threads(1)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+        )
+
+    def forward(self, batch):
+        x, y = batch
+        out = self.net(x).squeeze(1)
+        return {"loss_mse": ((out - y) ** 2).mean(), "loss_l1": (out - y).abs().mean() * 0.1}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("max_iter", type=int)
+    p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-in-save", type=int, default=-1)
+    args = p.parse_args()
+
+    g = torch.Generator().manual_seed(0)
+    xs = torch.randn(64, 4, generator=g)
+    ys = xs.sum(1) + 0.1 * torch.randn(64, generator=g)
+    train = torch.utils.data.TensorDataset(xs[:48], ys[:48])
+    held_out = (xs[48:], ys[48:])
+    torch.manual_seed(1)
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=4, sampler=TrainingSampler(len(train), seed=3), num_workers=0
+    )
+    trainer = SimpleTrainer(model, loader, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
+    ckpt = Checkpointer(model, args.out, trainer=trainer)
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            out = model(held_out)["loss_mse"].item()
+        model.train()
+        return {"val": {"mse": out}}
+
+    class Kill(HookBase):
+        def after_step(self):
+            if self.trainer.iter == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if args.kill_in_save >= 0:
+        real_save = torch.save
+
+        def save(obj, f, *a, **kw):
+            real_save(obj, f, *a, **kw)
+            if trainer.iter == args.kill_in_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = save
+
+    trainer.register_hooks(
+        [
+            hooks.IterationTimer(),
+            hooks.LRScheduler(scheduler=sched),
+            hooks.PeriodicCheckpointer(ckpt, period=10, max_to_keep=2),
+            hooks.EvalHook(10, evaluate),
+            hooks.BestCheckpointer(10, ckpt, "val/mse", mode="min"),
+            hooks.PeriodicWriter(
+                [JSONWriter(os.path.join(args.out, "metrics.json")), TensorboardXWriter(args.out)],
+                period=5,
+            ),
+            Kill(),
+        ]
+    )
+    ckpt.resume_or_load("", resume=True)
+    start = trainer.iter + 1 if ckpt.has_checkpoint() else 0
+    trainer.train(start, args.max_iter)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ pub mod error;
 pub mod history;
 pub mod printer;
 pub mod pyfmt;
+pub mod schedule;
 pub mod storage;
 pub mod tfevents;
 pub mod writer;

@@ -1,7 +1,7 @@
 //! The one place core errors become Python exceptions.
 
 use hookloop_core::Error;
-use pyo3::exceptions::{PyIndexError, PyKeyError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::PyErr;
 
 /// Maps a core error to the Python exception detectron2 users expect: unknown metric ->
@@ -14,7 +14,12 @@ pub fn to_py(err: Error) -> PyErr {
         | Error::BadWindow(_)
         | Error::BadMaxLength(_)
         | Error::BadImage { .. }
-        | Error::Closed { .. } => PyValueError::new_err(err.to_string()),
+        | Error::Closed { .. }
+        | Error::BadSchedule { .. }
+        | Error::IterOutOfRange { .. }
+        | Error::MaxIterChanged { .. } => PyValueError::new_err(err.to_string()),
+        // fvcore raises RuntimeError for a `where` outside a schedule's range.
+        Error::WhereOutOfRange { .. } => PyRuntimeError::new_err(err.to_string()),
         Error::Io { path, source } => match source.raw_os_error() {
             // OSError(errno, strerror, filename): sets .errno/.filename, as open() would.
             Some(errno) => {

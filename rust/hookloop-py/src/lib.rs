@@ -8,6 +8,7 @@ mod dispatch;
 mod errors;
 mod history;
 mod hooks;
+mod schedule;
 mod storage;
 mod writers;
 
@@ -33,5 +34,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<writers::PyTensorboardWriter>()?;
     m.add_class::<writers::PyMetricPrinter>()?;
     m.add_function(wrap_pyfunction!(writers::flush_writers, m)?)?;
+    m.add_class::<schedule::PyNativeSchedule>()?;
+    m.add_class::<schedule::PyCompositeSpans>()?;
+    m.add_function(wrap_pyfunction!(schedule::warmup_parts, m)?)?;
     Ok(())
 }

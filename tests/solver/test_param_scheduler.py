@@ -1,0 +1,519 @@
+"""hookloop.solver.param_scheduler against fvcore's formulas, written out here in plain Python.
+
+The ``Ref*`` classes below are a transcription of fvcore's ``param_scheduler`` formulas
+(and detectron2's warmup), kept deliberately literal: the same operations in the same
+order, so that the native values must match them bit for bit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import math
+import pickle
+import random
+
+import pytest
+from hookloop import _core
+from hookloop.solver import WarmupParamScheduler
+from hookloop.solver.param_scheduler import (
+    CompositeParamScheduler,
+    ConstantParamScheduler,
+    CosineParamScheduler,
+    ExponentialParamScheduler,
+    LinearParamScheduler,
+    MultiStepParamScheduler,
+    ParamScheduler,
+    PolynomialDecayParamScheduler,
+    StepParamScheduler,
+    StepWithFixedGammaParamScheduler,
+    native_schedule,
+)
+
+EPS = 1e-6
+
+
+# --- fvcore's formulas, transcribed -------------------------------------------------------
+
+
+class RefConstant:
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, where):
+        if where >= 1.0:
+            raise RuntimeError(where)
+        return self.value
+
+
+class RefCosine:
+    def __init__(self, start_value, end_value):
+        self.start, self.end = start_value, end_value
+
+    def __call__(self, where):
+        return self.end + 0.5 * (self.start - self.end) * (1 + math.cos(math.pi * where))
+
+
+class RefExponential:
+    def __init__(self, start_value, decay):
+        self.start, self.decay = start_value, decay
+
+    def __call__(self, where):
+        return self.start * (self.decay**where)
+
+
+class RefLinear:
+    def __init__(self, start_value, end_value):
+        self.start, self.end = start_value, end_value
+
+    def __call__(self, where):
+        return self.end * where + self.start * (1 - where)
+
+
+class RefMultiStep:
+    def __init__(self, values, num_updates=None, milestones=None):
+        if milestones is None:
+            width = math.ceil(num_updates / float(len(values)))
+            milestones = [width * (k + 1) for k in range(len(values) - 1)]
+        if num_updates is None:
+            num_updates, milestones = milestones[-1], milestones[:-1]
+        self.values, self.num_updates, self.milestones = values, num_updates, milestones
+
+    def __call__(self, where):
+        if where > 1.0:
+            raise RuntimeError(where)
+        epoch_num = int((where + EPS) * self.num_updates)
+        return self.values[bisect.bisect_right(self.milestones, epoch_num)]
+
+
+class RefPolynomialDecay:
+    def __init__(self, base_value, power):
+        self.base, self.power = base_value, power
+
+    def __call__(self, where):
+        return self.base * (1 - where) ** self.power
+
+
+class RefStep:
+    def __init__(self, num_updates, values):
+        self.values = values
+
+    def __call__(self, where):
+        return self.values[int((where + EPS) * len(self.values))]
+
+
+def ref_fixed_gamma(base_value, num_decays, gamma, num_updates):
+    values = [base_value]
+    for _ in range(num_decays):
+        values.append(values[-1] * gamma)
+    return RefStep(num_updates, values)
+
+
+class RefComposite:
+    def __init__(self, schedulers, lengths, interval_scaling):
+        lengths = list(lengths)
+        if sum(lengths) != 1.0:
+            lengths[-1] = 1.0 - sum(lengths[:-1])
+        self.schedulers, self.lengths, self.scaling = schedulers, lengths, interval_scaling
+
+    def __call__(self, where):
+        i = 0
+        running_total = self.lengths[i]
+        while (where + EPS) > running_total and i < len(self.schedulers) - 1:
+            i += 1
+            running_total += self.lengths[i]
+        scheduler_where = where
+        if self.scaling[i] == "rescaled":
+            scheduler_start = running_total - self.lengths[i]
+            scheduler_where = (where - scheduler_start) / self.lengths[i]
+        return self.schedulers[i](scheduler_where)
+
+
+def ref_warmup(scheduler, warmup_factor, warmup_length, warmup_method="linear", rescale=False):
+    end_value = scheduler(0.0) if rescale else scheduler(warmup_length)
+    start_value = warmup_factor * scheduler(0.0)
+    if warmup_method == "constant":
+        warmup = RefConstant(start_value)
+    else:
+        warmup = RefLinear(start_value, end_value)
+    return RefComposite(
+        [warmup, scheduler],
+        [warmup_length, 1 - warmup_length],
+        ["rescaled", "rescaled" if rescale else "fixed"],
+    )
+
+
+# --- points and comparison ----------------------------------------------------------------
+
+_rng = random.Random(0)
+WHERES = (
+    [i / 1000 for i in range(1000)]
+    + [i / 90000 for i in range(0, 90000, 331)]
+    + [i / 37 for i in range(37)]
+    + [_rng.random() for _ in range(500)]
+    + [0.3 - EPS, 0.3 - EPS / 2, 0.3, 0.5 - 1e-7, 0.999999, 0.9999995]
+)
+
+
+def same(a: float, b: float) -> bool:
+    """Bit-identical (so 0.0 and -0.0 differ, and NaN equals NaN)."""
+    return float(a).hex() == float(b).hex()
+
+
+def outcome(f, where):
+    """The value's bits, or "raises" where the schedule is undefined (both must raise)."""
+    try:
+        return float(f(where)).hex()
+    except (RuntimeError, IndexError, ValueError, ZeroDivisionError):
+        return "raises"
+
+
+def assert_same_everywhere(ours, ref, wheres=WHERES):
+    bad = [(w, outcome(ours, w), outcome(ref, w)) for w in wheres]
+    bad = [b for b in bad if b[1] != b[2]]
+    assert not bad, bad[:5]
+
+
+# --- values -------------------------------------------------------------------------------
+
+SIMPLE = [
+    (ConstantParamScheduler, RefConstant, (0.42,)),
+    (CosineParamScheduler, RefCosine, (0.1, 0.0001)),
+    (CosineParamScheduler, RefCosine, (0.0, 1.0)),
+    (ExponentialParamScheduler, RefExponential, (2.0, 0.02)),
+    (LinearParamScheduler, RefLinear, (0.0001, 0.01)),
+    (LinearParamScheduler, RefLinear, (1, 0)),
+    (PolynomialDecayParamScheduler, RefPolynomialDecay, (0.1, 0.9)),
+    (PolynomialDecayParamScheduler, RefPolynomialDecay, (1.0, 2)),
+    (StepParamScheduler, RefStep, (120, [0.1, 0.01, 0.001, 0.0001])),
+    (StepParamScheduler, RefStep, (3, [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])),
+]
+
+
+@pytest.mark.parametrize("cls,ref,args", SIMPLE, ids=lambda x: getattr(x, "__name__", None))
+def test_simple_schedules_match_formulas(cls, ref, args):
+    sched = cls(*args)
+    assert native_schedule(sched) is not None
+    assert_same_everywhere(sched, ref(*args))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(values=[0.1, 0.01, 0.001, 0.0001], num_updates=120, milestones=[30, 60, 80]),
+        dict(values=[1, 0.1, 0.01], num_updates=90),
+        dict(values=[1, 0.1, 0.01], milestones=[30, 60, 90]),
+        dict(values=[1, 0.1, 0.01], milestones=[3, 6, 9]),
+        dict(values=[1.0, 0.5, 0.25], num_updates=100),
+        dict(values=[1, 0.1, 0.01], milestones=[60000, 80000], num_updates=90000),
+        dict(values=[5.0], num_updates=7),
+    ],
+)
+def test_multi_step_matches_formula(kwargs):
+    sched = MultiStepParamScheduler(**kwargs)
+    ref = RefMultiStep(**kwargs)
+    assert_same_everywhere(sched, ref, WHERES + [1.0])
+    # fvcore's attributes, normalized the same way.
+    assert sched._num_updates == ref.num_updates
+    assert sched._milestones == list(ref.milestones)
+    assert sched._param_schedule == kwargs["values"]
+
+
+def test_multi_step_forms_are_equal():
+    a = MultiStepParamScheduler([1, 0.1, 0.01], num_updates=90, milestones=[30, 60])
+    b = MultiStepParamScheduler([1, 0.1, 0.01], num_updates=90)
+    c = MultiStepParamScheduler([1, 0.1, 0.01], milestones=[30, 60, 90])
+    assert a._native == b._native == c._native
+    assert a(29 / 90) == 1 and a(30 / 90) == 0.1 and a(1.0) == 0.01
+
+
+@pytest.mark.parametrize("num_decays,gamma", [(3, 0.1), (1, 0.5), (7, 0.3)])
+def test_step_with_fixed_gamma_matches_formula(num_decays, gamma):
+    sched = StepWithFixedGammaParamScheduler(0.1, num_decays, gamma, 120)
+    assert_same_everywhere(sched, ref_fixed_gamma(0.1, num_decays, gamma, 120))
+    assert (sched.base_value, sched.num_decays, sched.gamma, sched.num_updates) == (
+        0.1,
+        num_decays,
+        gamma,
+        120,
+    )
+
+
+@pytest.mark.parametrize(
+    "lengths,scaling",
+    [
+        ([0.3, 0.7], ["rescaled", "rescaled"]),
+        ([0.3, 0.7], ["rescaled", "fixed"]),
+        ([0.3, 0.7], ["fixed", "fixed"]),
+        ([0.1, 0.2, 0.7], ["rescaled", "fixed", "rescaled"]),  # sum != 1.0 in floats
+        ([0.25, 0.25, 0.5005], ["fixed", "rescaled", "rescaled"]),  # within 1e-3
+        ([1.0], ["rescaled"]),
+    ],
+)
+def test_composite_matches_formula(lengths, scaling):
+    def parts():
+        return [
+            ConstantParamScheduler(0.42),
+            CosineParamScheduler(0.42, 1e-4),
+            LinearParamScheduler(1e-4, 0.0),
+        ][: len(lengths)]
+
+    refs = [RefConstant(0.42), RefCosine(0.42, 1e-4), RefLinear(1e-4, 0.0)][: len(lengths)]
+    sched = CompositeParamScheduler(parts(), lengths=list(lengths), interval_scaling=scaling)
+    assert native_schedule(sched) is not None
+    ref = RefComposite(refs, lengths, scaling)
+    assert sched._lengths == ref.lengths
+    assert_same_everywhere(sched, ref)
+
+
+def test_composite_does_not_modify_lengths():
+    lengths = [0.1, 0.2, 0.7]
+    CompositeParamScheduler([ConstantParamScheduler(1.0)] * 3, lengths, ["fixed"] * 3)
+    assert lengths == [0.1, 0.2, 0.7]
+
+
+@pytest.mark.parametrize("method", ["linear", "constant"])
+@pytest.mark.parametrize("rescale", [False, True])
+@pytest.mark.parametrize(
+    "inner,ref_inner",
+    [
+        (
+            lambda: MultiStepParamScheduler(
+                [1, 0.1, 0.01], milestones=[60000, 80000], num_updates=90000
+            ),
+            lambda: RefMultiStep([1, 0.1, 0.01], milestones=[60000, 80000], num_updates=90000),
+        ),
+        (lambda: CosineParamScheduler(1, 0), lambda: RefCosine(1, 0)),
+        (lambda: ExponentialParamScheduler(1.0, 0.01), lambda: RefExponential(1.0, 0.01)),
+    ],
+)
+def test_warmup_matches_formula(method, rescale, inner, ref_inner):
+    length = 100 / 90000
+    sched = WarmupParamScheduler(inner(), 0.001, length, method, rescale)
+    assert native_schedule(sched) is not None
+    ref = ref_warmup(ref_inner(), 0.001, length, method, rescale)
+    iters = [i / 90000 for i in list(range(0, 300)) + list(range(300, 90001, 97))]
+    assert_same_everywhere(sched, ref, WHERES + iters)
+    assert isinstance(sched, CompositeParamScheduler)
+    assert isinstance(sched._schedulers[0], (LinearParamScheduler, ConstantParamScheduler))
+
+
+def test_warmup_edge_lengths():
+    inner = CosineParamScheduler(1.0, 0.0)
+    no_warmup = WarmupParamScheduler(inner, 0.001, 0.0)
+    assert_same_everywhere(no_warmup, RefCosine(1.0, 0.0))
+    assert_same_everywhere(no_warmup, ref_warmup(RefCosine(1.0, 0.0), 0.001, 0.0))
+    all_warmup = WarmupParamScheduler(inner, 0.5, 1.0, "constant")
+    assert all_warmup(0.0) == all_warmup(0.99) == 0.5
+    # Past the (empty) last interval: the wrapped schedule, unscaled.
+    assert all_warmup(1.0) == 0.0
+
+
+def test_nested_composite():
+    inner = WarmupParamScheduler(CosineParamScheduler(1, 0), 0.01, 0.05, rescale_interval=True)
+    sched = CompositeParamScheduler(
+        [inner, LinearParamScheduler(0.5, 0.0)], [0.5, 0.5], ["rescaled", "fixed"]
+    )
+    ref = RefComposite(
+        [ref_warmup(RefCosine(1, 0), 0.01, 0.05, rescale=True), RefLinear(0.5, 0.0)],
+        [0.5, 0.5],
+        ["rescaled", "fixed"],
+    )
+    assert native_schedule(sched) is not None
+    assert_same_everywhere(sched, ref)
+
+
+# --- where out of range -------------------------------------------------------------------
+
+
+def test_where_out_of_range_is_fvcores_runtime_error():
+    with pytest.raises(RuntimeError, match="must be in \\[0, 1\\): got 1.0"):
+        ConstantParamScheduler(1.0)(1.0)
+    ms = MultiStepParamScheduler([1, 0.1], num_updates=10)
+    assert ms(1.0) == 0.1
+    with pytest.raises(RuntimeError, match="got 1.5"):
+        ms(1.5)
+    with pytest.raises(RuntimeError):
+        StepParamScheduler(10, [1, 0.1])(1.0)  # fvcore: IndexError past the last value
+    with pytest.raises(ValueError, match="not a real number"):
+        PolynomialDecayParamScheduler(1.0, 0.5)(1.5)  # Python: a complex number
+
+
+# --- bad arguments ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: MultiStepParamScheduler([1, 0.1]), "num_updates and milestones cannot both"),
+        (lambda: MultiStepParamScheduler([1, 0.1], 10, [3, 6]), "list of 1 miletones"),
+        (lambda: MultiStepParamScheduler([1, 0.1], milestones=[3]), "list of 2 miletones"),
+        (lambda: MultiStepParamScheduler([1, 0.1, 0.01], num_updates=2), "num_updates=2"),
+        (lambda: MultiStepParamScheduler([1, 0.1], 10, [10]), "milestone=10"),
+        (lambda: MultiStepParamScheduler([1, 0.1, 0.01], 10, [6, 3]), "strictly increasing"),
+        (lambda: MultiStepParamScheduler([1, 0.1], 10, 5), "milestones must be a list"),
+        (lambda: MultiStepParamScheduler([], 10), "values must not be empty"),
+        (lambda: StepParamScheduler(0, [1.0]), "num_updates=0"),
+        (lambda: StepParamScheduler(10, []), "at least one param value"),
+        (lambda: StepParamScheduler(10, 0.5), "at least one param value"),
+        (lambda: StepWithFixedGammaParamScheduler(0, 3, 0.1, 120), "base_value=0"),
+        (lambda: StepWithFixedGammaParamScheduler(0.1, 3, -1, 120), "gamma=-1"),
+        (lambda: StepWithFixedGammaParamScheduler("a", 3, 0.1, 120), "base_value='a'"),
+        (lambda: StepWithFixedGammaParamScheduler(0.1, 0, 0.1, 120), "num_decays=0"),
+        (lambda: StepWithFixedGammaParamScheduler(0.1, 3.0, 0.1, 120), "num_decays=3.0"),
+        (lambda: StepWithFixedGammaParamScheduler(0.1, 3, 0.1, -5), "num_updates=-5"),
+        (
+            lambda: CompositeParamScheduler([ConstantParamScheduler(1)], [0.5, 0.5], ["fixed"]),
+            "Schedulers and lengths must be same length",
+        ),
+        (lambda: CompositeParamScheduler([], [], []), "at least one scheduler"),
+        (
+            lambda: CompositeParamScheduler(
+                [ConstantParamScheduler(1)] * 2, [0.5, 0.6], ["fixed"] * 2
+            ),
+            "sum of all values in lengths must be 1",
+        ),
+        (
+            lambda: CompositeParamScheduler(
+                [ConstantParamScheduler(1)] * 2, [0.5, 0.5], ["fixed", "scaled"]
+            ),
+            "Unsupported interval_scaling",
+        ),
+        (
+            lambda: CompositeParamScheduler([ConstantParamScheduler(1)] * 2, [0.5, 0.5], ["fixed"]),
+            "interval_scaling must have one entry per scheduler",
+        ),
+        (
+            lambda: WarmupParamScheduler(CosineParamScheduler(1, 0), 0.1, 0.1, "exp"),
+            "Unknown warmup method: exp",
+        ),
+        (
+            lambda: WarmupParamScheduler(CosineParamScheduler(1, 0), 0.1, 1.5),
+            "warmup_length must be in \\[0, 1\\]",
+        ),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: ConstantParamScheduler("x"), "value"),
+        (lambda: CosineParamScheduler(None, 0), "start_value"),
+        (lambda: MultiStepParamScheduler("abc", 3), "values"),
+        (lambda: CompositeParamScheduler([1], [1.0], ["fixed"]), "schedulers\\[0\\]"),
+    ],
+)
+def test_wrong_types_raise_type_error(build, match):
+    with pytest.raises(TypeError, match=match):
+        build()
+
+
+# --- Python schedulers --------------------------------------------------------------------
+
+
+class Quadratic(ParamScheduler):
+    """A user's schedule: evaluated in Python."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, where: float) -> float:
+        self.calls += 1
+        return (1 - where) ** 2
+
+
+class LoudCosine(CosineParamScheduler):
+    """A built-in subclass that overrides __call__: its own __call__ must be used."""
+
+    def __call__(self, where: float) -> float:
+        return 2 * super().__call__(where)
+
+
+def test_python_subclass_is_called():
+    q = Quadratic()
+    assert native_schedule(q) is None
+    assert q(0.5) == 0.25
+    loud = LoudCosine(1.0, 0.0)
+    assert native_schedule(loud) is None
+    assert loud(0.0) == 2.0
+    assert native_schedule(CosineParamScheduler(1.0, 0.0)) is not None
+
+
+def test_base_class_must_be_overridden():
+    with pytest.raises(NotImplementedError):
+        ParamScheduler()(0.5)
+
+
+def test_composite_with_python_part_falls_back_to_python():
+    q = Quadratic()
+    sched = CompositeParamScheduler(
+        [ConstantParamScheduler(0.5), q], [0.25, 0.75], ["rescaled", "fixed"]
+    )
+    assert native_schedule(sched) is None
+    ref = RefComposite([RefConstant(0.5), lambda w: (1 - w) ** 2], [0.25, 0.75], ["rescaled", "fixed"])
+    assert_same_everywhere(sched, ref)
+    assert q.calls > 0
+    # A native composite nested in a Python-backed one still works.
+    outer = CompositeParamScheduler([sched, CosineParamScheduler(1, 0)], [0.5, 0.5], ["rescaled"] * 2)
+    outer_ref = RefComposite([ref, RefCosine(1, 0)], [0.5, 0.5], ["rescaled"] * 2)
+    assert_same_everywhere(outer, outer_ref)
+
+
+def test_warmup_over_python_scheduler():
+    q = Quadratic()
+    for method in ("linear", "constant"):
+        for rescale in (False, True):
+            sched = WarmupParamScheduler(q, 0.01, 0.1, method, rescale)
+            assert native_schedule(sched) is None
+            ref = ref_warmup(lambda w: (1 - w) ** 2, 0.01, 0.1, method, rescale)
+            assert_same_everywhere(sched, ref)
+
+
+def test_python_scheduler_errors_pass_through():
+    class Broken(ParamScheduler):
+        def __call__(self, where: float) -> float:
+            raise KeyError("mine")
+
+    with pytest.raises(KeyError, match="mine"):
+        WarmupParamScheduler(Broken(), 0.1, 0.1)
+
+
+# --- copies -------------------------------------------------------------------------------
+
+
+def test_pickle_and_deepcopy_keep_values():
+    scheds = [
+        WarmupParamScheduler(
+            MultiStepParamScheduler([1, 0.1, 0.01], milestones=[600, 800], num_updates=1000),
+            0.001,
+            0.01,
+        ),
+        StepWithFixedGammaParamScheduler(0.1, 3, 0.1, 120),
+        StepParamScheduler(10, [1, 0.5]),
+        PolynomialDecayParamScheduler(0.1, 0.9),
+        ExponentialParamScheduler(2.0, 0.02),
+    ]
+    for sched in scheds:
+        for clone in (pickle.loads(pickle.dumps(sched)), copy.deepcopy(sched)):
+            assert type(clone) is type(sched)
+            assert clone._native == sched._native
+            assert_same_everywhere(clone, sched, WHERES[:200])
+
+
+def test_native_schedule_surface():
+    s = _core.NativeSchedule.cosine(1.0, 0.0)
+    assert s(0.5) == s.value(0.5) == s.value(where=0.5)
+    assert s.params == {"kind": "cosine", "start_value": 1.0, "end_value": 0.0}
+    assert "cosine" in repr(s)
+    spans = _core.CompositeSpans([0.3, 0.7], ["rescaled", "fixed"])
+    assert spans.locate(0.5) == (1, 0.5)
+    assert len(spans) == 2
+    assert repr(spans) == "CompositeSpans(lengths=[0.3, 0.7], interval_scaling=['rescaled', 'fixed'])"
+    with pytest.raises(ValueError, match="unknown kind"):
+        _core.NativeSchedule._from_params({"kind": "nope"})
+    with pytest.raises(ValueError, match="missing"):
+        _core.NativeSchedule._from_params({"kind": "cosine"})

@@ -1,19 +1,26 @@
-"""hookloop.solver.param_scheduler against fvcore's formulas, written out here in plain Python.
-
-The ``Ref*`` classes below are a transcription of fvcore's ``param_scheduler`` formulas
-(and detectron2's warmup), kept deliberately literal: the same operations in the same
-order, so that the native values must match them bit for bit.
-"""
+"""hookloop.solver.param_scheduler against fvcore's formulas, written out in plain Python in
+tests/compat/fvcore_reference.py: values must match bit for bit."""
 
 from __future__ import annotations
 
-import bisect
 import copy
-import math
 import pickle
 import random
 
 import pytest
+from compat.fvcore_reference import (
+    EPS,
+    RefComposite,
+    RefConstant,
+    RefCosine,
+    RefExponential,
+    RefLinear,
+    RefMultiStep,
+    RefPolynomialDecay,
+    RefStep,
+    ref_fixed_gamma,
+    ref_warmup,
+)
 from hookloop import _core
 from hookloop.solver import WarmupParamScheduler
 from hookloop.solver.param_scheduler import (
@@ -29,119 +36,6 @@ from hookloop.solver.param_scheduler import (
     StepWithFixedGammaParamScheduler,
     native_schedule,
 )
-
-EPS = 1e-6
-
-
-# --- fvcore's formulas, transcribed -------------------------------------------------------
-
-
-class RefConstant:
-    def __init__(self, value):
-        self.value = value
-
-    def __call__(self, where):
-        if where >= 1.0:
-            raise RuntimeError(where)
-        return self.value
-
-
-class RefCosine:
-    def __init__(self, start_value, end_value):
-        self.start, self.end = start_value, end_value
-
-    def __call__(self, where):
-        return self.end + 0.5 * (self.start - self.end) * (1 + math.cos(math.pi * where))
-
-
-class RefExponential:
-    def __init__(self, start_value, decay):
-        self.start, self.decay = start_value, decay
-
-    def __call__(self, where):
-        return self.start * (self.decay**where)
-
-
-class RefLinear:
-    def __init__(self, start_value, end_value):
-        self.start, self.end = start_value, end_value
-
-    def __call__(self, where):
-        return self.end * where + self.start * (1 - where)
-
-
-class RefMultiStep:
-    def __init__(self, values, num_updates=None, milestones=None):
-        if milestones is None:
-            width = math.ceil(num_updates / float(len(values)))
-            milestones = [width * (k + 1) for k in range(len(values) - 1)]
-        if num_updates is None:
-            num_updates, milestones = milestones[-1], milestones[:-1]
-        self.values, self.num_updates, self.milestones = values, num_updates, milestones
-
-    def __call__(self, where):
-        if where > 1.0:
-            raise RuntimeError(where)
-        epoch_num = int((where + EPS) * self.num_updates)
-        return self.values[bisect.bisect_right(self.milestones, epoch_num)]
-
-
-class RefPolynomialDecay:
-    def __init__(self, base_value, power):
-        self.base, self.power = base_value, power
-
-    def __call__(self, where):
-        return self.base * (1 - where) ** self.power
-
-
-class RefStep:
-    def __init__(self, num_updates, values):
-        self.values = values
-
-    def __call__(self, where):
-        return self.values[int((where + EPS) * len(self.values))]
-
-
-def ref_fixed_gamma(base_value, num_decays, gamma, num_updates):
-    values = [base_value]
-    for _ in range(num_decays):
-        values.append(values[-1] * gamma)
-    return RefStep(num_updates, values)
-
-
-class RefComposite:
-    def __init__(self, schedulers, lengths, interval_scaling):
-        lengths = list(lengths)
-        if sum(lengths) != 1.0:
-            lengths[-1] = 1.0 - sum(lengths[:-1])
-        self.schedulers, self.lengths, self.scaling = schedulers, lengths, interval_scaling
-
-    def __call__(self, where):
-        i = 0
-        running_total = self.lengths[i]
-        while (where + EPS) > running_total and i < len(self.schedulers) - 1:
-            i += 1
-            running_total += self.lengths[i]
-        scheduler_where = where
-        if self.scaling[i] == "rescaled":
-            scheduler_start = running_total - self.lengths[i]
-            scheduler_where = (where - scheduler_start) / self.lengths[i]
-        return self.schedulers[i](scheduler_where)
-
-
-def ref_warmup(scheduler, warmup_factor, warmup_length, warmup_method="linear", rescale=False):
-    end_value = scheduler(0.0) if rescale else scheduler(warmup_length)
-    start_value = warmup_factor * scheduler(0.0)
-    if warmup_method == "constant":
-        warmup = RefConstant(start_value)
-    else:
-        warmup = RefLinear(start_value, end_value)
-    return RefComposite(
-        [warmup, scheduler],
-        [warmup_length, 1 - warmup_length],
-        ["rescaled", "rescaled" if rescale else "fixed"],
-    )
-
 
 # --- points and comparison ----------------------------------------------------------------
 
@@ -454,11 +348,15 @@ def test_composite_with_python_part_falls_back_to_python():
         [ConstantParamScheduler(0.5), q], [0.25, 0.75], ["rescaled", "fixed"]
     )
     assert native_schedule(sched) is None
-    ref = RefComposite([RefConstant(0.5), lambda w: (1 - w) ** 2], [0.25, 0.75], ["rescaled", "fixed"])
+    ref = RefComposite(
+        [RefConstant(0.5), lambda w: (1 - w) ** 2], [0.25, 0.75], ["rescaled", "fixed"]
+    )
     assert_same_everywhere(sched, ref)
     assert q.calls > 0
     # A native composite nested in a Python-backed one still works.
-    outer = CompositeParamScheduler([sched, CosineParamScheduler(1, 0)], [0.5, 0.5], ["rescaled"] * 2)
+    outer = CompositeParamScheduler(
+        [sched, CosineParamScheduler(1, 0)], [0.5, 0.5], ["rescaled"] * 2
+    )
     outer_ref = RefComposite([ref, RefCosine(1, 0)], [0.5, 0.5], ["rescaled"] * 2)
     assert_same_everywhere(outer, outer_ref)
 
@@ -512,7 +410,9 @@ def test_native_schedule_surface():
     spans = _core.CompositeSpans([0.3, 0.7], ["rescaled", "fixed"])
     assert spans.locate(0.5) == (1, 0.5)
     assert len(spans) == 2
-    assert repr(spans) == "CompositeSpans(lengths=[0.3, 0.7], interval_scaling=['rescaled', 'fixed'])"
+    assert (
+        repr(spans) == "CompositeSpans(lengths=[0.3, 0.7], interval_scaling=['rescaled', 'fixed'])"
+    )
     with pytest.raises(ValueError, match="unknown kind"):
         _core.NativeSchedule._from_params({"kind": "nope"})
     with pytest.raises(ValueError, match="missing"):

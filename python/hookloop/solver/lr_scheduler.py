@@ -198,9 +198,10 @@ class LRMultiplier(LRScheduler):
             super().step()
             return
         last_epoch = self.last_epoch + 1
-        self._last_lr = native.step_lrs(
+        last_lr: List[Any] = native.step_lrs(
             self.optimizer.param_groups, self.base_lrs, last_epoch, self._max_iter
         )
+        self._last_lr = last_lr
         self.last_epoch = last_epoch
         self._step_count += 1
 

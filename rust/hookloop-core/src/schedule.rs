@@ -460,6 +460,10 @@ impl Schedule {
     /// without milestones, `len(values)` equal steps of `ceil(num_updates / len(values))`;
     /// without num_updates, the last milestone is the end. Milestones must be positive,
     /// strictly increasing and below `num_updates`, and `num_updates >= len(values)`.
+    #[expect(
+        clippy::neg_cmp_op_on_partial_ord,
+        reason = "`!(a < b)` fails for NaN, as fvcore's Python checks do"
+    )]
     pub fn multi_step(
         values: Vec<f64>,
         num_updates: Option<f64>,
@@ -569,6 +573,10 @@ impl Schedule {
 
     /// fvcore's `StepParamScheduler(num_updates, values)`: `num_updates > 0`, at least one
     /// value; `values` are spread evenly over training.
+    #[expect(
+        clippy::neg_cmp_op_on_partial_ord,
+        reason = "`!(a < b)` fails for NaN, as fvcore's Python checks do"
+    )]
     pub fn step(num_updates: f64, values: Vec<f64>) -> Result<Self> {
         const WHAT: &str = "StepParamScheduler";
         if !(num_updates > 0.0) {
@@ -597,6 +605,10 @@ impl Schedule {
     /// fvcore's `StepWithFixedGammaParamScheduler(base_value, num_decays, gamma,
     /// num_updates)`: positive `base_value` and `gamma`, positive integer `num_decays` and
     /// `num_updates`.
+    #[expect(
+        clippy::neg_cmp_op_on_partial_ord,
+        reason = "`!(a < b)` fails for NaN, as fvcore's Python checks do"
+    )]
     pub fn step_with_fixed_gamma(
         base_value: f64,
         num_decays: i64,
@@ -965,7 +977,8 @@ mod tests {
 
     #[test]
     fn multi_step_bad_args() {
-        let cases: Vec<(Vec<f64>, Option<f64>, Option<Vec<f64>>, &str)> = vec![
+        type Case = (Vec<f64>, Option<f64>, Option<Vec<f64>>, &'static str);
+        let cases: Vec<Case> = vec![
             (vec![1.0], None, None, "cannot both be None"),
             (
                 vec![1.0, 0.1],

@@ -57,10 +57,7 @@ pub struct PyCompositeSpans {
 }
 
 fn scaling_list(values: &[String]) -> PyResult<Vec<Scaling>> {
-    values
-        .iter()
-        .map(|s| Scaling::parse(s).py_err())
-        .collect()
+    values.iter().map(|s| Scaling::parse(s).py_err()).collect()
 }
 
 #[pymethods]
@@ -101,7 +98,9 @@ impl PyCompositeSpans {
         ))
     }
 
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let py = slf.py();
         let me = slf.get();
         let args = PyTuple::new(
@@ -248,7 +247,10 @@ fn from_params(d: &Bound<'_, PyDict>) -> PyResult<Schedule> {
         .py_err()?,
         "composite" => {
             let parts: Vec<Bound<'_, PyDict>> = param(d, "schedules")?;
-            let schedules = parts.iter().map(from_params).collect::<PyResult<Vec<_>>>()?;
+            let schedules = parts
+                .iter()
+                .map(from_params)
+                .collect::<PyResult<Vec<_>>>()?;
             let lengths: Vec<f64> = param(d, "lengths")?;
             let scaling: Vec<String> = param(d, "interval_scaling")?;
             let spans = Spans::new(&lengths, scaling_list(&scaling)?, sum_mode(py)).py_err()?;
@@ -439,10 +441,15 @@ impl PyNativeSchedule {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(format!("NativeSchedule({})", to_params(py, &self.core)?.repr()?))
+        Ok(format!(
+            "NativeSchedule({})",
+            to_params(py, &self.core)?.repr()?
+        ))
     }
 
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let py = slf.py();
         let ctor = slf.get_type().getattr(intern!(py, "_from_params"))?;
         let args = PyTuple::new(py, [to_params(py, &slf.get().core)?])?;
@@ -479,7 +486,7 @@ pub fn warmup_parts(
             Some(s) => Ok(s.get().core.value(w)?),
             None => scheduler
                 .call1((w,))
-                .and_then(|v| v.extract::<f64>().map_err(Into::into))
+                .and_then(|v| v.extract::<f64>())
                 .map_err(Failure),
         }
     };

@@ -273,5 +273,5 @@ def warmup_parts(
     warmup_factor: float,
     warmup_length: float,
     warmup_method: str = "linear",
-    rescale_interval: bool = False,
+    rescale_interval: Any = None,
 ) -> Tuple[float, float, CompositeSpans]: ...

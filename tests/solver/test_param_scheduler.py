@@ -201,6 +201,9 @@ def test_warmup_edge_lengths():
     assert all_warmup(0.0) == all_warmup(0.99) == 0.5
     # Past the (empty) last interval: the wrapped schedule, unscaled.
     assert all_warmup(1.0) == 0.0
+    # rescale_interval is tested for truth, as in detectron2.
+    truthy = WarmupParamScheduler(inner, 0.1, 0.2, rescale_interval=1)  # type: ignore[arg-type]
+    assert truthy._interval_scaling == ["rescaled", "rescaled"]
 
 
 def test_nested_composite():
@@ -247,6 +250,7 @@ def test_where_out_of_range_is_fvcores_runtime_error():
         (lambda: MultiStepParamScheduler([1, 0.1, 0.01], 10, [6, 3]), "strictly increasing"),
         (lambda: MultiStepParamScheduler([1, 0.1], 10, 5), "milestones must be a list"),
         (lambda: MultiStepParamScheduler([], 10), "values must not be empty"),
+        (lambda: MultiStepParamScheduler([], milestones=[]), "values must not be empty"),
         (lambda: StepParamScheduler(0, [1.0]), "num_updates=0"),
         (lambda: StepParamScheduler(10, []), "at least one param value"),
         (lambda: StepParamScheduler(10, 0.5), "at least one param value"),

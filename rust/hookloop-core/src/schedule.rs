@@ -470,14 +470,14 @@ impl Schedule {
         milestones: Option<Vec<f64>>,
     ) -> Result<Self> {
         const WHAT: &str = "MultiStepParamScheduler";
+        if values.is_empty() {
+            return Err(bad(WHAT, "values must not be empty"));
+        }
         let (num_updates, milestones) = match (num_updates, milestones) {
             (None, None) => {
                 return Err(bad(WHAT, "num_updates and milestones cannot both be None"));
             }
             (Some(n), None) => {
-                if values.is_empty() {
-                    return Err(bad(WHAT, "values must not be empty"));
-                }
                 // math.ceil(num_updates / float(len(values))): an int, exact in f64 here.
                 let step_width = (n / values.len() as f64).ceil();
                 if !step_width.is_finite() {
@@ -509,11 +509,11 @@ impl Schedule {
                 }
                 match n {
                     Some(n) => (n, milestones),
-                    None => {
-                        // Checked above: milestones has len(values) >= 1 entries.
-                        let n = milestones.pop().unwrap_or(0.0);
-                        (n, milestones)
-                    }
+                    None => match milestones.pop() {
+                        Some(n) => (n, milestones),
+                        // Unreachable: milestones has len(values) >= 1 entries.
+                        None => return Err(bad(WHAT, "milestones must not be empty")),
+                    },
                 }
             }
         };
@@ -1007,6 +1007,7 @@ mod tests {
                 "start_epoch=0.0",
             ),
             (vec![], Some(10.0), None, "values must not be empty"),
+            (vec![], None, Some(vec![]), "values must not be empty"),
             (vec![1.0], Some(f64::NAN), None, "num_updates"),
         ];
         for (values, n, m, needle) in cases {

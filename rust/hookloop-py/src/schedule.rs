@@ -471,15 +471,20 @@ impl From<Error> for Failure {
 /// `(start_value, end_value, spans)`. The warmup stage is `Constant(start_value)` for
 /// `warmup_method="constant"`, else `Linear(start_value, end_value)`.
 #[pyfunction]
-#[pyo3(signature = (scheduler, warmup_factor, warmup_length, warmup_method = "linear", rescale_interval = false))]
+#[pyo3(signature = (scheduler, warmup_factor, warmup_length, warmup_method = "linear", rescale_interval = None))]
 pub fn warmup_parts(
     scheduler: &Bound<'_, PyAny>,
     warmup_factor: f64,
     warmup_length: f64,
     warmup_method: &str,
-    rescale_interval: bool,
+    rescale_interval: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(f64, f64, PyCompositeSpans)> {
     let py = scheduler.py();
+    // Any truthy value, as detectron2's `if rescale_interval`.
+    let rescale_interval = match rescale_interval {
+        Some(v) => v.is_truthy()?,
+        None => false,
+    };
     let native = scheduler.cast::<PyNativeSchedule>().ok();
     let inner = |w: f64| -> Result<f64, Failure> {
         match &native {

@@ -422,15 +422,14 @@ impl PyNativeSchedule {
                 ))
             })?;
             // Python's `base_lr * multiplier`.
-            targets.push((group, base_lr(i, &base)? * multiplier));
+            let lr = PyFloat::new(py, base_lr(i, &base)? * multiplier);
+            targets.push((group, lr));
         }
-        let lrs = PyList::empty(py);
         let key = intern!(py, "lr");
-        for (group, lr) in targets {
-            let lr = PyFloat::new(py, lr);
-            group.set_item(key, &lr)?;
-            lrs.append(lr)?;
+        for (group, lr) in &targets {
+            group.set_item(key, lr)?;
         }
+        let lrs = PyList::new(py, targets.into_iter().map(|(_, lr)| lr))?;
         Ok(lrs)
     }
 

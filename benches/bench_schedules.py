@@ -117,7 +117,6 @@ VARIANTS = [
 def time_variant(variant: str, groups: int, iters: int) -> float:
     """ns per iteration over `iters` steps of a fresh scheduler."""
     step = build(variant, groups, iters + 2)
-    gc.collect()
     gc.disable()
     try:
         t0 = perf_ns()
@@ -129,11 +128,15 @@ def time_variant(variant: str, groups: int, iters: int) -> float:
     return (t1 - t0) / iters
 
 
-def run(repeats: int, iters: int, groups_list: List[int]) -> Dict[Tuple[int, str], List[float]]:
+def run(
+    repeats: int, iters: int, groups_list: List[int], collect: bool = True
+) -> Dict[Tuple[int, str], List[float]]:
     results: Dict[Tuple[int, str], List[float]] = {}
     for groups in groups_list:
         for r in range(repeats):
             order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            if collect:  # once per repeat: a full collection costs 0.1-1 s with torch loaded
+                gc.collect()
             for variant in order:
                 results.setdefault((groups, variant), []).append(
                     time_variant(variant, groups, iters)

@@ -293,3 +293,19 @@ def test_cosine_multiplier_end_to_end():
     assert seen[-1] == 0.0 and seen[49] == 0.5 * (
         0.0 + 0.5 * (1.0 - 0.0) * (1 + math.cos(math.pi * 0.5))
     )
+
+
+def test_fvcore_param_scheduler_is_accepted_in_python():
+    # A codebase may still build fvcore's schedulers: they run at Python cost.
+    FvParamScheduler = type("ParamScheduler", (), {"__module__": "fvcore.common.param_scheduler"})
+
+    class FvConstant(FvParamScheduler):  # type: ignore[misc, valid-type]
+        def __call__(self, where: float) -> float:
+            return 0.5
+
+    opt = make_optimizer()
+    sched = LRMultiplier(opt, FvConstant(), MAX_ITER)  # type: ignore[arg-type]
+    assert sched._native is None
+    opt.step()
+    sched.step()
+    assert lrs(opt) == [b * 0.5 for b in BASE_LRS]

@@ -421,3 +421,68 @@ def test_native_schedule_surface():
         _core.NativeSchedule._from_params({"kind": "nope"})
     with pytest.raises(ValueError, match="missing"):
         _core.NativeSchedule._from_params({"kind": "cosine"})
+
+
+# --- no panic escapes ---------------------------------------------------------------------
+
+_GARBAGE = [
+    0,
+    1,
+    -1,
+    2,
+    0.5,
+    -0.5,
+    1e308,
+    -1e308,
+    5e-324,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    2**63,
+    -(2**63) - 1,
+    True,
+    None,
+    "1",
+    [],
+    [1.0],
+    (0.5, 0.5),
+]
+
+
+def test_garbage_never_panics():
+    """Random bad input raises an ordinary exception: a Rust panic (PanicException, a
+    BaseException) would escape the `except Exception` and fail this test."""
+    rng = random.Random(1)
+    builders = [
+        lambda a, b, c, d: _core.NativeSchedule.constant(a),
+        lambda a, b, c, d: _core.NativeSchedule.cosine(a, b),
+        lambda a, b, c, d: _core.NativeSchedule.exponential(a, b),
+        lambda a, b, c, d: _core.NativeSchedule.linear(a, b),
+        lambda a, b, c, d: _core.NativeSchedule.polynomial_decay(a, b),
+        lambda a, b, c, d: _core.NativeSchedule.multi_step([a, b], c, d),
+        lambda a, b, c, d: _core.NativeSchedule.multi_step(d, c),
+        lambda a, b, c, d: _core.NativeSchedule.step(a, d),
+        lambda a, b, c, d: _core.NativeSchedule.step_with_fixed_gamma(a, b, c, d),
+        lambda a, b, c, d: _core.NativeSchedule.composite(
+            [_core.NativeSchedule.constant(1.0)] * 2, _core.CompositeSpans(d, ["rescaled"] * 2)
+        ),
+        lambda a, b, c, d: _core.warmup_parts(_core.NativeSchedule.cosine(1, 0), a, b),
+    ]
+    built = 0
+    for _ in range(3000):
+        args = [rng.choice(_GARBAGE) for _ in range(4)]
+        try:
+            sched = rng.choice(builders)(*args)
+        except Exception:
+            continue
+        built += 1
+        if not isinstance(sched, _core.NativeSchedule):
+            continue
+        for w in (rng.choice(_GARBAGE), rng.random(), -rng.random(), 1.0):
+            try:
+                sched(w)
+                sched.multiplier(rng.choice([-1, 0, 5, 10, 2**40]), rng.choice([-1, 0, 10]))
+                sched.step_lrs([{"lr": 1.0}], [rng.choice(_GARBAGE)], 1, 10)
+            except Exception:
+                pass
+    assert built > 100

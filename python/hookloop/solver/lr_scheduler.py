@@ -69,6 +69,17 @@ class WarmupParamScheduler(CompositeParamScheduler):
         self._build([warmup, scheduler], spans)
 
 
+def _is_param_scheduler(obj: Any) -> bool:
+    """hookloop's ParamScheduler, or fvcore's (a codebase may still build those): the latter
+    are evaluated in Python."""
+    if isinstance(obj, ParamScheduler):
+        return True
+    return any(
+        c.__name__ == "ParamScheduler" and c.__module__ == "fvcore.common.param_scheduler"
+        for c in type(obj).__mro__
+    )
+
+
 def _plain_lrs(lrs: List[Any]) -> bool:
     return all(type(lr) is float or type(lr) is int for lr in lrs)
 
@@ -138,7 +149,7 @@ class LRMultiplier(LRScheduler):
                 every LR of the optimizer
             max_iter: the total number of training iterations
         """
-        if not isinstance(multiplier, ParamScheduler):
+        if not _is_param_scheduler(multiplier):
             raise ValueError(
                 "_LRMultiplier(multiplier=) must be an instance of fvcore "
                 f"ParamScheduler. Got {multiplier} instead."

@@ -636,10 +636,10 @@ impl Schedule {
             }
         }
         // A list of num_decays + 1 floats, as fvcore builds; refuse absurd sizes.
-        if num_decays > 1 << 24 {
+        if num_decays > 1 << 20 {
             return Err(bad(
                 WHAT,
-                format!("num_decays={num_decays} is too large (at most 16777216)"),
+                format!("num_decays={num_decays} is too large (at most 1048576)"),
             ));
         }
         let mut values = Vec::with_capacity(num_decays as usize + 1);

@@ -195,7 +195,7 @@ class LRMultiplier(LRScheduler):
         # the deprecated `epoch` argument.
         native = self._native
         if self._fast and native is not None and epoch is None and self._step_count != 1:
-            # _native_step's body, inlined: a Python call is a fifth of this step's cost.
+            # _native_step's body, inlined: the extra Python call would add ~15% to this step.
             last_epoch = self.last_epoch + 1
             last_lr: List[Any] = native.step_lrs(
                 self.optimizer.param_groups, self.base_lrs, last_epoch, self._max_iter
@@ -225,19 +225,18 @@ class LRMultiplier(LRScheduler):
         self._step_count += 1
 
 
-"""
-Content below is no longer needed!
-"""
-
-# NOTE: PyTorch's LR scheduler interface uses names that assume the LR changes
-# only on epoch boundaries. We typically use iteration based schedules instead.
-# As a result, "epoch" (e.g., as in self.last_epoch) should be understood to mean
-# "iteration" instead.
+# detectron2's legacy schedulers, kept for code that still builds them. Their arithmetic stays
+# in Python: it is not an LRMultiplier's (`base_lr * factor * decay`, not
+# `base_lr * multiplier`), so a native schedule would round differently. As in torch,
+# `last_epoch` counts iterations here.
 
 
 class WarmupMultiStepLR(LRScheduler):
-    """detectron2's legacy warmup + multi-step schedule (prefer :class:`LRMultiplier`).
-    Evaluated in Python, with detectron2's formula."""
+    """detectron2's legacy warmup + multi-step schedule; prefer :class:`LRMultiplier` over
+    ``WarmupParamScheduler(MultiStepParamScheduler(...))``.
+
+    At iteration ``i`` each LR is ``base_lr * warmup(i) * gamma ** (number of milestones <= i)``.
+    """
 
     def __init__(
         self,
@@ -252,7 +251,7 @@ class WarmupMultiStepLR(LRScheduler):
         logger.warning(
             "WarmupMultiStepLR is deprecated! Use LRMultipilier with fvcore ParamScheduler instead!"
         )
-        if not list(milestones) == sorted(milestones):
+        if list(milestones) != sorted(milestones):
             raise ValueError(
                 f"Milestones should be a list of increasing integers. Got {milestones}"
             )
@@ -264,22 +263,25 @@ class WarmupMultiStepLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[Any]:
-        warmup_factor = _get_warmup_factor_at_iter(
-            self.warmup_method, self.last_epoch, self.warmup_iters, self.warmup_factor
+        it = self.last_epoch
+        factor = _get_warmup_factor_at_iter(
+            self.warmup_method, it, self.warmup_iters, self.warmup_factor
         )
-        return [
-            base_lr * warmup_factor * self.gamma ** bisect_right(self.milestones, self.last_epoch)
-            for base_lr in self.base_lrs
-        ]
+        decay = self.gamma ** bisect_right(self.milestones, it)
+        # (base_lr * factor) * decay: the grouping of detectron2's expression.
+        return [base_lr * factor * decay for base_lr in self.base_lrs]
 
     def _compute_values(self) -> List[Any]:
-        # The new interface
         return self.get_lr()
 
 
 class WarmupCosineLR(LRScheduler):
-    """detectron2's legacy warmup + half-cosine schedule (prefer :class:`LRMultiplier`).
-    Evaluated in Python, with detectron2's formula."""
+    """detectron2's legacy warmup + half-cosine schedule; prefer :class:`LRMultiplier` over
+    ``WarmupParamScheduler(CosineParamScheduler(1, 0), ...)``.
+
+    At iteration ``i`` each LR is ``base_lr * warmup(i) * 0.5 * (1 + cos(pi * i / max_iters))``:
+    the cosine runs from iteration 0, not from the end of the warmup.
+    """
 
     def __init__(
         self,
@@ -300,30 +302,24 @@ class WarmupCosineLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> List[Any]:
-        warmup_factor = _get_warmup_factor_at_iter(
-            self.warmup_method, self.last_epoch, self.warmup_iters, self.warmup_factor
+        it = self.last_epoch
+        factor = _get_warmup_factor_at_iter(
+            self.warmup_method, it, self.warmup_iters, self.warmup_factor
         )
-        # The half-cosine multiplied by the warmup factor, as detectron2 defines it (the
-        # cosine's period starts at 0, not at warmup_iters).
-        return [
-            base_lr
-            * warmup_factor
-            * 0.5
-            * (1.0 + math.cos(math.pi * self.last_epoch / self.max_iters))
-            for base_lr in self.base_lrs
-        ]
+        cosine = 1.0 + math.cos(math.pi * it / self.max_iters)
+        # ((base_lr * factor) * 0.5) * cosine: the grouping of detectron2's expression.
+        return [base_lr * factor * 0.5 * cosine for base_lr in self.base_lrs]
 
     def _compute_values(self) -> List[Any]:
-        # The new interface
         return self.get_lr()
 
 
 def _get_warmup_factor_at_iter(
     method: str, iter: int, warmup_iters: int, warmup_factor: float
 ) -> float:
-    """
-    Return the learning rate warmup factor at a specific iteration.
-    See :paper:`ImageNet in 1h` for more details.
+    """The LR warmup factor at iteration ``iter`` (see :paper:`ImageNet in 1h`): 1.0 from
+    ``warmup_iters`` on; before, ``warmup_factor`` for ``method="constant"``, or the linear
+    ramp from ``warmup_factor`` (at 0) towards 1.0 for ``"linear"``.
 
     Args:
         method (str): warmup method; either "constant" or "linear".
@@ -337,11 +333,9 @@ def _get_warmup_factor_at_iter(
     """
     if iter >= warmup_iters:
         return 1.0
-
-    if method == "constant":
-        return warmup_factor
-    elif method == "linear":
+    if method == "linear":
         alpha = iter / warmup_iters
         return warmup_factor * (1 - alpha) + alpha
-    else:
-        raise ValueError(f"Unknown warmup method: {method}")
+    if method == "constant":
+        return warmup_factor
+    raise ValueError(f"Unknown warmup method: {method}")

@@ -206,7 +206,7 @@ impl Spans {
             ));
         }
         let total = py_sum(lengths, sum);
-        // `not (x < 1e-3)` rather than `x >= 1e-3`: a NaN length must fail, as in Python.
+        // Stricter than fvcore, whose `abs(nan - 1.0) >= 1e-3` is false: a NaN length fails.
         if (total - 1.0).abs() >= 1e-3 || total.is_nan() {
             return Err(bad(
                 WHAT,

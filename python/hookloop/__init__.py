@@ -6,5 +6,6 @@ Rewrite ``detectron2.engine`` -> ``hookloop.engine`` and ``detectron2.utils.even
 """
 
 from hookloop._core import BUILD_PROFILE, __version__
+from hookloop.utils import logger as _logger  # noqa: F401  (puts "hookloop" under "detectron2")
 
 __all__ = ["__version__", "BUILD_PROFILE"]

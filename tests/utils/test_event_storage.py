@@ -176,7 +176,7 @@ def test_put_scalars_hint_and_cur_iter(storage):
 
 @pytest.mark.parametrize(
     "bad",
-    ["1.0", None, [1.0], torch.zeros(2), torch.zeros(1, 1), np.zeros(3), object()],
+    ["1.0", None, [1.0], torch.zeros(2), torch.zeros(2, 1), np.zeros(3), object()],
     ids=["str", "None", "list", "tensor1d", "tensor2d", "ndarray1d", "object"],
 )
 def test_bad_value_is_type_error_naming_metric_and_keeps_earlier_values(storage, bad):

@@ -6,21 +6,37 @@ Each hook overrides only the stages it needs, so the Rust dispatcher calls it on
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
+import math
+import operator
+import os
+import warnings
 from collections import Counter
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
 from hookloop import _core
+from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
+from hookloop.checkpoint.checkpointer import _save_with
 from hookloop.engine.train_loop import HookBase
-from hookloop.utils.events import EventWriter
+from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
+from hookloop.utils import comm
+from hookloop.utils.events import EventStorage, EventWriter
 
 __all__ = [
     "CallbackHook",
     "IterationTimer",
     "PeriodicWriter",
     "LRScheduler",
+    "PeriodicCheckpointer",
+    "BestCheckpointer",
+    "EvalHook",
+    "PreciseBN",
+    "TorchProfiler",
+    "AutogradProfiler",
+    "TorchMemoryStats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,7 +104,15 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         self._configure(warmup_iter)
 
     def before_train(self) -> None:
-        self._start()
+        self._start(self.trainer.storage, self.trainer.start_iter)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**HookBase.__getstate__(self), "_warmup_iter": self._warmup_iter}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        self._configure(state.pop("_warmup_iter"))
+        HookBase.__setstate__(self, state)
 
     def after_train(self) -> None:
         total_time, total_time_minus_hooks = self._elapsed()
@@ -115,12 +139,12 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         )
 
 
-class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
+class PeriodicWriter(HookBase):
     """Write events to EventStorage (by calling ``writer.write()``) periodically.
 
     It is executed every ``period`` iterations and after the last iteration. Note that
-    ``period`` does not affect how data is smoothed by each writer. The per-step check runs
-    in Rust (``hookloop._core._PeriodicWriterBase``).
+    ``period`` does not affect how data is smoothed by each writer. Between periods the
+    dispatcher does not call it at all (its period filter, the core's one period rule).
     """
 
     def __init__(self, writers: Iterable[EventWriter], period: int = 20) -> None:
@@ -135,7 +159,22 @@ class PeriodicWriter(_core._PeriodicWriterBase, HookBase):
                 raise TypeError(f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter")
         if isinstance(period, bool) or not isinstance(period, int):
             raise TypeError(f"PeriodicWriter period must be an int, got {type(period).__name__}")
-        self._configure(writers, period)
+        if period <= 0:
+            raise ValueError(f"PeriodicWriter period must be a positive int, got {period}")
+        self._writers = writers
+        self._period = period
+
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        # Only this class's own after_step follows the period; a subclass's may not.
+        if stage == "after_step" and type(self).after_step is PeriodicWriter.after_step:
+            return self._period
+        return None
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        if _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
+            for writer in self._writers:
+                writer.write()
 
     def after_train(self) -> None:
         for writer in self._writers:
@@ -150,8 +189,8 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
     executed after every iteration.
 
     ``after_step`` (put ``lr``, step the scheduler) runs in Rust
-    (``hookloop._core._LRSchedulerBase``); it reads ``_optimizer``, ``_scheduler`` (else
-    ``trainer.scheduler``) and ``_best_param_group_id`` at each step.
+    (``hookloop._core._LRSchedulerBase``). ``_optimizer``, ``_scheduler`` and
+    ``_best_param_group_id`` are that base's state: setting one takes effect at the next step.
     """
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None):
@@ -167,7 +206,25 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
     def before_train(self) -> None:
         trainer: Any = self.trainer
         self._optimizer = self._optimizer or trainer.optimizer
+        if self._scheduler is None:
+            self._scheduler = trainer.scheduler
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
+        self._start(trainer.storage)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {
+            **HookBase.__getstate__(self),
+            "_optimizer": self._optimizer,
+            "_scheduler": self._scheduler,
+            "_best_param_group_id": self._best_param_group_id,
+        }
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        self._optimizer = state.pop("_optimizer")
+        self._scheduler = state.pop("_scheduler")
+        self._best_param_group_id = state.pop("_best_param_group_id")
+        HookBase.__setstate__(self, state)
 
     @staticmethod
     def get_best_param_group_id(optimizer: torch.optim.Optimizer) -> int:
@@ -191,8 +248,10 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
 
     @property
     def scheduler(self) -> Any:
+        if self._scheduler is not None:
+            return self._scheduler
         trainer: Any = self.trainer
-        return self._scheduler or trainer.scheduler
+        return trainer.scheduler
 
     def state_dict(self) -> Dict[str, Any]:
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
@@ -203,3 +262,644 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
         if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
             logger.info("Loading scheduler from state_dict ...")
             self.scheduler.load_state_dict(dict(state_dict))
+
+
+# ----------------------------------------------------------------------------------------------
+# PreciseBN, the profilers and TorchMemoryStats (detectron2's hooks of the same names).
+
+
+def _int_arg(owner: str, name: str, value: Any, minimum: Optional[int] = None) -> int:
+    """``value`` as an int (numpy ints accepted, bools not), at least ``minimum``; else a
+    ``TypeError``/``ValueError`` naming ``owner``'s argument ``name``."""
+    what = f"{owner} {name}"
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _callable_arg(owner: str, name: str, value: Any) -> Callable[..., Any]:
+    if not callable(value):
+        raise TypeError(f"{owner} {name} must be callable, got {type(value).__name__}")
+    return value
+
+
+def _path_arg(owner: str, name: str, value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{owner} {name} must be a str or os.PathLike, got {type(value).__name__}")
+    return os.fspath(value)
+
+
+class PreciseBN(HookBase):
+    """The standard implementation of BatchNorm uses EMA in inference, which is sometimes
+    suboptimal. This class computes the true average of statistics rather than the moving
+    average, and put true averages to every BN layer in the given model.
+
+    It is executed every ``period`` iterations and after the last iteration.
+    """
+
+    def __init__(
+        self, period: int, model: torch.nn.Module, data_loader: Iterable[Any], num_iter: int
+    ) -> None:
+        """
+        Args:
+            period (int): the period this hook is run, or 0 to not run during training.
+                The hook will always run in the end of training.
+            model (nn.Module): a module whose all BN layers in training mode will be
+                updated by precise BN. Note that user is responsible for ensuring the BN
+                layers to be updated are in training mode when this hook is triggered.
+            data_loader (iterable): it will produce data to be run by `model(data)`. One
+                iterator is made from it, at the first run, and later runs continue it.
+            num_iter (int): number of iterations used to compute the precise statistics.
+        """
+        self._logger = logger
+        self._period = _int_arg("PreciseBN", "period", period)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"PreciseBN model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if not isinstance(data_loader, Iterable):
+            raise TypeError(
+                f"PreciseBN data_loader must be iterable, got {type(data_loader).__name__}"
+            )
+        self._num_iter = _int_arg("PreciseBN", "num_iter", num_iter, minimum=1)
+        self._model = model
+        self._data_loader = data_loader
+        self._data_iter: Optional[Iterator[Any]] = None
+        self._disabled = len(get_bn_modules(model)) == 0
+        if self._disabled:
+            self._logger.info(
+                "PreciseBN is disabled because model does not contain BN layers in training mode."
+            )
+
+    def after_step(self) -> None:
+        if self._disabled:
+            return
+        next_iter = self.trainer.iter + 1
+        is_final = next_iter == self.trainer.max_iter
+        if is_final or (self._period > 0 and next_iter % self._period == 0):
+            self.update_stats()
+
+    def update_stats(self) -> None:
+        """Update the model with precise statistics. Users can manually call this method."""
+        if self._disabled:
+            return
+        if self._data_iter is None:
+            self._data_iter = iter(self._data_loader)
+        data_iter = self._data_iter
+
+        def data_loader() -> Iterator[Any]:
+            for num_iter in itertools.count(1):
+                if num_iter % 100 == 0:
+                    self._logger.info(
+                        "Running precise-BN ... {}/{} iterations.".format(num_iter, self._num_iter)
+                    )
+                # This way we can reuse the same iterator
+                try:
+                    batch = next(data_iter)
+                except StopIteration:
+                    return
+                yield batch
+
+        with EventStorage():  # capture events in a new storage to discard them
+            self._logger.info(
+                "Running precise-BN for {} iterations...  ".format(self._num_iter)
+                + "Note that this could produce different statistics every time."
+            )
+            update_bn_stats(self._model, data_loader(), self._num_iter)
+
+
+class TorchProfiler(HookBase):
+    """A hook which runs `torch.profiler.profile`.
+
+    Examples:
+    ::
+        hooks.TorchProfiler(
+             lambda trainer: 10 < trainer.iter < 20, self.cfg.OUTPUT_DIR
+        )
+
+    The above example will run the profiler for iteration 10~20 and dump
+    results to ``OUTPUT_DIR``. We did not profile the first few iterations
+    because they are typically slower than the rest.
+    The result files can be loaded in the ``chrome://tracing`` page in chrome browser,
+    and the tensorboard visualizations can be visualized using
+    ``tensorboard --logdir OUTPUT_DIR/log``
+    """
+
+    def __init__(
+        self,
+        enable_predicate: Callable[[Any], bool],
+        output_dir: Union[str, os.PathLike[str]],
+        *,
+        activities: Optional[Iterable[Any]] = None,
+        save_tensorboard: bool = True,
+    ) -> None:
+        """
+        Args:
+            enable_predicate (callable[trainer -> bool]): a function which takes a trainer,
+                and returns whether to enable the profiler.
+                It will be called once every step, and can be used to select which steps to
+                profile.
+            output_dir (str): the output directory to dump tracing files.
+            activities (iterable): same as in `torch.profiler.profile`.
+            save_tensorboard (bool): whether to save tensorboard visualizations at
+                (output_dir)/log/
+        """
+        self._enable_predicate = _callable_arg(
+            "TorchProfiler", "enable_predicate", enable_predicate
+        )
+        self._output_dir = _path_arg("TorchProfiler", "output_dir", output_dir)
+        if activities is not None and not isinstance(activities, Iterable):
+            raise TypeError(
+                f"TorchProfiler activities must be an iterable or None, "
+                f"got {type(activities).__name__}"
+            )
+        self._activities = None if activities is None else list(activities)
+        self._save_tensorboard = bool(save_tensorboard)
+        self._profiler: Any = None
+
+    def before_step(self) -> None:
+        if self._enable_predicate(self.trainer):
+            if self._save_tensorboard:
+                on_trace_ready = torch.profiler.tensorboard_trace_handler(
+                    os.path.join(
+                        self._output_dir,
+                        "log",
+                        "profiler-tensorboard-iter{}".format(self.trainer.iter),
+                    ),
+                    f"worker{comm.get_rank()}",
+                )
+            else:
+                on_trace_ready = None
+            self._profiler = torch.profiler.profile(
+                activities=self._activities,
+                on_trace_ready=on_trace_ready,
+                record_shapes=True,
+                profile_memory=True,
+                with_stack=True,
+                with_flops=True,
+            )
+            self._profiler.__enter__()
+        else:
+            self._profiler = None
+
+    def after_step(self) -> None:
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        if not self._save_tensorboard:
+            os.makedirs(self._output_dir, exist_ok=True)
+            out_file = os.path.join(
+                self._output_dir, "profiler-trace-iter{}.json".format(self.trainer.iter)
+            )
+            profiler.export_chrome_trace(out_file)
+
+    def after_train(self) -> None:
+        # A step that raised left its profiler running; only one can run per process.
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)
+
+
+class AutogradProfiler(TorchProfiler):
+    """A hook which runs `torch.autograd.profiler.profile`.
+
+    Examples:
+    ::
+        hooks.AutogradProfiler(
+             lambda trainer: 10 < trainer.iter < 20, self.cfg.OUTPUT_DIR
+        )
+
+    The above example will run the profiler for iteration 10~20 and dump
+    results to ``OUTPUT_DIR``. We did not profile the first few iterations
+    because they are typically slower than the rest.
+    The result files can be loaded in the ``chrome://tracing`` page in chrome browser.
+
+    Note:
+        When used together with NCCL on older version of GPUs,
+        autograd profiler may cause deadlock because it unnecessarily allocates
+        memory on every device it sees. The memory management calls, if
+        interleaved with NCCL calls, lead to deadlock on GPUs that do not
+        support ``cudaLaunchCooperativeKernelMultiDevice``.
+    """
+
+    def __init__(
+        self,
+        enable_predicate: Callable[[Any], bool],
+        output_dir: Union[str, os.PathLike[str]],
+        *,
+        use_cuda: bool = True,
+    ) -> None:
+        """
+        Args:
+            enable_predicate (callable[trainer -> bool]): a function which takes a trainer,
+                and returns whether to enable the profiler.
+                It will be called once every step, and can be used to select which steps to
+                profile.
+            output_dir (str): the output directory to dump tracing files.
+            use_cuda (bool): same as in `torch.autograd.profiler.profile`. Without a CUDA
+                device only the CPU is profiled (one log line says so).
+        """
+        warnings.warn(
+            "AutogradProfiler has been deprecated in favor of TorchProfiler.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self._enable_predicate = _callable_arg(
+            "AutogradProfiler", "enable_predicate", enable_predicate
+        )
+        self._output_dir = _path_arg("AutogradProfiler", "output_dir", output_dir)
+        self._use_cuda = bool(use_cuda)
+        self._save_tensorboard = False
+        self._profiler = None
+        if self._use_cuda and not torch.cuda.is_available():
+            logger.info("AutogradProfiler: CUDA is not available; profiling the CPU only.")
+            self._use_cuda = False
+
+    def before_step(self) -> None:
+        if self._enable_predicate(self.trainer):
+            self._profiler = torch.autograd.profiler.profile(
+                use_device="cuda" if self._use_cuda else None
+            )
+            self._profiler.__enter__()
+        else:
+            self._profiler = None
+
+
+class TorchMemoryStats(HookBase):
+    """Writes pytorch's cuda memory statistics periodically.
+
+    Without a CUDA device it logs that once and does nothing else.
+    """
+
+    def __init__(self, period: int = 20, max_runs: int = 10) -> None:
+        """
+        Args:
+            period (int): Output stats each 'period' iterations, and after the last one.
+            max_runs (int): Stop the logging after 'max_runs' logs; the last one adds
+                ``torch.cuda.memory_summary()``.
+        """
+        self._logger = logger
+        self._period = _int_arg("TorchMemoryStats", "period", period, minimum=1)
+        self._max_runs = _int_arg("TorchMemoryStats", "max_runs", max_runs, minimum=0)
+        self._runs = 0
+        self._no_cuda = False
+
+    def after_step(self) -> None:
+        if self._runs >= self._max_runs or self._no_cuda:
+            return
+        next_iter = self.trainer.iter + 1
+        if next_iter % self._period == 0 or next_iter == self.trainer.max_iter:
+            if not torch.cuda.is_available():
+                self._logger.info(
+                    "TorchMemoryStats: CUDA is not available; no memory statistics are logged."
+                )
+                self._no_cuda = True
+                return
+            max_reserved_mb = torch.cuda.max_memory_reserved() / 1024.0 / 1024.0
+            reserved_mb = torch.cuda.memory_reserved() / 1024.0 / 1024.0
+            max_allocated_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
+            allocated_mb = torch.cuda.memory_allocated() / 1024.0 / 1024.0
+
+            self._logger.info(
+                (
+                    " iter: {} "
+                    " max_reserved_mem: {:.0f}MB "
+                    " reserved_mem: {:.0f}MB "
+                    " max_allocated_mem: {:.0f}MB "
+                    " allocated_mem: {:.0f}MB "
+                ).format(
+                    self.trainer.iter,
+                    max_reserved_mb,
+                    reserved_mb,
+                    max_allocated_mb,
+                    allocated_mb,
+                )
+            )
+
+            self._runs += 1
+            if self._runs == self._max_runs:
+                mem_summary = torch.cuda.memory_summary()
+                self._logger.info("\n" + mem_summary)
+
+            torch.cuda.reset_peak_memory_stats()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpointing and evaluation
+
+
+def _training_finished(trainer: Any) -> bool:
+    """Whether the loop ran to ``max_iter`` (``train()`` sets ``iter = max_iter`` only then)."""
+    return trainer.iter >= trainer.max_iter
+
+
+class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
+    """Same as :class:`hookloop.checkpoint.PeriodicCheckpointer`, but as a hook.
+
+    Note that when used as a hook, it is unable to save additional data other than what's
+    defined by the given ``checkpointer``.
+
+    It is executed every ``period`` iterations and after the last iteration: as in
+    detectron2, ``<file_prefix>_final`` is saved in the ``after_step`` of iteration
+    ``max_iter - 1``, so only when the last step completed (never after an exception), and
+    the trainer state in it has that iteration, from which a resume starts at ``max_iter``.
+    ``after_train`` waits for an ``async_save`` checkpointer's save in flight.
+    """
+
+    def before_train(self) -> None:
+        self.max_iter = self.trainer.max_iter
+
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        # Between periods the dispatcher skips after_step (its rule is a superset of this one).
+        if stage == "after_step" and type(self).after_step is PeriodicCheckpointer.after_step:
+            return self.period
+        return None
+
+    def after_step(self) -> None:
+        # step(self.trainer.iter), inlined. No way to use **kwargs.
+        iteration = self.trainer.iter
+        if (iteration + 1) % self.period == 0:
+            self._save_periodic(iteration, {"iteration": iteration})
+        if self.max_iter is not None and iteration >= self.max_iter - 1:
+            self.checkpointer.save(f"{self.file_prefix}_final", iteration=iteration)
+
+    def after_train(self) -> None:
+        _wait_for_saves(self.checkpointer, _training_finished(self.trainer))
+
+
+def _eval_period(hook: Any, cls: type, stage: str) -> Optional[int]:
+    """The dispatcher's period for an evaluation-style ``after_step`` (``cls``'s own, not a
+    subclass's): ``eval_period``, or for 0 ("only after training") one that is never due
+    before the last iteration, where the hook's own check skips it too."""
+    if stage != "after_step" or type(hook).after_step is not cls.after_step:
+        return None
+    return hook._period if hook._period > 0 else _NEVER
+
+
+# A period no run reaches: due only at the last iteration.
+_NEVER = 2**62
+
+
+def _wait_for_saves(checkpointer: Any, finished: bool) -> None:
+    """Waits for a background save; its error stops a run that succeeded, and is logged when
+    training already failed (raising it would hide the original error)."""
+    wait = getattr(checkpointer, "wait", None)
+    if wait is None:
+        return
+    if finished:
+        wait()
+        return
+    try:
+        wait()
+    except Exception as e:
+        logger.error(f"Background checkpoint save failed after training stopped: {e!r}")
+
+
+class BestCheckpointer(HookBase):
+    """Checkpoints best weights based off given metric.
+
+    This hook should be used in conjunction to and executed after the hook that produces the
+    metric, e.g. :class:`EvalHook`. It saves ``<file_prefix>.pth`` on the first finite value
+    of ``val_metric`` and then on each strict improvement; NaN and infinity never count as
+    the best. Unlike detectron2's, saving the best model does not move ``last_checkpoint``:
+    a resume continues from the newest periodic checkpoint. The best value and iteration are
+    in :meth:`state_dict`, so a resumed run does not replace a better model with a worse one.
+    """
+
+    def __init__(
+        self,
+        eval_period: int,
+        checkpointer: Any,
+        val_metric: str,
+        mode: str = "max",
+        file_prefix: str = "model_best",
+    ) -> None:
+        """
+        Args:
+            eval_period (int): the period ``EvalHook`` is set to run (0: only after training).
+            checkpointer: the checkpointer object used to save checkpoints.
+            val_metric (str): chosen validation metric to track for best checkpoint, e.g.
+                "bbox/AP50"
+            mode (str): one of {'max', 'min'}. controls whether the chosen val metric should
+                be maximized or minimized, e.g. for "bbox/AP50" it should be "max"
+            file_prefix (str): the prefix of checkpoint's filename, defaults to "model_best"
+        """
+        self._period = _int_arg("BestCheckpointer", "eval_period", eval_period, 0)
+        if not callable(getattr(checkpointer, "save", None)):
+            raise TypeError(
+                f"BestCheckpointer needs a checkpointer with save(), "
+                f"got {type(checkpointer).__name__}"
+            )
+        if not isinstance(val_metric, str) or not val_metric:
+            raise TypeError(f"BestCheckpointer val_metric must be a non-empty str: {val_metric!r}")
+        if mode not in ("max", "min"):
+            raise ValueError(
+                f'Mode "{mode}" to `BestCheckpointer` is unknown. It should be one of '
+                '{"max", "min"}.'
+            )
+        if not isinstance(file_prefix, str) or not file_prefix:
+            raise ValueError(
+                f"BestCheckpointer file_prefix must be a non-empty str: {file_prefix!r}"
+            )
+        self._logger = logging.getLogger(__name__)
+        self._val_metric = val_metric
+        self._mode = mode
+        self._compare = operator.gt if mode == "max" else operator.lt
+        self._checkpointer = checkpointer
+        self._file_prefix = file_prefix
+        self.best_metric: Optional[float] = None
+        self.best_iter: Optional[int] = None
+        # Iteration of the last value looked at: a value not newer than it is stale.
+        self._checked_iter: Optional[int] = None
+
+    def _best_checking(self) -> None:
+        metric_tuple = self.trainer.storage.latest().get(self._val_metric)
+        if metric_tuple is None:
+            self._logger.warning(
+                f"Given val metric {self._val_metric} does not seem to be computed/stored. "
+                "Will not be checkpointing based on it."
+            )
+            return
+        latest_metric, metric_iter = metric_tuple
+        metric_iter = int(metric_iter)
+        newest_seen = max(
+            (i for i in (self._checked_iter, self.best_iter) if i is not None), default=None
+        )
+        if newest_seen is not None and metric_iter <= newest_seen:
+            self._logger.warning(
+                f"The latest value of {self._val_metric} is from iteration {metric_iter}, "
+                f"already checked: no new evaluation, not checkpointing"
+            )
+            return
+        self._checked_iter = metric_iter
+        latest_metric = float(latest_metric)
+        if not math.isfinite(latest_metric):
+            self._logger.warning(
+                f"Not saving as latest eval score for {self._val_metric} is {latest_metric} "
+                f"@ iteration {metric_iter}, which is never the best"
+            )
+            return
+        if self.best_metric is None or self._compare(latest_metric, self.best_metric):
+            previous = self.best_metric, self.best_iter
+            _save_with(
+                self._checkpointer, self._file_prefix, {"iteration": metric_iter}, tag_last=False
+            )
+            self.best_metric, self.best_iter = latest_metric, metric_iter
+            if previous[0] is None:
+                self._logger.info(
+                    f"Saved first model at {latest_metric:0.5f} @ {metric_iter} steps"
+                )
+            else:
+                self._logger.info(
+                    f"Saved best model as latest eval score for {self._val_metric} is "
+                    f"{latest_metric:0.5f}, better than last best score {previous[0]:0.5f} "
+                    f"@ iteration {previous[1]}."
+                )
+        else:
+            self._logger.info(
+                f"Not saving as latest eval score for {self._val_metric} is "
+                f"{latest_metric:0.5f}, not better than best score {self.best_metric:0.5f} "
+                f"@ iteration {self.best_iter}."
+            )
+
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        return _eval_period(self, BestCheckpointer, stage)
+
+    def after_step(self) -> None:
+        # same conditions as `EvalHook`
+        next_iter = self.trainer.iter + 1
+        if (
+            self._period > 0
+            and next_iter % self._period == 0
+            and next_iter != self.trainer.max_iter
+        ):
+            self._best_checking()
+
+    def after_train(self) -> None:
+        # same conditions as `EvalHook`
+        finished = _training_finished(self.trainer)
+        try:
+            if finished:
+                self._best_checking()
+        finally:
+            _wait_for_saves(self._checkpointer, finished)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "best_metric": self.best_metric,
+            "best_iter": self.best_iter,
+            "checked_iter": self._checked_iter,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping) or not {"best_metric", "best_iter"} <= set(
+            state_dict
+        ):
+            raise ValueError(
+                "BestCheckpointer.load_state_dict() needs a dict with best_metric and best_iter"
+            )
+        best, best_iter = state_dict["best_metric"], state_dict["best_iter"]
+        checked = state_dict.get("checked_iter", best_iter)
+        self.best_metric = None if best is None else float(best)
+        self.best_iter = None if best_iter is None else int(best_iter)
+        self._checked_iter = None if checked is None else int(checked)
+
+
+def _flatten_results_dict(results: Mapping[Any, Any], prefix: str = "") -> Dict[str, Any]:
+    """Expand a hierarchical dict of scalars into a flat dict of scalars. If results[k1][k2]
+    = 1, the returned dict will have the entry {"k1/k2": 1}."""
+    out: Dict[str, Any] = {}
+    for k, v in results.items():
+        if not isinstance(k, str):
+            raise TypeError(
+                f"[EvalHook] eval_function returned a key that is not a str: {k!r}"
+                + (f" under '{prefix[:-1]}'" if prefix else "")
+            )
+        if isinstance(v, Mapping):
+            out.update(_flatten_results_dict(v, prefix + k + "/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+class EvalHook(HookBase):
+    """Run an evaluation function periodically, and at the end of training.
+
+    It is executed every ``eval_period`` iterations (not at the last one) and after the last
+    iteration. The results are put into the storage unsmoothed, under "a/b" keys for a
+    nested dict.
+    """
+
+    def __init__(
+        self, eval_period: int, eval_function: Callable[[], Any], eval_after_train: bool = True
+    ) -> None:
+        """
+        Args:
+            eval_period (int): the period to run ``eval_function``. Set to 0 to not evaluate
+                periodically (but still evaluate after the last iteration if
+                ``eval_after_train`` is True).
+            eval_function (callable): a function which takes no arguments, and returns a
+                nested dict of evaluation metrics.
+            eval_after_train (bool): whether to evaluate after the last iteration
+
+        Note:
+            This hook must be enabled in all or none workers. If you would like only certain
+            workers to perform evaluation, give other workers a no-op function
+            (``eval_function=lambda: None``).
+        """
+        self._period = _int_arg("EvalHook", "eval_period", eval_period, 0)
+        if not callable(eval_function):
+            raise TypeError(
+                f"EvalHook eval_function must be callable, got {type(eval_function).__name__}"
+            )
+        self._func: Callable[[], Any] = eval_function
+        self._eval_after_train = bool(eval_after_train)
+
+    def _do_eval(self) -> None:
+        results = self._func()
+
+        if results:
+            if not isinstance(results, Mapping):
+                raise TypeError("Eval function must return a dict. Got {} instead.".format(results))
+            flattened_results = _flatten_results_dict(results)
+            values = {}
+            for k, v in flattened_results.items():
+                try:
+                    values[k] = float(v)
+                except Exception as e:
+                    raise ValueError(
+                        "[EvalHook] eval_function should return a nested dict of float. "
+                        "Got '{}: {}' instead.".format(k, v)
+                    ) from e
+            self.trainer.storage.put_scalars(**values, smoothing_hint=False)
+
+        # Evaluation may take different time among workers. A barrier make them start the
+        # next iteration together.
+        comm.synchronize()
+
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        return _eval_period(self, EvalHook, stage)
+
+    def after_step(self) -> None:
+        next_iter = self.trainer.iter + 1
+        if self._period > 0 and next_iter % self._period == 0:
+            # do the last eval in after_train
+            if next_iter != self.trainer.max_iter:
+                self._do_eval()
+
+    def after_train(self) -> None:
+        try:
+            # Not after a failed training.
+            if self._eval_after_train and _training_finished(self.trainer):
+                self._do_eval()
+        finally:
+            # func is likely a closure that holds reference to the trainer, therefore we
+            # clean it to avoid circular reference in the end
+            self.__dict__.pop("_func", None)

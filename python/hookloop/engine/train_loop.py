@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import operator
 import time
+import types
 import weakref
 from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hookloop import _core
@@ -84,64 +83,58 @@ class HookBase:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned; stateless hooks ignore it."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        if name in _STAGES:
-            self._stages_changed()
+    def _dispatch_period(self, stage: str) -> Optional[int]:
+        """The period of this hook's ``stage`` method, for the dispatcher's period filter:
+        ``None`` (called every time, the default) or N, called only when ``iter + 1`` is a
+        multiple of N and at the last iteration. A hook returning N must keep its own check
+        for callers that invoke the method directly."""
+        return None
 
-    def __delattr__(self, name: str) -> None:
-        object.__delattr__(self, name)
-        if name in _STAGES:
-            self._stages_changed()
+    def __getstate__(self) -> Dict[str, Any]:
+        # The trainer is a weak proxy (not picklable); it is set again at registration.
+        state = dict(self.__dict__)
+        if isinstance(state.get("trainer"), (weakref.ProxyType, weakref.CallableProxyType)):
+            del state["trainer"]
+        return state
 
-    def _stages_changed(self) -> None:
-        # A stage method set on the instance after registration: the trainer's dispatch table
-        # was built without it, so rebuild it.
-        trainer = self.__dict__.get("trainer")
-        if trainer is not None:
-            try:
-                trainer._hooks._sync()
-            except ReferenceError:  # the trainer is gone
-                pass
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
-_STAGES = frozenset(("before_train", "after_train", "before_step", "after_step", "after_backward"))
+_STAGES = ("before_train", "after_train", "before_step", "after_step", "after_backward")
 
 
-class _HookList(list):
-    """The trainer's hook list. Any change rebuilds the Rust dispatch table, so code that edits
-    ``trainer._hooks`` in place (as some detectron2-based repos do) keeps working."""
-
-    __slots__ = ("_dispatcher",)
-
-    def __init__(self, dispatcher: Any, hooks: Iterable[HookBase] = ()) -> None:
-        super().__init__(hooks)
-        self._dispatcher = dispatcher
-        self._sync()
-
-    def _sync(self) -> None:
-        self._dispatcher.set_hooks(self, HookBase)
-
-
-def _resyncing(name: str) -> Any:
-    """``list.<name>``, followed by a rebuild of the dispatch table."""
-    base = getattr(list, name)
-
-    def method(self: _HookList, *args: Any, **kwargs: Any) -> Any:
-        result = base(self, *args, **kwargs)
-        self._sync()
-        return self if name in ("__iadd__", "__imul__") else result
-
-    method.__name__ = method.__qualname__ = name
-    return method
+def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
+    """The dispatcher's table for ``hooks``: ``(hook_index, stage_index, function, self,
+    period)`` for each stage a hook overrides (a stage left as ``HookBase``'s own is never
+    called) or sets on the instance. Methods are resolved here, once per rebuild; a Python
+    method is passed as its function and the hook, which the dispatcher calls as
+    ``function(hook)`` (one vectorcall, no bound-method object)."""
+    entries = []
+    for index, hook in enumerate(hooks):
+        cls = type(hook)
+        own = getattr(hook, "__dict__", {})
+        for stage_index, stage in enumerate(_STAGES):
+            if stage not in own and getattr(cls, stage, None) is getattr(HookBase, stage):
+                continue
+            method = getattr(hook, stage, None)
+            if method is None:
+                # Not a hook at all: fail at the call, as detectron2's loop would.
+                method = _missing_stage(hook, stage)
+            period_of = getattr(hook, "_dispatch_period", None)
+            period = int((period_of(stage) if period_of is not None else None) or 0)
+            if isinstance(method, types.MethodType) and method.__self__ is hook:
+                entries.append((index, stage_index, method.__func__, hook, period))
+            else:
+                entries.append((index, stage_index, method, None, period))
+    return entries
 
 
-for _name in (
-    "append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
-    "__setitem__", "__delitem__", "__iadd__", "__imul__",
-):  # fmt: skip
-    setattr(_HookList, _name, _resyncing(_name))
-del _name
+def _missing_stage(hook: Any, stage: str) -> Any:
+    def call() -> None:
+        getattr(hook, stage)()
+
+    return call
 
 
 def _check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
@@ -179,22 +172,14 @@ class TrainerBase:
     storage: EventStorage
 
     def __init__(self) -> None:
-        self._dispatcher = _core.Dispatcher()
-        self.__hooks = _HookList(self._dispatcher)
+        self._hooks: List[HookBase] = []
+        self._dispatcher = _core.Dispatcher(self._hooks, _dispatch_entries)
         self.iter: int = 0
         self.start_iter: int = 0
         if type(self).after_backward is TrainerBase.after_backward:
             # run_step calls self.after_backward() every iteration: bind it straight to the
             # dispatcher, which saves a Python frame. A subclass's own after_backward is kept.
             self.after_backward = self._dispatcher.after_backward  # type: ignore[method-assign]
-
-    @property
-    def _hooks(self) -> List[HookBase]:
-        return self.__hooks
-
-    @_hooks.setter
-    def _hooks(self, hooks: Iterable[HookBase]) -> None:
-        self.__hooks = _HookList(self._dispatcher, hooks)
 
     def register_hooks(self, hooks: Iterable[Optional[HookBase]]) -> None:
         """Register hooks to the trainer. The hooks are executed in the order they are
@@ -230,11 +215,12 @@ class TrainerBase:
         self.max_iter = max_iter
 
         with EventStorage(start_iter) as self.storage:
+            # The hook list is re-read (it may have been rebound) and the table rebuilt.
+            self._dispatcher.begin(self._hooks, self.storage, max_iter)
             try:
                 self.before_train()
                 self._dispatcher.run_loop(
                     self,
-                    self.storage,
                     start_iter,
                     max_iter,
                     self.run_step,
@@ -251,8 +237,9 @@ class TrainerBase:
                 self.after_train()
 
     def _overridden(self, stage: str) -> Any:
-        """The bound stage method if this trainer replaces TrainerBase's, else None (then the
-        Rust loop does TrainerBase's work itself)."""
+        """The bound stage method if this trainer replaces TrainerBase's, else None: then the
+        loop calls the dispatcher's stage directly (the same code TrainerBase's method calls,
+        without its Python frame)."""
         if getattr(type(self), stage) is getattr(TrainerBase, stage) and stage not in vars(self):
             return None
         return getattr(self, stage)
@@ -261,20 +248,24 @@ class TrainerBase:
         self._dispatcher.before_train()
 
     def after_train(self) -> None:
-        self.storage.iter = self.iter
-        self._dispatcher.after_train()
+        # Sets storage.iter = self.iter, then calls the hooks.
+        self._dispatcher.after_train(self.iter)
 
     def before_step(self) -> None:
         # Maintain the invariant that storage.iter == trainer.iter for the entire execution
-        # of each step.
-        self.storage.iter = self.iter
-        self._dispatcher.before_step()
+        # of each step (the dispatcher sets it, then calls the hooks).
+        self._dispatcher.before_step(self.iter)
 
     def after_backward(self) -> None:
         self._dispatcher.after_backward()
 
     def after_step(self) -> None:
-        self._dispatcher.after_step()
+        self._dispatcher.after_step(self.iter)
+
+    def hook_stats(self) -> List[Tuple[Any, str, int, float, float]]:
+        """Per hook and stage: ``(hook, stage, calls, total_s, max_s)`` since ``train()``
+        started, when ``self._dispatcher.timing`` is on (counts are zero otherwise)."""
+        return list(self._dispatcher.hook_stats())
 
     def run_step(self) -> None:
         raise NotImplementedError
@@ -437,19 +428,7 @@ class SimpleTrainer(TrainerBase):
         iter = self.iter if iter is None else iter
         if (iter + 1) % self.gather_metric_period == 0:
             try:
-                # write_metrics's one-process path, inlined: this runs at every step, and the
-                # call it saves costs about 1 µs inside a training loop (benches/RESULTS.md).
-                if (
-                    type(loss_dict) is dict
-                    and _CURRENT_STORAGE_STACK
-                    and not (comm._AVAILABLE and dist.is_initialized())
-                ):
-                    storage = _CURRENT_STORAGE_STACK[-1]
-                    not_finite = storage._put_losses(loss_dict, data_time, iter, prefix)
-                    if not_finite is not None:
-                        raise _non_finite_loss(iter, not_finite)
-                else:
-                    SimpleTrainer.write_metrics(loss_dict, data_time, iter, prefix)
+                SimpleTrainer.write_metrics(loss_dict, data_time, iter, prefix)
             except Exception:
                 logger.exception("Exception in writing metrics: ")
                 raise
@@ -467,46 +446,36 @@ class SimpleTrainer(TrainerBase):
             data_time (float): time taken by the dataloader iteration
             cur_iter (int): the iteration the metrics belong to
             prefix (str): prefix for logging keys
+
+        What is put is one rule in the core (``metrics::write_metrics``): ``rank_data_time``
+        on every rank; on the main process ``data_time`` (the max over ranks),
+        ``{prefix}total_loss`` and, with several losses, each loss (the mean over ranks).
         """
-        # get_event_storage() and comm.get_world_size() == 1, inlined: this runs every step.
+        # get_event_storage(), inlined: this runs every step.
         storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
-        if type(loss_dict) is dict and not (comm._AVAILABLE and dist.is_initialized()):
-            # One process: the gathered list would be [metrics_dict], whose max and mean are
-            # its own values. The whole write is one call into Rust, which reads each loss
-            # with item() (what detectron2's v.detach().cpu().item() computes, without
-            # building a detached tensor and a CPU copy).
-            not_finite = storage._put_losses(loss_dict, data_time, cur_iter, prefix)
-            if not_finite is not None:
-                raise _non_finite_loss(cur_iter, not_finite)
+        if type(loss_dict) is not dict:
+            if not isinstance(loss_dict, Mapping):
+                raise TypeError(
+                    f"write_metrics() needs a dict of losses, got {type(loss_dict).__name__}"
+                )
+            loss_dict = dict(loss_dict)
+        if not comm._initialized() or comm.get_world_size() == 1:
+            # One process: the reduced values are its own; the core reads each loss with
+            # item() (what detectron2's v.detach().cpu().item() computes, without the copies).
+            storage._write_metrics(loss_dict, data_time, data_time, cur_iter, prefix)
             return
-
-        metrics_dict: Dict[str, Any] = {k: v.item() for k, v in loss_dict.items()}
-        if comm.get_world_size() == 1:
-            storage.put_scalars(rank_data_time=data_time, data_time=data_time, cur_iter=cur_iter)
-        else:
-            # Keep track of data time per rank
-            storage.put_scalar("rank_data_time", data_time, cur_iter=cur_iter)
-            # Gather metrics among all workers for logging. This assumes DDP-style training.
-            metrics_dict["data_time"] = data_time
-            all_metrics_dict = comm.gather(metrics_dict)
-            if not comm.is_main_process():
-                return
-            # data_time among workers can have high variance. The actual latency caused by
-            # data_time is the maximum among workers.
-            data_time = max(x.pop("data_time") for x in all_metrics_dict)
-            storage.put_scalar("data_time", data_time, cur_iter=cur_iter)
-            # average the rest metrics
-            metrics_dict = {
-                k: _mean([x[k] for x in all_metrics_dict]) for k in all_metrics_dict[0].keys()
-            }
-
-        total_losses_reduced = sum(metrics_dict.values())
-        if not math.isfinite(total_losses_reduced):
-            raise _non_finite_loss(cur_iter, metrics_dict)
-
-        storage.put_scalar("{}total_loss".format(prefix), total_losses_reduced, cur_iter=cur_iter)
-        if len(metrics_dict) > 1:
-            storage.put_scalars(cur_iter=cur_iter, **metrics_dict)
+        metrics_dict: Dict[str, Any] = {k: v.detach().cpu().item() for k, v in loss_dict.items()}
+        metrics_dict["data_time"] = data_time
+        # Gather metrics among all workers for logging. This assumes DDP-style training.
+        all_metrics_dict = comm.gather(metrics_dict)
+        if not comm.is_main_process():
+            storage._write_metrics(None, data_time, None, cur_iter, prefix)
+            return
+        # data_time among workers can have high variance. The actual latency caused by
+        # data_time is the maximum among workers.
+        max_data_time = max(x.pop("data_time") for x in all_metrics_dict)
+        reduced = {k: _mean([x[k] for x in all_metrics_dict]) for k in all_metrics_dict[0]}
+        storage._write_metrics(reduced, data_time, max_data_time, cur_iter, prefix)
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
@@ -531,13 +500,6 @@ class SimpleTrainer(TrainerBase):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
-
-
-def _non_finite_loss(cur_iter: int, losses: Mapping[str, float]) -> FloatingPointError:
-    """detectron2's error for a NaN or infinite total loss."""
-    return FloatingPointError(
-        f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {losses}"
-    )
 
 
 def _mean(values: List[float]) -> float:

@@ -109,7 +109,7 @@ class EventStorage(_core.EventStorage):
         """
         if not isinstance(img_name, str):
             raise TypeError(f"put_image() img_name must be a str, got {type(img_name).__name__}")
-        _check_chw(img_name, img_tensor)
+        # The shape rule is the core's (checked again on the pixels when encoded).
         if self._put_image(img_name, img_tensor):
             logger.warning(
                 "EventStorage holds more than %d images that no writer took; dropping the "
@@ -165,20 +165,6 @@ class EventStorage(_core.EventStorage):
             )
 
 
-def _check_chw(img_name: str, img: Any) -> None:
-    shape = getattr(img, "shape", None)
-    if shape is None:
-        raise TypeError(
-            f"put_image('{img_name}') needs a tensor or array of shape (C, H, W), "
-            f"got {type(img).__name__}"
-        )
-    if len(shape) != 3 or shape[0] not in (1, 3, 4) or shape[1] == 0 or shape[2] == 0:
-        raise ValueError(
-            f"put_image('{img_name}') needs a (C, H, W) image with C in (1, 3, 4), "
-            f"got shape {tuple(shape)}"
-        )
-
-
 class EventWriter:
     """Base class for writers that obtain events from :class:`EventStorage` and process them.
 
@@ -201,8 +187,10 @@ class JSONWriter(EventWriter):
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
     Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
-    A line is always whole on disk: a killed run leaves complete lines (a torn line from an
-    earlier crash is cut off when the file is opened again).
+    Each batch of lines reaches the file with one ``write`` call. A process killed with
+    SIGKILL can be stopped inside that call, so the last line may be torn; a reader that skips
+    an unterminated last line sees only whole lines, and opening the file again (the next
+    run's ``JSONWriter``) cuts the torn tail off.
 
     Args:
         json_file (str or os.PathLike): path to the json file. New data is appended if the
@@ -220,14 +208,21 @@ class JSONWriter(EventWriter):
         json_file: Union[str, os.PathLike[str]],
         window_size: int = 20,
         *,
-        fsync: str = "always",
+        fsync: str = _core.JSON_FSYNC_DEFAULT,
     ) -> None:
-        self._native = _core.JsonWriter(_fspath("json_file", json_file), window_size, fsync)
-        self._window_size = window_size
+        self._native = _core.JSONWriter(_fspath("json_file", json_file), window_size, fsync)
+
+    @property
+    def _window_size(self) -> int:
+        return self._native.window_size
 
     @property
     def _last_write(self) -> int:
         return int(self._native._last_write)
+
+    @_last_write.setter
+    def _last_write(self, value: int) -> None:
+        self._native._last_write = value
 
     def write(self) -> None:
         self._native.write(get_event_storage())
@@ -270,19 +265,26 @@ class TensorboardXWriter(EventWriter):
             )
         if kwargs.get("purge_step") is not None:
             raise ValueError("TensorboardXWriter does not support purge_step")
-        self._window_size = window_size
-        self._native = _core.TensorboardWriter(
+        self._native = _core.TensorboardXWriter(
             _fspath("log_dir", log_dir),
             window_size,
             socket.gethostname(),
             str(kwargs.get("filename_suffix", "")),
-            kwargs.get("fsync", "close"),
+            kwargs.get("fsync", _core.EVENTS_FSYNC_DEFAULT),
         )
         self._writer = _SummaryWriter(self._native, os.fspath(log_dir))
 
     @property
+    def _window_size(self) -> int:
+        return self._native.window_size
+
+    @property
     def _last_write(self) -> int:
         return int(self._native._last_write)
+
+    @_last_write.setter
+    def _last_write(self, value: int) -> None:
+        self._native._last_write = value
 
     def write(self) -> None:
         storage = get_event_storage()
@@ -385,10 +387,20 @@ class CommonMetricPrinter(EventWriter):
         self, max_iter: Optional[int] = None, window_size: int = 20, *, epoch: Optional[int] = None
     ) -> None:
         self.logger = logging.getLogger(__name__)
-        self._max_iter = max_iter
-        self._window_size = window_size
-        self._native = _core.MetricPrinter(max_iter, window_size, epoch)
+        self._native = _core.CommonMetricPrinter(max_iter, window_size, epoch)
         self._cuda = _cuda_available()
+
+    @property
+    def _max_iter(self) -> Optional[int]:
+        return self._native._max_iter
+
+    @_max_iter.setter
+    def _max_iter(self, value: Optional[int]) -> None:
+        self._native._max_iter = value
+
+    @property
+    def _window_size(self) -> int:
+        return self._native._window_size
 
     def write(self) -> None:
         storage = get_event_storage()
@@ -449,16 +461,24 @@ def _image_point(
         raise ValueError(
             f"image '{tag}': dataformats must be 'CHW', 'HWC' or 'HW', got {dataformats!r}"
         )
-    if arr.ndim != 3 or arr.shape[0] not in (1, 3, 4) or arr.shape[1] == 0 or arr.shape[2] == 0:
-        raise ValueError(
-            f"image '{tag}': expected a {dataformats} image with 1, 3 or 4 channels, "
-            f"got shape {tuple(np.shape(img))}"
-        )
+    _core.check_chw(tag, arr.shape)  # the core's one image rule
     if arr.dtype != np.uint8:
         arr = (arr.astype(np.float32) * 255.0).clip(0, 255).astype(np.uint8)
     c, h, w = arr.shape
     hwc = np.ascontiguousarray(arr.transpose(1, 2, 0))
     return (tag, int(step), int(h), int(w), int(c), hwc.tobytes())
+
+
+__all__ += ["ProgressBar"]  # noqa: F822 (module __getattr__ below)
+
+
+def __getattr__(name: str) -> Any:
+    # ProgressBar lives in hookloop.utils.progress, which imports this module.
+    if name == "ProgressBar":
+        from hookloop.utils.progress import ProgressBar
+
+        return ProgressBar
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Interpreter exit writes whatever writers queued and did not close.

@@ -11,7 +11,7 @@ pub enum Error {
     UnknownMetric(String),
 
     /// A scalar put again with the other smoothing hint. Mapped to `ValueError`.
-    #[error("smoothing_hint for '{name}' changed from {old} to {new} at iter {iter}")]
+    #[error("smoothing_hint for '{name}' changed from {} to {} at iter {iter}", py_bool(*old), py_bool(*new))]
     HintChanged {
         name: String,
         old: bool,
@@ -32,13 +32,67 @@ pub enum Error {
     #[error("latest() called on an empty HistoryBuffer")]
     EmptyHistory,
 
-    /// An image that is not CHW/HW with 1, 3 or 4 channels. Mapped to `ValueError`.
-    #[error("image '{tag}': {reason}")]
-    BadImage { tag: String, reason: String },
+    /// An argument of the wrong type. Mapped to `TypeError`.
+    #[error("{what} must be {expected}, got {got}")]
+    WrongType {
+        what: String,
+        expected: &'static str,
+        got: String,
+    },
+
+    /// An argument of the right type with a bad value. Mapped to `ValueError`.
+    #[error("{what} {reason}")]
+    BadValue { what: String, reason: String },
+
+    /// A number outside what hookloop can represent (iterations beyond int64, say). Mapped to
+    /// `OverflowError`.
+    #[error("{what} is out of range: {value} (must be within {range})")]
+    OutOfRange {
+        what: String,
+        value: String,
+        range: &'static str,
+    },
+
+    /// A saved state (pickle, checkpoint) that does not describe a valid object. Mapped to
+    /// `ValueError`.
+    #[error("cannot restore {what}: {reason}")]
+    BadState { what: &'static str, reason: String },
+
+    /// An image that cannot be encoded. `step` is known once the image is queued. Mapped to
+    /// `ValueError`.
+    #[error("image '{tag}'{}: {source}", step.map(|s| format!(" at iter {s}")).unwrap_or_default())]
+    Image {
+        tag: String,
+        step: Option<i64>,
+        source: ImageError,
+    },
+
+    /// The total loss of an iteration is NaN or infinite. Mapped to `FloatingPointError` with
+    /// detectron2's message (the losses formatted as the Python dict they were).
+    #[error("Loss became infinite or NaN at iteration={iter}!")]
+    NonFiniteLoss {
+        iter: crate::history::Iter,
+        losses: Vec<(String, f64)>,
+    },
 
     /// A writer used after `close()`. Mapped to `ValueError` (as a closed Python file).
     #[error("{writer} for '{path}' is closed", path = path.display())]
     Closed { writer: &'static str, path: PathBuf },
+
+    /// A writer used from a forked child of the process that opened it: the child has no
+    /// writer thread, and the file belongs to the parent. Mapped to `OSError`.
+    #[error("this {writer} for '{path}' was opened in process {owner}; a forked child (process {pid}) cannot use it", path = path.display())]
+    ForkedChild {
+        writer: &'static str,
+        path: PathBuf,
+        owner: u32,
+        pid: u32,
+    },
+
+    /// A sink panicked on the writer thread (a bug in hookloop); the writer is unusable.
+    /// Mapped to `OSError` naming the path, so training code that handles I/O errors sees it.
+    #[error("hookloop's writer thread failed on '{path}': {message}", path = path.display())]
+    WriterPanicked { path: PathBuf, message: String },
 
     /// File I/O failed. Mapped to `OSError` with the errno and the path.
     #[error("{source}: '{path}'", path = path.display())]
@@ -46,6 +100,7 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+
     /// A parameter schedule built with a bad argument, or evaluated where Python would raise.
     /// `reason` names the argument. Mapped to `ValueError`.
     #[error("{what}: {reason}")]
@@ -81,6 +136,51 @@ pub enum Error {
     MaxIterChanged { saved: i64, current: i64, iter: i64 },
 }
 
+/// Why an image cannot be encoded as PNG.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// Not a 3-d `(C, H, W)` shape.
+    #[error("expected a (C, H, W) image, got shape {shape:?}")]
+    NotChw { shape: Vec<i64> },
+    /// `channels` is not 1 (grey), 3 (RGB) or 4 (RGBA).
+    #[error("image has {channels} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)")]
+    UnsupportedChannels { channels: u64 },
+    /// Width or height is zero: PNG has no empty images.
+    #[error("image is {width}x{height}; width and height must be positive")]
+    Empty { width: u64, height: u64 },
+    /// Width or height exceeds `i32::MAX`, the limit of both PNG and the `Image` message.
+    #[error(
+        "image is {width}x{height}; width and height must be at most {}",
+        i32::MAX
+    )]
+    TooLarge { width: u64, height: u64 },
+    /// The pixel buffer does not hold `width * height * channels` bytes.
+    #[error("image of {width}x{height}x{channels} needs {} bytes of HWC uint8 pixels, got {len}", u128::from(*width) * u128::from(*height) * u128::from(*channels))]
+    PixelCountMismatch {
+        width: u64,
+        height: u64,
+        channels: u64,
+        len: usize,
+    },
+    /// The PNG encoder failed.
+    #[error("PNG encoding failed: {0}")]
+    Png(String),
+}
+
+impl From<png::EncodingError> for ImageError {
+    fn from(e: png::EncodingError) -> Self {
+        ImageError::Png(e.to_string())
+    }
+}
+
+fn py_bool(b: bool) -> &'static str {
+    if b {
+        "True"
+    } else {
+        "False"
+    }
+}
+
 /// Shorthand used across the crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -91,5 +191,89 @@ impl Error {
             path: path.into(),
             source,
         }
+    }
+
+    /// A `BadValue` for `what`.
+    pub fn bad_value(what: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::BadValue {
+            what: what.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// A `WrongType` for `what`.
+    pub fn wrong_type(
+        what: impl Into<String>,
+        expected: &'static str,
+        got: impl Into<String>,
+    ) -> Self {
+        Error::WrongType {
+            what: what.into(),
+            expected,
+            got: got.into(),
+        }
+    }
+}
+
+/// Checks that `value` is a positive integer (window sizes, lengths, periods, bounds) and
+/// returns it as a `usize`; the one place that rule lives.
+pub fn positive(what: &str, value: i64) -> Result<usize> {
+    if value <= 0 {
+        return Err(Error::bad_value(
+            what,
+            format!("must be a positive integer, got {value}"),
+        ));
+    }
+    usize::try_from(value).map_err(|_| Error::OutOfRange {
+        what: what.to_owned(),
+        value: value.to_string(),
+        range: "the platform's usize",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_are_spelled_as_python_bools() {
+        let e = Error::HintChanged {
+            name: "loss".into(),
+            old: true,
+            new: false,
+            iter: "120".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "smoothing_hint for 'loss' changed from True to False at iter 120"
+        );
+    }
+
+    #[test]
+    fn image_errors_name_the_image_and_step() {
+        let e = Error::Image {
+            tag: "img".into(),
+            step: Some(7),
+            source: ImageError::UnsupportedChannels { channels: 2 },
+        };
+        assert_eq!(
+            e.to_string(),
+            "image 'img' at iter 7: image has 2 channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)"
+        );
+    }
+
+    #[test]
+    fn positive_rule() {
+        assert_eq!(positive("window_size", 3).unwrap(), 3);
+        assert_eq!(
+            positive("window_size", 0).unwrap_err().to_string(),
+            "window_size must be a positive integer, got 0"
+        );
+    }
+
+    #[test]
+    fn errors_cross_threads() {
+        fn assert_send_sync<T: Send + Sync + 'static>() {}
+        assert_send_sync::<Error>();
     }
 }

@@ -289,6 +289,73 @@ impl History {
     }
 }
 
+/// Everything a `History` holds, as plain data: what pickling and checkpoints save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistoryState {
+    pub max_length: usize,
+    /// (value, iteration) pairs held, oldest first.
+    pub entries: Vec<(f64, f64)>,
+    pub count: u64,
+    pub global_avg: f64,
+    pub int_iterations: bool,
+}
+
+impl History {
+    /// The state, keeping only the newest `keep` entries (all with `None`); the count and the
+    /// global average cover every value ever added either way.
+    pub fn state(&self, keep: Option<usize>) -> HistoryState {
+        let skip = keep.map_or(0, |k| self.values.len().saturating_sub(k));
+        let mut entries = Vec::with_capacity(self.values.len() - skip);
+        let mut vals = self.values.iter();
+        let mut index = 0usize;
+        for run in &self.runs {
+            for k in 0..run.len {
+                if let Some(&v) = vals.next() {
+                    if index >= skip {
+                        entries.push((v, run.at(k)));
+                    }
+                    index += 1;
+                }
+            }
+        }
+        HistoryState {
+            max_length: self.max_length,
+            entries,
+            count: self.count,
+            global_avg: self.global_avg,
+            int_iterations: self.int_iterations,
+        }
+    }
+
+    /// A history equal to the one `state` came from.
+    pub fn from_state(state: HistoryState) -> crate::Result<History> {
+        let max = i64::try_from(state.max_length).unwrap_or(i64::MAX);
+        if state.max_length == 0 {
+            return Err(crate::Error::BadMaxLength(0));
+        }
+        if state.entries.len() > state.max_length || (state.entries.len() as u64) > state.count {
+            return Err(crate::Error::BadState {
+                what: "HistoryBuffer",
+                reason: format!(
+                    "{} entries for max_length {max} and count {}",
+                    state.entries.len(),
+                    state.count
+                ),
+            });
+        }
+        let mut h = History::new(state.max_length)?;
+        for &(v, it) in &state.entries {
+            h.grow_if_full();
+            h.values.push_back(v);
+            h.push_iteration(it);
+        }
+        h.count = state.count;
+        h.global_avg = state.global_avg;
+        h.int_iterations = state.int_iterations;
+        Ok(h)
+    }
+}
+
 /// An order-preserving integer key of a non-NaN float (-0.0 sorts just below +0.0): selecting
 /// on integers is several times faster than on floats with `total_cmp`.
 fn order_key(x: f64) -> u64 {
@@ -503,5 +570,31 @@ mod tests {
             h.update(1.0 / (i as f64 + 1.0), None);
         }
         assert_eq!(h.avg(24).unwrap(), 0.15733159073972947);
+    }
+
+    #[test]
+    fn state_round_trips_after_eviction() {
+        let mut h = filled(4, 10);
+        h.update(2.5, Some(Iter::Float(20.5)));
+        let back = History::from_state(h.state(None)).unwrap();
+        assert_eq!(back.values(), h.values());
+        assert_eq!(
+            (back.count(), back.global_avg()),
+            (h.count(), h.global_avg())
+        );
+        assert_eq!(back.max_length(), 4);
+        let recent = History::from_state(h.state(Some(2))).unwrap();
+        assert_eq!(recent.values(), h.values()[2..].to_vec());
+        assert_eq!(recent.count(), h.count());
+    }
+
+    #[test]
+    fn inconsistent_state_is_an_error() {
+        let mut state = filled(4, 4).state(None);
+        state.max_length = 2;
+        assert!(matches!(
+            History::from_state(state),
+            Err(crate::Error::BadState { .. })
+        ));
     }
 }

@@ -1,8 +1,12 @@
 //! hookloop's pure-Rust core. No PyO3 here: the binding crate (`hookloop-py`) converts
 //! arguments and calls into these types once per Python call.
 
+pub mod dispatch;
 pub mod error;
 pub mod history;
+pub mod hooks;
+pub mod jsonl;
+pub mod metrics;
 pub mod printer;
 pub mod pyfmt;
 pub mod schedule;

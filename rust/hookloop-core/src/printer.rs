@@ -31,6 +31,21 @@ impl Printer {
         })
     }
 
+    /// The run's last iteration, for the ETA.
+    pub fn max_iter(&self) -> Option<i64> {
+        self.max_iter
+    }
+
+    /// Changes the run's last iteration (a subclass resuming with another schedule).
+    pub fn set_max_iter(&mut self, max_iter: Option<i64>) {
+        self.max_iter = max_iter;
+    }
+
+    /// The smoothing window of the losses.
+    pub fn window_size(&self) -> i64 {
+        self.window_size
+    }
+
     /// The log line for the storage's current iteration, or `None` once training reached
     /// `max_iter` (the printer reports progress only). May put `eta_seconds` into `storage`.
     pub fn format(
@@ -84,8 +99,10 @@ impl Printer {
         }
         let _ = write!(line, "iter: {iteration}  ");
         if let (Some(epochs), Some(max_iter)) = (self.epochs, self.max_iter) {
-            let per_epoch = ((max_iter + epochs - 1) / epochs).max(1);
-            let epoch = (iteration / per_epoch + 1).clamp(1, epochs);
+            // In i128: max_iter + epochs - 1 can pass i64::MAX.
+            let (m, e) = (i128::from(max_iter), i128::from(epochs));
+            let per_epoch = ((m + e - 1) / e).max(1);
+            let epoch = (i128::from(iteration) / per_epoch + 1).clamp(1, e);
             let _ = write!(line, "epoch: {epoch}/{epochs}  ");
         }
         let _ = write!(line, "{}  {}  ", losses.join("  "), metrics.join("  "));
@@ -115,7 +132,8 @@ impl Printer {
         let Some(max_iter) = self.max_iter else {
             return Ok(Some(String::new()));
         };
-        let remaining = (max_iter - iteration - 1) as f64;
+        // In i128: the difference of two i64s can overflow them.
+        let remaining = (i128::from(max_iter) - i128::from(iteration) - 1) as f64;
         if let Ok(time) = storage.scalar("time") {
             let eta_seconds = time.history.median(1000)? * remaining;
             storage.put_scalar("eta_seconds", eta_seconds, false, None)?;
@@ -128,8 +146,8 @@ impl Printer {
         let mut eta = None;
         if let Some((last_iter, last_time)) = self.last_write {
             if iteration != last_iter {
-                let per_iter =
-                    now.duration_since(last_time).as_secs_f64() / (iteration - last_iter) as f64;
+                let per_iter = now.duration_since(last_time).as_secs_f64()
+                    / (i128::from(iteration) - i128::from(last_iter)) as f64;
                 let eta_seconds = per_iter * remaining;
                 if eta_seconds.is_finite() {
                     eta = Some(timedelta_str(eta_seconds as i64));

@@ -6,13 +6,11 @@
 //! replaces (CPython 3.11: `float_repr`, `format_float_short`, `timedelta.__str__`, the C
 //! JSON encoder with `ensure_ascii=True`).
 //!
-//! Digits come from std's float formatting, which nearly matches CPython's `dtoa.c`:
-//! `{:.N}` / `{:.Ne}` are correctly rounded with exact ties going to the even digit (since
-//! Rust 1.67), as `format(x, ".Nf")` and `format(x, ".Ng")` are; `{:e}` yields the shortest
-//! digit string that round-trips, as `repr` does, except that on an exact tie between two
-//! shortest candidates it rounds up where CPython rounds to even (see `shortest_digits`).
-//! Otherwise only the layout (where the point goes, exponent spelling, what is stripped)
-//! is done here.
+//! Digits come from std's float formatting and the `ryu` crate, which match CPython's
+//! `dtoa.c`: `{:.N}` / `{:.Ne}` are correctly rounded with exact ties going to the even digit
+//! (since Rust 1.67), as `format(x, ".Nf")` and `format(x, ".Ng")` are; ryu yields the
+//! shortest digit string that round-trips, as `repr` does (see `shortest_digits`). Only the
+//! layout (where the point goes, exponent spelling, what is stripped) is done here.
 
 // Writing into a String cannot fail, which is why `write!` results are discarded below.
 use std::fmt::Write as _;
@@ -99,28 +97,28 @@ fn push_exponent_form(out: &mut String, digits: &str, exp: i32) {
     let _ = write!(out, "e{sign}{:02}", exp.unsigned_abs());
 }
 
-/// Shortest round-trip digits of a non-negative finite `x`, chosen as CPython's `dtoa`
-/// mode 0 chooses them.
-///
-/// std and dtoa agree on the length and, when one candidate is nearest to `x`, on the
-/// digits. They differ when `x` lies exactly halfway between two shortest candidates
-/// (0x430451113a8cb6aa is 714829246600917.25): std rounds the last digit up (`...917.3`),
-/// dtoa rounds it to even (`...917.2`). Rounding up can only give a wrong answer when it
-/// lands on an odd digit; then the correctly rounded (ties-to-even) string of the same
-/// length is the answer if it still round-trips, and it differs from std's only on a tie.
+/// Shortest round-trip digits of a non-negative finite `x`, as CPython's `repr` (dtoa mode 0)
+/// chooses them, ties between two shortest candidates going to the even digit: the `ryu`
+/// crate's digits (std's `{:e}` rounds such ties up). Only ryu's layout is undone here.
 fn shortest_digits(x: f64) -> Sci {
-    let sci = Sci::parse(&format!("{x:e}"));
-    let last_is_odd = sci.digits.bytes().last().is_some_and(|d| d % 2 == 1);
-    if !last_is_odd {
-        return sci;
+    let mut buf = ryu::Buffer::new();
+    let text = buf.format_finite(x);
+    let (mantissa, exp_text) = text.split_once('e').unwrap_or((text, "0"));
+    let exp10 = exp_text.parse::<i32>().unwrap_or(0);
+    let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all: String = int_part.chars().chain(frac_part.chars()).collect();
+    let leading = all.bytes().take_while(|&b| b == b'0').count();
+    if leading == all.len() {
+        return Sci {
+            digits: "0".into(),
+            exp: 0,
+        };
     }
-    let text = format!("{:.*e}", sci.digits.len() - 1, x);
-    if text.parse::<f64>() == Ok(x) {
-        let even = Sci::parse(&text);
-        if even.digits != sci.digits {
-            return even;
-        }
-    }
+    let mut sci = Sci {
+        digits: all[leading..].to_owned(),
+        exp: int_part.len() as i32 - 1 - leading as i32 + exp10,
+    };
+    sci.strip_trailing_zeros();
     sci
 }
 
@@ -248,53 +246,13 @@ pub fn write_json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// One line of detectron2's `metrics.json`, newline included:
-/// `json.dumps(d, sort_keys=True) + "\n"` where `d = dict(scalars)` and then
-/// `d["iteration"] = iteration`. A later duplicate name replaces an earlier one, and the
-/// integer `iteration` replaces a scalar of that name, as dict assignment does. Keys sort
-/// by code point, which is `str`'s byte order in UTF-8.
-pub fn json_metrics_line(iteration: crate::history::Iter, scalars: &[(&str, f64)]) -> String {
-    // `None` stands for the integer iteration; it is pushed last, so it wins over any
-    // scalar named "iteration" just as the later of two duplicate scalars wins.
-    let mut entries: Vec<(&str, Option<f64>)> =
-        scalars.iter().map(|&(n, v)| (n, Some(v))).collect();
-    entries.push(("iteration", None));
-    // Stable: equal names stay in input order, so the last of each run is the one kept.
-    entries.sort_by(|a, b| a.0.cmp(b.0));
-
-    let mut out = String::with_capacity(16 + 32 * entries.len());
-    out.push('{');
-    let mut first = true;
-    for (k, &(name, value)) in entries.iter().enumerate() {
-        if entries.get(k + 1).is_some_and(|next| next.0 == name) {
-            continue;
-        }
-        if !first {
-            out.push_str(", ");
-        }
-        first = false;
-        write_json_str(&mut out, name);
-        out.push_str(": ");
-        match value {
-            Some(v) => write_repr_f64(&mut out, v),
-            None => match iteration {
-                crate::history::Iter::Int(i) => {
-                    let _ = write!(out, "{i}");
-                }
-                crate::history::Iter::Float(f) => write_repr_f64(&mut out, f),
-            },
-        }
-    }
-    out.push_str("}\n");
-    out
-}
-
 #[cfg(test)]
 mod tests {
     //! Every expected string below was produced by CPython 3.11 (`repr`, `format`,
     //! `json.dumps`, `str(timedelta)`), not written by hand.
 
     use super::*;
+    use crate::jsonl::json_metrics_line;
 
     /// (iteration, scalars, expected line).
     type MetricsCase = (i64, &'static [(&'static str, f64)], &'static str);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use indexmap::IndexMap;
 use rustc_hash::FxBuildHasher;
 
-use crate::history::{History, Iter};
+use crate::history::{History, HistoryState, Iter};
 use crate::tfevents::HistogramPoint;
 use crate::{Error, Result};
 
@@ -40,9 +40,64 @@ pub struct Storage {
     iter: i64,
     prefix: String,
     max_length: usize,
-    histograms: VecDeque<HistogramPoint>,
-    max_histograms: usize,
-    dropped_histograms: u64,
+    histograms: Bounded<HistogramPoint>,
+}
+
+/// A queue that keeps the newest `max` items, dropping the oldest: images and histograms
+/// waiting for a writer. The caller logs the first drop (`push` says when).
+#[derive(Debug)]
+pub struct Bounded<T> {
+    items: VecDeque<T>,
+    max: usize,
+    dropped: u64,
+}
+
+impl<T> Bounded<T> {
+    /// An empty queue holding at most `max` items (`max` is at least 1).
+    pub fn new(max: usize) -> Self {
+        Bounded {
+            items: VecDeque::new(),
+            max: max.max(1),
+            dropped: 0,
+        }
+    }
+
+    /// Appends `item`. Returns the item dropped to make room, if any, and whether it was the
+    /// first ever dropped (the caller warns once). The dropped item is returned, not dropped
+    /// here: for Python objects it must be released after the storage's lock.
+    pub fn push(&mut self, item: T) -> (Option<T>, bool) {
+        self.items.push_back(item);
+        if self.items.len() > self.max {
+            self.dropped += 1;
+            return (self.items.pop_front(), self.dropped == 1);
+        }
+        (None, false)
+    }
+
+    /// The items, oldest first.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &T> {
+        self.items.iter()
+    }
+
+    /// Takes every item out.
+    pub fn take(&mut self) -> Vec<T> {
+        self.items.drain(..).collect()
+    }
+
+    /// The bound.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Number of items waiting.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// True when nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
 }
 
 impl Storage {
@@ -57,9 +112,7 @@ impl Storage {
             iter: start_iter,
             prefix: String::new(),
             max_length,
-            histograms: VecDeque::new(),
-            max_histograms,
-            dropped_histograms: 0,
+            histograms: Bounded::new(max_histograms),
         })
     }
 
@@ -73,9 +126,14 @@ impl Storage {
         self.iter = iter;
     }
 
-    /// Advances the current iteration by one.
-    pub fn step(&mut self) {
-        self.iter += 1;
+    /// Advances the current iteration by one; at `i64::MAX` that is an error, not a wrap.
+    pub fn step(&mut self) -> Result<()> {
+        self.iter = self.iter.checked_add(1).ok_or_else(|| Error::OutOfRange {
+            what: "EventStorage.iter + 1".into(),
+            value: format!("{} + 1", self.iter),
+            range: "int64",
+        })?;
+        Ok(())
     }
 
     /// The name prefix set by `name_scope` ("" outside any scope).
@@ -168,6 +226,9 @@ impl Storage {
     /// detectron2's `count_samples`: how many recent entries of `name` lie in the last
     /// `window_size` iterations. Unknown names are an error and create nothing.
     pub fn count_samples(&self, name: &str, window_size: i64) -> Result<usize> {
+        if window_size <= 0 {
+            return Err(Error::BadWindow(window_size));
+        }
         Ok(self.scalar(name)?.history.count_recent(window_size))
     }
 
@@ -176,6 +237,22 @@ impl Storage {
     /// iteration. In first-put order.
     pub fn latest_with_smoothing_hint(&self, window_size: i64) -> Result<Vec<SmoothedScalar>> {
         self.smoothed_newer_than(window_size, f64::NEG_INFINITY)
+    }
+
+    /// What a writer that wrote up to `*last_write` writes next: the smoothed scalars whose
+    /// latest iteration is after it (without computing medians it would throw away); advances
+    /// `*last_write` to the newest iteration returned. The one `last_write` rule of every
+    /// writer.
+    pub fn smoothed_since(
+        &self,
+        window_size: i64,
+        last_write: &mut f64,
+    ) -> Result<Vec<SmoothedScalar>> {
+        let out = self.smoothed_newer_than(window_size, *last_write)?;
+        for s in &out {
+            *last_write = last_write.max(s.iter.as_f64());
+        }
+        Ok(out)
     }
 
     /// `latest_with_smoothing_hint` restricted to scalars whose latest iteration is after
@@ -207,13 +284,7 @@ impl Storage {
     /// Queues a histogram for the TensorBoard writer, dropping the oldest past the bound.
     /// Returns true the first time one was dropped, so the caller can log it once.
     pub fn put_histogram(&mut self, hist: HistogramPoint) -> bool {
-        self.histograms.push_back(hist);
-        if self.histograms.len() > self.max_histograms {
-            self.histograms.pop_front();
-            self.dropped_histograms += 1;
-            return self.dropped_histograms == 1;
-        }
-        false
+        self.histograms.push(hist).1
     }
 
     /// The queued histograms, oldest first.
@@ -223,12 +294,74 @@ impl Storage {
 
     /// Takes every queued histogram out of the storage.
     pub fn take_histograms(&mut self) -> Vec<HistogramPoint> {
-        self.histograms.drain(..).collect()
+        self.histograms.take()
     }
 
     /// Heap bytes held by all histories (for the memory benchmark and `__sizeof__`).
     pub fn heap_bytes(&self) -> usize {
         self.scalars.values().map(|s| s.history.heap_bytes()).sum()
+    }
+}
+
+/// One scalar of a `StorageState`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScalarState {
+    pub name: String,
+    pub smoothing_hint: bool,
+    pub latest: (f64, Iter),
+    pub history: HistoryState,
+}
+
+/// The scalar part of a `Storage` as plain data: what pickling and checkpoints save. Images and
+/// histograms waiting for a writer are not part of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StorageState {
+    pub iter: i64,
+    pub max_length: usize,
+    pub scalars: Vec<ScalarState>,
+}
+
+impl Storage {
+    /// The scalar state; with `keep`, each history keeps only its newest `keep` entries (what
+    /// smoothing over a window of `keep` iterations needs after a resume).
+    pub fn state(&self, keep: Option<usize>) -> StorageState {
+        StorageState {
+            iter: self.iter,
+            max_length: self.max_length,
+            scalars: self
+                .scalars
+                .iter()
+                .map(|(name, s)| ScalarState {
+                    name: name.to_string(),
+                    smoothing_hint: s.smoothing_hint,
+                    latest: s.latest,
+                    history: s.history.state(keep),
+                })
+                .collect(),
+        }
+    }
+
+    /// Replaces the scalars and the iteration with `state`'s (queued histograms stay).
+    pub fn load_state(&mut self, state: StorageState) -> Result<()> {
+        if state.max_length == 0 {
+            return Err(Error::BadMaxLength(0));
+        }
+        let mut scalars = IndexMap::with_capacity_and_hasher(state.scalars.len(), FxBuildHasher);
+        for s in state.scalars {
+            let history = History::from_state(s.history)?;
+            scalars.insert(
+                Arc::from(s.name.as_str()),
+                Scalar {
+                    history,
+                    smoothing_hint: s.smoothing_hint,
+                    latest: s.latest,
+                },
+            );
+        }
+        self.scalars = scalars;
+        self.iter = state.iter;
+        self.max_length = state.max_length;
+        Ok(())
     }
 }
 
@@ -255,7 +388,7 @@ mod tests {
     fn put_and_read_back() {
         let mut s = storage();
         s.put_scalar("loss", 1.0, true, None).unwrap();
-        s.step();
+        s.step().unwrap();
         s.put_scalar("loss", 3.0, true, None).unwrap();
         let loss = s.scalar("loss").unwrap();
         assert_eq!(loss.latest, (3.0, Iter::Int(1)));
@@ -273,7 +406,7 @@ mod tests {
         let err = s.put_scalar("lr", 0.2, true, None).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "smoothing_hint for 'lr' changed from false to true at iter 120"
+            "smoothing_hint for 'lr' changed from False to True at iter 120"
         );
         assert_eq!(s.scalar("lr").unwrap().history.len(), 1);
     }
@@ -343,5 +476,38 @@ mod tests {
         let steps: Vec<i64> = s.take_histograms().iter().map(|h| h.step).collect();
         assert_eq!(steps, vec![2, 3]);
         assert_eq!(s.histograms().len(), 0);
+    }
+
+    #[test]
+    fn state_round_trips() {
+        let mut s = storage();
+        for i in 0..30 {
+            s.set_iter(i);
+            s.put_scalar("loss", i as f64, true, None).unwrap();
+            s.put_scalar("lr", 0.1, false, None).unwrap();
+        }
+        let mut back = Storage::new(0, 5, 8).unwrap();
+        back.load_state(s.state(None)).unwrap();
+        assert_eq!(back.iter(), 29);
+        assert_eq!(back.state(None), s.state(None));
+        assert_eq!(
+            back.latest_with_smoothing_hint(20).unwrap(),
+            s.latest_with_smoothing_hint(20).unwrap()
+        );
+        // Keeping the last 20 entries is enough for the same smoothed values.
+        let mut recent = storage();
+        recent.load_state(s.state(Some(20))).unwrap();
+        assert_eq!(
+            recent.latest_with_smoothing_hint(20).unwrap(),
+            s.latest_with_smoothing_hint(20).unwrap()
+        );
+        assert_eq!(recent.scalar("loss").unwrap().history.len(), 20);
+    }
+
+    #[test]
+    fn step_at_the_top_is_an_error() {
+        let mut s = Storage::new(i64::MAX, 4, 4).unwrap();
+        assert!(matches!(s.step(), Err(Error::OutOfRange { .. })));
+        assert_eq!(s.iter(), i64::MAX);
     }
 }

@@ -6,13 +6,17 @@
 //! writes are declared; the field numbers are tensorboard's, so any reader decodes them.
 //! Decoding a file written by someone else ignores the fields not declared here.
 
-use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use prost::Message;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, ImageError, Result};
+use crate::writer::{FsyncPolicy, Payload, Sink};
 
 /// The `file_version` of every event file TensorBoard reads today.
 pub const FILE_VERSION: &str = "brain.Event:2";
@@ -168,108 +172,6 @@ pub struct HistogramProto {
     pub bucket: Vec<f64>,
 }
 
-/// Why an image (or a batch of events holding one) could not be encoded.
-#[derive(Debug)]
-pub enum TfEventsError {
-    /// `channels` is not 1 (grey), 3 (RGB) or 4 (RGBA).
-    UnsupportedChannels {
-        /// The channel count given.
-        channels: u8,
-    },
-    /// Width or height is zero: PNG has no empty images.
-    EmptyImage {
-        /// Width in pixels.
-        width: u32,
-        /// Height in pixels.
-        height: u32,
-    },
-    /// Width or height exceeds `i32::MAX`, the limit of both PNG and the `Image` message.
-    ImageTooLarge {
-        /// Width in pixels.
-        width: u32,
-        /// Height in pixels.
-        height: u32,
-    },
-    /// The pixel buffer does not hold `width * height * channels` bytes.
-    PixelCountMismatch {
-        /// Width in pixels.
-        width: u32,
-        /// Height in pixels.
-        height: u32,
-        /// Channels per pixel.
-        channels: u8,
-        /// Bytes actually given.
-        len: usize,
-    },
-    /// The PNG encoder failed.
-    Png(png::EncodingError),
-    /// An image point of [`encode_events`] failed; names the series and the step.
-    Image {
-        /// The image's tag.
-        tag: String,
-        /// The image's step.
-        step: i64,
-        /// What was wrong with it.
-        source: Box<TfEventsError>,
-    },
-}
-
-impl fmt::Display for TfEventsError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::UnsupportedChannels { channels } => write!(
-                f,
-                "image has {channels} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)"
-            ),
-            Self::EmptyImage { width, height } => {
-                write!(
-                    f,
-                    "image is {width}x{height}; width and height must be positive"
-                )
-            }
-            Self::ImageTooLarge { width, height } => write!(
-                f,
-                "image is {width}x{height}; width and height must be at most {}",
-                i32::MAX
-            ),
-            Self::PixelCountMismatch {
-                width,
-                height,
-                channels,
-                len,
-            } => {
-                // u128 cannot overflow: the product is below 2^72.
-                let expected = u128::from(*width) * u128::from(*height) * u128::from(*channels);
-                write!(
-                    f,
-                    "image of {width}x{height}x{channels} needs {expected} bytes of HWC uint8 \
-                     pixels, got {len}"
-                )
-            }
-            Self::Png(e) => write!(f, "PNG encoding failed: {e}"),
-            Self::Image { tag, step, source } => {
-                write!(f, "image '{tag}' at iter {step}: {source}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for TfEventsError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Png(e) => Some(e),
-            Self::Image { source, .. } => Some(source.as_ref()),
-            _ => None,
-        }
-    }
-}
-
-impl From<png::EncodingError> for TfEventsError {
-    fn from(e: png::EncodingError) -> Self {
-        Self::Png(e)
-    }
-}
-
 /// A scalar for TensorBoard's scalar dashboard. Stored as float32, as TensorBoard does.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScalarPoint {
@@ -321,6 +223,41 @@ pub struct HistogramPoint {
     pub bucket_counts: Vec<f64>,
 }
 
+impl HistogramPoint {
+    /// A histogram from `add_histogram_raw`'s parameters (`stats`: min, max, num, sum,
+    /// sum_squares); the limits and counts must pair up.
+    pub fn new(
+        tag: String,
+        step: i64,
+        stats: [f64; 5],
+        bucket_limits: Vec<f64>,
+        bucket_counts: Vec<f64>,
+    ) -> Result<HistogramPoint> {
+        if bucket_limits.len() != bucket_counts.len() {
+            return Err(Error::bad_value(
+                format!("histogram '{tag}'"),
+                format!(
+                    "has {} bucket limits but {} bucket counts",
+                    bucket_limits.len(),
+                    bucket_counts.len()
+                ),
+            ));
+        }
+        let [min, max, num, sum, sum_squares] = stats;
+        Ok(HistogramPoint {
+            tag,
+            step,
+            min,
+            max,
+            num,
+            sum,
+            sum_squares,
+            bucket_limits,
+            bucket_counts,
+        })
+    }
+}
+
 /// TFRecord's masked CRC32C: the checksum rotated right by 15 bits plus a constant, so
 /// that a CRC of data that itself holds CRCs stays well distributed.
 pub fn masked_crc32c(data: &[u8]) -> u32 {
@@ -360,25 +297,27 @@ fn summary_event(wall_time: f64, step: i64, tag: &str, value: summary::value::Va
 
 /// Checks an image's shape; on success returns `(width, height)` as the `i32`s the
 /// `Image` message holds.
-fn check_image_shape(
-    width: u32,
-    height: u32,
-    channels: u8,
+///
+/// The one image rule: the binding checks queued images with it, the encoder again.
+pub fn check_image_shape(
+    width: u64,
+    height: u64,
+    channels: u64,
     len: usize,
-) -> Result<(i32, i32), TfEventsError> {
+) -> std::result::Result<(i32, i32), ImageError> {
     if !matches!(channels, 1 | 3 | 4) {
-        return Err(TfEventsError::UnsupportedChannels { channels });
+        return Err(ImageError::UnsupportedChannels { channels });
     }
     if width == 0 || height == 0 {
-        return Err(TfEventsError::EmptyImage { width, height });
+        return Err(ImageError::Empty { width, height });
     }
     let (Ok(w), Ok(h)) = (i32::try_from(width), i32::try_from(height)) else {
-        return Err(TfEventsError::ImageTooLarge { width, height });
+        return Err(ImageError::TooLarge { width, height });
     };
     // width * height * channels can reach 2^72; in u128 no overflow lets a wrong length pass.
     let expected = u128::from(width) * u128::from(height) * u128::from(channels);
     if u128::try_from(len).ok() != Some(expected) {
-        return Err(TfEventsError::PixelCountMismatch {
+        return Err(ImageError::PixelCountMismatch {
             width,
             height,
             channels,
@@ -388,14 +327,50 @@ fn check_image_shape(
     Ok((w, h))
 }
 
+/// Checks the shape of an image as `put_image` takes it: `(C, H, W)` with C in 1, 3, 4 and
+/// H, W positive (the same rule `check_image_shape` applies to the pixels later).
+pub fn check_chw(shape: &[i64]) -> std::result::Result<(u64, u64, u64), ImageError> {
+    let [c, h, w] = shape else {
+        return Err(ImageError::NotChw {
+            shape: shape.to_vec(),
+        });
+    };
+    let (c, h, w) = (
+        u64::try_from(*c).unwrap_or(0),
+        u64::try_from(*h).unwrap_or(0),
+        u64::try_from(*w).unwrap_or(0),
+    );
+    if !matches!(c, 1 | 3 | 4) {
+        return Err(ImageError::UnsupportedChannels { channels: c });
+    }
+    if h == 0 || w == 0 {
+        return Err(ImageError::Empty {
+            width: w,
+            height: h,
+        });
+    }
+    if i32::try_from(w).is_err() || i32::try_from(h).is_err() {
+        return Err(ImageError::TooLarge {
+            width: w,
+            height: h,
+        });
+    }
+    Ok((c, h, w))
+}
+
 /// Encodes row-major HWC uint8 `pixels` (1, 3 or 4 channels) as an 8-bit PNG file.
 pub fn encode_png(
     width: u32,
     height: u32,
     channels: u8,
     pixels: &[u8],
-) -> Result<Vec<u8>, TfEventsError> {
-    check_image_shape(width, height, channels, pixels.len())?;
+) -> std::result::Result<Vec<u8>, ImageError> {
+    check_image_shape(
+        u64::from(width),
+        u64::from(height),
+        u64::from(channels),
+        pixels.len(),
+    )?;
     let color = match channels {
         1 => png::ColorType::Grayscale,
         3 => png::ColorType::Rgb,
@@ -412,11 +387,11 @@ pub fn encode_png(
     Ok(png_bytes)
 }
 
-fn image_event(wall_time: f64, image: &ImagePoint) -> Result<Event, TfEventsError> {
+fn image_event(wall_time: f64, image: &ImagePoint) -> std::result::Result<Event, ImageError> {
     let (width, height) = check_image_shape(
-        image.width,
-        image.height,
-        image.channels,
+        u64::from(image.width),
+        u64::from(image.height),
+        u64::from(image.channels),
         image.pixels.len(),
     )?;
     let encoded = encode_png(image.width, image.height, image.channels, &image.pixels)?;
@@ -443,18 +418,18 @@ pub fn encode_events(
     scalars: &[ScalarPoint],
     images: &[ImagePoint],
     histograms: &[HistogramPoint],
-) -> Result<(), TfEventsError> {
+) -> crate::Result<()> {
     // Images are the only fallible points; encode them before touching `out`.
     let image_events = images
         .iter()
         .map(|image| {
-            image_event(wall_time, image).map_err(|e| TfEventsError::Image {
+            image_event(wall_time, image).map_err(|e| Error::Image {
                 tag: image.tag.clone(),
-                step: image.step,
-                source: Box::new(e),
+                step: Some(image.step),
+                source: e,
             })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>>>()?;
     for s in scalars {
         let value = summary::value::Value::SimpleValue(s.value as f32);
         append_event(out, &summary_event(wall_time, s.step, &s.tag, value));
@@ -621,8 +596,88 @@ impl EventFile {
 
 // A failed unwrap in a test is the assertion. `allow`, not `expect`: `expect` would turn
 // into an error if the workspace later sets clippy's `allow-unwrap-in-tests`.
+/// A TensorBoard event file, created at its first non-empty write.
+pub struct EventSink {
+    file: EventFile,
+    fsync: FsyncPolicy,
+    buf: Vec<u8>,
+}
+
+impl EventSink {
+    /// An event file named like torch's SummaryWriter's in `log_dir`; no I/O yet.
+    pub fn new(
+        log_dir: PathBuf,
+        hostname: &str,
+        filename_suffix: &str,
+        fsync: FsyncPolicy,
+    ) -> EventSink {
+        static UID: AtomicU64 = AtomicU64::new(0);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let uid = UID.fetch_add(1, Ordering::Relaxed);
+        let name = crate::tfevents::event_file_name(now, hostname, std::process::id(), uid)
+            + filename_suffix;
+        EventSink {
+            file: EventFile::new(log_dir, name),
+            fsync,
+            buf: Vec::new(),
+        }
+    }
+
+    /// The file's path (it may not exist yet).
+    pub fn path(&self) -> PathBuf {
+        self.file.path()
+    }
+}
+
+impl EventSink {
+    fn write_pending(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        // EventFile::append writes once and cuts a failed write back to whole records.
+        let result = self
+            .file
+            .append(&self.buf)
+            .map_err(|e| Error::io(self.file.path(), e));
+        self.buf.clear();
+        result
+    }
+}
+
+impl Sink for EventSink {
+    fn write(&mut self, payload: Payload) -> Result<()> {
+        let Payload::Events {
+            wall_time,
+            scalars,
+            images,
+            histograms,
+        } = payload
+        else {
+            return Ok(());
+        };
+        // On a bad image encode_events leaves the buffer as it was.
+        encode_events(&mut self.buf, wall_time, &scalars, &images, &histograms)
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        self.write_pending()?;
+        self.file
+            .flush(self.fsync == FsyncPolicy::Always)
+            .map_err(|e| Error::io(self.file.path(), e))
+    }
+
+    fn close(&mut self) -> Result<()> {
+        self.write_pending()?;
+        self.file
+            .flush(self.fsync != FsyncPolicy::Never)
+            .map_err(|e| Error::io(self.file.path(), e))
+    }
+}
+
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use std::io::{BufReader, Cursor};
@@ -891,26 +946,26 @@ mod tests {
     fn bad_image_shapes_are_errors() {
         assert!(matches!(
             encode_png(2, 2, 2, &[0; 8]),
-            Err(TfEventsError::UnsupportedChannels { channels: 2 })
+            Err(ImageError::UnsupportedChannels { channels: 2 })
         ));
         assert!(matches!(
             encode_png(0, 2, 3, &[]),
-            Err(TfEventsError::EmptyImage {
+            Err(ImageError::Empty {
                 width: 0,
                 height: 2
             })
         ));
         assert!(matches!(
             encode_png(2, 0, 1, &[]),
-            Err(TfEventsError::EmptyImage { .. })
+            Err(ImageError::Empty { .. })
         ));
         assert!(matches!(
             encode_png(2, 2, 3, &[0; 11]),
-            Err(TfEventsError::PixelCountMismatch { len: 11, .. })
+            Err(ImageError::PixelCountMismatch { len: 11, .. })
         ));
         assert!(matches!(
             encode_png(u32::MAX, 1, 1, &[0]),
-            Err(TfEventsError::ImageTooLarge { .. })
+            Err(ImageError::TooLarge { .. })
         ));
         let msg = encode_png(2, 2, 3, &[0; 11]).unwrap_err().to_string();
         assert!(
@@ -937,11 +992,11 @@ mod tests {
         };
         let err = encode_events(&mut out, 0.0, &[scalar], &[image], &[]).unwrap_err();
         assert_eq!(out, [1, 2, 3]);
-        let TfEventsError::Image { tag, step, source } = &err else {
+        let Error::Image { tag, step, source } = &err else {
             panic!("expected an Image error, got {err:?}");
         };
-        assert_eq!((tag.as_str(), *step), ("vis", 5));
-        assert!(matches!(**source, TfEventsError::PixelCountMismatch { .. }));
+        assert_eq!((tag.as_str(), *step), ("vis", Some(5)));
+        assert!(matches!(*source, ImageError::PixelCountMismatch { .. }));
         assert!(err.to_string().starts_with("image 'vis' at iter 5: "));
     }
 
@@ -949,7 +1004,7 @@ mod tests {
     fn error_can_cross_threads() {
         // The background writer thread hands errors back to the training thread.
         fn assert_send_sync<T: Send + Sync + 'static>() {}
-        assert_send_sync::<TfEventsError>();
+        assert_send_sync::<Error>();
     }
 
     #[test]
@@ -1083,5 +1138,36 @@ mod tests {
         };
         let err = write_or_roll_back(&mut full, &file_version_record(1.0)).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(28), "{err}"); // ENOSPC
+    }
+    #[test]
+    fn event_sink_is_lazy() {
+        let dir = scratch_dir("events-lazy").join("tb");
+        let sink = EventSink::new(dir.clone(), "host", "", FsyncPolicy::Close);
+        let path = sink.path();
+        let mut h =
+            crate::writer::SinkHandle::open(Box::new(sink), "TensorboardXWriter", path.clone())
+                .unwrap();
+        h.flush().unwrap();
+        assert!(!dir.exists());
+        let scalars = vec![ScalarPoint {
+            tag: "loss".into(),
+            value: 0.5,
+            step: 3,
+        }];
+        h.send(Payload::Events {
+            wall_time: 1.0,
+            scalars,
+            images: vec![],
+            histograms: vec![],
+        })
+        .unwrap();
+        h.close().unwrap();
+        assert!(path.exists());
+        assert!(path
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("events.out.tfevents."));
     }
 }

@@ -2,24 +2,26 @@
 //!
 //! A writer's `write()` on the training thread takes a snapshot of what is new and sends it
 //! here; formatting (JSON, protobuf, PNG) and I/O happen on this thread. The thread drains
-//! everything queued before touching the disk, so a burst of writes costs one fsync per file.
-//! An I/O error is kept in the writer's `Status` and handed back to the training thread at
-//! its next `write()` or at `close()`.
+//! everything queued before touching the disk, so a burst of writes costs one write call and at
+//! most one fsync per file. An I/O error is kept in the writer's `Status` and handed back to the
+//! training thread at its next `write()`, `flush()` or `close()`.
+//!
+//! Durability: each batch reaches its file with one `write` call. A process killed with SIGKILL
+//! can be stopped inside a large `write`, so the last line (or record) may be torn; the JSON
+//! sink cuts a torn tail when the file is opened again, and a reader that skips a torn last
+//! line sees only whole lines.
 
-use std::collections::{HashSet, VecDeque};
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
+use std::time::Duration;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::history::Iter;
-use crate::pyfmt::json_metrics_line;
-use crate::tfevents::{encode_events, EventFile, HistogramPoint, ImagePoint, ScalarPoint};
+use crate::jsonl::JsonRow;
+use crate::tfevents::{HistogramPoint, ImagePoint, ScalarPoint};
 use crate::{Error, Result};
 
 /// When a writer's file is fsynced.
@@ -35,6 +37,20 @@ pub enum FsyncPolicy {
 }
 
 impl FsyncPolicy {
+    /// `JSONWriter`'s default (detectron2's JSONWriter fsyncs each write).
+    pub const JSON_DEFAULT: FsyncPolicy = FsyncPolicy::Always;
+    /// `TensorboardXWriter`'s default.
+    pub const EVENTS_DEFAULT: FsyncPolicy = FsyncPolicy::Close;
+
+    /// The policy's name, as `parse` takes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsyncPolicy::Always => "always",
+            FsyncPolicy::Close => "close",
+            FsyncPolicy::Never => "never",
+        }
+    }
+
     /// Parses "always", "close" or "never".
     pub fn parse(s: &str) -> Option<FsyncPolicy> {
         match s {
@@ -44,13 +60,6 @@ impl FsyncPolicy {
             _ => None,
         }
     }
-}
-
-/// One iteration's scalars for metrics.json.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JsonRow {
-    pub iter: Iter,
-    pub scalars: Vec<(Arc<str>, f64)>,
 }
 
 /// What a writer hands to the thread.
@@ -77,197 +86,6 @@ pub trait Sink: Send {
     fn close(&mut self) -> Result<()>;
 }
 
-/// metrics.json: one JSON object per line, appended; a line is whole or absent.
-pub struct JsonSink {
-    path: PathBuf,
-    file: File,
-    /// Whole lines formatted but not yet written.
-    pending: String,
-    /// Length of the file after the last whole write: where a failed write is cut back to.
-    len: u64,
-    fsync: FsyncPolicy,
-}
-
-impl JsonSink {
-    /// Opens `path` for appending (creating it), on the calling thread so that an unwritable
-    /// location fails at construction as in detectron2. A torn last line left by a killed run
-    /// is cut off, so the file parses line by line.
-    pub fn open(path: &Path, fsync: FsyncPolicy) -> Result<JsonSink> {
-        let io = |e| Error::io(path, e);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .open(path)
-            .map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        let len = whole_lines_len(&mut file, len).map_err(io)?;
-        if len != file.metadata().map_err(io)?.len() {
-            file.set_len(len).map_err(io)?;
-        }
-        Ok(JsonSink {
-            path: path.to_owned(),
-            file,
-            pending: String::new(),
-            len,
-            fsync,
-        })
-    }
-}
-
-/// The length of the longest prefix of `file` that ends with a newline (or is empty).
-fn whole_lines_len(file: &mut File, len: u64) -> std::io::Result<u64> {
-    let mut end = len;
-    let mut buf = [0u8; 4096];
-    while end > 0 {
-        let start = end.saturating_sub(buf.len() as u64);
-        let chunk = &mut buf[..(end - start) as usize];
-        file.seek(SeekFrom::Start(start))?;
-        file.read_exact(chunk)?;
-        if let Some(pos) = chunk.iter().rposition(|&b| b == b'\n') {
-            return Ok(start + pos as u64 + 1);
-        }
-        end = start;
-    }
-    Ok(0)
-}
-
-impl JsonSink {
-    fn write_pending(&mut self) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let text = std::mem::take(&mut self.pending);
-        // One write call: a killed process leaves whole lines; a failed one is cut back.
-        if let Err(e) = self.file.write_all(text.as_bytes()) {
-            let _ = self.file.set_len(self.len);
-            return Err(Error::io(&self.path, e));
-        }
-        self.len += text.len() as u64;
-        Ok(())
-    }
-}
-
-impl Sink for JsonSink {
-    fn write(&mut self, payload: Payload) -> Result<()> {
-        let Payload::Json(rows) = payload else {
-            return Ok(());
-        };
-        for row in &rows {
-            let scalars: Vec<(&str, f64)> = row.scalars.iter().map(|(k, v)| (&**k, *v)).collect();
-            self.pending
-                .push_str(&json_metrics_line(row.iter, &scalars));
-        }
-        Ok(())
-    }
-
-    fn sync(&mut self) -> Result<()> {
-        self.write_pending()?;
-        if self.fsync == FsyncPolicy::Always {
-            self.file
-                .sync_data()
-                .map_err(|e| Error::io(&self.path, e))?;
-        }
-        Ok(())
-    }
-
-    fn close(&mut self) -> Result<()> {
-        self.write_pending()?;
-        if self.fsync != FsyncPolicy::Never {
-            self.file
-                .sync_data()
-                .map_err(|e| Error::io(&self.path, e))?;
-        }
-        Ok(())
-    }
-}
-
-/// A TensorBoard event file, created at its first non-empty write.
-pub struct EventSink {
-    file: EventFile,
-    fsync: FsyncPolicy,
-    buf: Vec<u8>,
-}
-
-impl EventSink {
-    /// An event file named like torch's SummaryWriter's in `log_dir`; no I/O yet.
-    pub fn new(
-        log_dir: PathBuf,
-        hostname: &str,
-        filename_suffix: &str,
-        fsync: FsyncPolicy,
-    ) -> EventSink {
-        static UID: AtomicU64 = AtomicU64::new(0);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
-        let uid = UID.fetch_add(1, Ordering::Relaxed);
-        let name = crate::tfevents::event_file_name(now, hostname, std::process::id(), uid)
-            + filename_suffix;
-        EventSink {
-            file: EventFile::new(log_dir, name),
-            fsync,
-            buf: Vec::new(),
-        }
-    }
-
-    /// The file's path (it may not exist yet).
-    pub fn path(&self) -> PathBuf {
-        self.file.path()
-    }
-}
-
-impl EventSink {
-    fn write_pending(&mut self) -> Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        // EventFile::append writes once and cuts a failed write back to whole records.
-        let result = self
-            .file
-            .append(&self.buf)
-            .map_err(|e| Error::io(self.file.path(), e));
-        self.buf.clear();
-        result
-    }
-}
-
-impl Sink for EventSink {
-    fn write(&mut self, payload: Payload) -> Result<()> {
-        let Payload::Events {
-            wall_time,
-            scalars,
-            images,
-            histograms,
-        } = payload
-        else {
-            return Ok(());
-        };
-        // On a bad image encode_events leaves the buffer as it was.
-        encode_events(&mut self.buf, wall_time, &scalars, &images, &histograms).map_err(|e| {
-            Error::BadImage {
-                tag: String::new(),
-                reason: e.to_string(),
-            }
-        })
-    }
-
-    fn sync(&mut self) -> Result<()> {
-        self.write_pending()?;
-        self.file
-            .flush(self.fsync == FsyncPolicy::Always)
-            .map_err(|e| Error::io(self.file.path(), e))
-    }
-
-    fn close(&mut self) -> Result<()> {
-        self.write_pending()?;
-        self.file
-            .flush(self.fsync != FsyncPolicy::Never)
-            .map_err(|e| Error::io(self.file.path(), e))
-    }
-}
-
 /// A writer's error slot, shared with the thread.
 #[derive(Default)]
 struct Status {
@@ -289,51 +107,53 @@ impl Status {
 }
 
 enum Msg {
-    Open(u64, Box<dyn Sink>, Arc<Status>),
+    Open(u64, Box<dyn Sink>, Arc<Status>, PathBuf),
     Write(u64, Payload),
     Close(u64, Ack),
     Barrier(Ack),
 }
 
 /// A one-shot "done" signal from the writer thread.
-type Ack = mpsc::SyncSender<()>;
+type Ack = SyncSender<()>;
 
-/// The queue between training threads and the writer thread.
+/// How often the writer thread looks for new writes while writers are active.
 ///
 /// Writes do not wake the thread: waking a sleeping thread costs the sender a futex call and,
 /// on a VM, an inter-processor interrupt, ~15 µs measured here, more than the write itself.
-/// The thread instead polls every `POLL` while writers are open, so a metric reaches the file
-/// within milliseconds. Open, close and flush wake it at once.
-struct Queue {
-    msgs: Mutex<VecDeque<Msg>>,
-    /// Signalled for messages that must not wait for the next poll.
-    wake: Condvar,
-    /// Signalled when the thread drained the queue (for senders waiting on a full queue).
-    drained: Condvar,
-}
-
-/// How often the writer thread looks for new writes while any writer is open.
+/// The thread polls instead, so a metric reaches the file within milliseconds. Open, close,
+/// flush and a full queue wake it at once.
 const POLL: Duration = Duration::from_millis(5);
+
+/// Empty polls after which the thread sleeps until woken: idle writers cost no wake-ups (the
+/// next write after such a pause pays one wake).
+const IDLE_POLLS: u32 = 40;
 
 /// Messages queued before a sender waits for the thread: a writer that cannot keep up slows
 /// training down instead of growing memory without limit.
 const MAX_QUEUED: usize = 16_384;
 
-impl Queue {
-    fn lock(&self) -> MutexGuard<'_, VecDeque<Msg>> {
-        self.msgs.lock().unwrap_or_else(|e| e.into_inner())
-    }
+/// The senders' side of the writer thread.
+struct Queue {
+    tx: SyncSender<Msg>,
+    thread: Thread,
+    /// Set by the thread before it sleeps without a timeout; a sender then wakes it.
+    idle: Arc<AtomicBool>,
+}
 
-    fn push(&self, msg: Msg, wake: bool) {
-        let mut q = self.lock();
-        while q.len() >= MAX_QUEUED {
-            self.wake.notify_one();
-            q = self.drained.wait(q).unwrap_or_else(|e| e.into_inner());
+impl Queue {
+    /// Queues `msg`; `urgent` wakes the thread at once. A full queue wakes it and waits.
+    fn push(&self, msg: Msg, urgent: bool) {
+        match self.tx.try_send(msg) {
+            Ok(()) => {}
+            Err(TrySendError::Full(msg)) => {
+                self.thread.unpark();
+                let _ = self.tx.send(msg);
+            }
+            // The thread never exits while a Queue exists; nothing to do if it did.
+            Err(TrySendError::Disconnected(_)) => return,
         }
-        q.push_back(msg);
-        drop(q);
-        if wake {
-            self.wake.notify_one();
+        if urgent || self.idle.swap(false, Ordering::AcqRel) {
+            self.thread.unpark();
         }
     }
 
@@ -362,16 +182,18 @@ fn queue() -> Result<Arc<Queue>> {
             return Ok(h.queue.clone());
         }
     }
-    let queue = Arc::new(Queue {
-        msgs: Mutex::new(VecDeque::new()),
-        wake: Condvar::new(),
-        drained: Condvar::new(),
-    });
-    let q = queue.clone();
-    std::thread::Builder::new()
+    let (tx, rx) = mpsc::sync_channel(MAX_QUEUED);
+    let idle = Arc::new(AtomicBool::new(false));
+    let thread_idle = idle.clone();
+    let handle = std::thread::Builder::new()
         .name("hookloop-writer".into())
-        .spawn(move || run(&q))
+        .spawn(move || run(&rx, &thread_idle))
         .map_err(|e| Error::io("<hookloop writer thread>", e))?;
+    let queue = Arc::new(Queue {
+        tx,
+        thread: handle.thread().clone(),
+        idle,
+    });
     *guard = Some(ThreadHandle {
         pid,
         queue: queue.clone(),
@@ -382,48 +204,83 @@ fn queue() -> Result<Arc<Queue>> {
 struct Open {
     sink: Box<dyn Sink>,
     status: Arc<Status>,
+    path: PathBuf,
 }
 
-fn run(queue: &Queue) {
+/// The thread's loop: drain, write, sync; poll while active, sleep once idle.
+fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
     let mut sinks: FxHashMap<u64, Open> = FxHashMap::default();
-    let mut dirty: HashSet<u64> = HashSet::new();
+    let mut dirty: FxHashSet<u64> = FxHashSet::default();
+    let mut empty_polls = 0u32;
     loop {
-        let batch: Vec<Msg> = {
-            let mut q = queue.lock();
-            while q.is_empty() {
-                q = if sinks.is_empty() {
-                    queue.wake.wait(q).unwrap_or_else(|e| e.into_inner())
-                } else {
-                    queue
-                        .wake
-                        .wait_timeout(q, POLL)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0
-                };
-            }
-            q.drain(..).collect()
-        };
-        queue.drained.notify_all();
-        for msg in batch {
-            // A panic in a sink must neither kill this thread (every later flush would wait
-            // forever) nor pass silently: the writer reports it as an error.
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                handle(msg, &mut sinks, &mut dirty)
-            }));
-            if result.is_err() {
-                for open in sinks.values() {
-                    open.status.set(Error::io(
-                        "<hookloop writer thread>",
-                        std::io::Error::other("internal error (panic) while writing metrics"),
-                    ));
+        let mut got = false;
+        loop {
+            match rx.try_recv() {
+                Ok(msg) => {
+                    got = true;
+                    handle_guarded(msg, &mut sinks, &mut dirty);
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    sync_dirty(&mut sinks, &mut dirty);
+                    return;
                 }
             }
         }
         sync_dirty(&mut sinks, &mut dirty);
+        empty_polls = if got {
+            0
+        } else {
+            empty_polls.saturating_add(1)
+        };
+        if sinks.is_empty() || empty_polls >= IDLE_POLLS {
+            idle.store(true, Ordering::Release);
+            // A message sent between the drain and the store found `idle` false and did not
+            // wake us: look once more before sleeping.
+            match rx.try_recv() {
+                Ok(msg) => {
+                    idle.store(false, Ordering::Release);
+                    handle_guarded(msg, &mut sinks, &mut dirty);
+                    empty_polls = 0;
+                    continue;
+                }
+                Err(mpsc::TryRecvError::Empty) => std::thread::park(),
+                Err(mpsc::TryRecvError::Disconnected) => return,
+            }
+            idle.store(false, Ordering::Release);
+            empty_polls = 0;
+        } else {
+            std::thread::park_timeout(POLL);
+        }
     }
 }
 
-fn sync_dirty(sinks: &mut FxHashMap<u64, Open>, dirty: &mut HashSet<u64>) {
+/// `handle`, with a panic in a sink turned into that writer's error: it must neither kill this
+/// thread (every later flush would wait forever) nor pass silently.
+fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
+    let id = match &msg {
+        Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) => Some(*id),
+        Msg::Barrier(_) => None,
+    };
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg, sinks, dirty)));
+    if let Err(panic) = result {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into());
+        let failed = id.and_then(|id| sinks.remove(&id));
+        if let Some(open) = failed {
+            open.status.set(Error::WriterPanicked {
+                path: open.path.clone(),
+                message,
+            });
+        }
+    }
+}
+
+fn sync_dirty(sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
     for id in dirty.drain() {
         if let Some(open) = sinks.get_mut(&id) {
             if let Err(e) = open.sink.sync() {
@@ -433,10 +290,10 @@ fn sync_dirty(sinks: &mut FxHashMap<u64, Open>, dirty: &mut HashSet<u64>) {
     }
 }
 
-fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut HashSet<u64>) {
+fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
     match msg {
-        Msg::Open(id, sink, status) => {
-            sinks.insert(id, Open { sink, status });
+        Msg::Open(id, sink, status, path) => {
+            sinks.insert(id, Open { sink, status, path });
         }
         Msg::Write(id, payload) => {
             if let Some(open) = sinks.get_mut(&id) {
@@ -497,7 +354,7 @@ impl SinkHandle {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let queue = queue()?;
         let status = Arc::new(Status::default());
-        queue.push(Msg::Open(id, sink, status.clone()), true);
+        queue.push(Msg::Open(id, sink, status.clone(), path.clone()), true);
         Ok(SinkHandle {
             id,
             pid: std::process::id(),
@@ -509,14 +366,21 @@ impl SinkHandle {
         })
     }
 
+    /// The file this sink writes.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
     /// Raises the error the thread met since the last call, if any.
     pub fn check(&self) -> Result<()> {
-        if self.pid != std::process::id() {
-            let msg = format!(
-                "this {} was opened in process {}; a forked child cannot use it",
-                self.kind, self.pid
-            );
-            return Err(Error::io(&self.path, std::io::Error::other(msg)));
+        let pid = std::process::id();
+        if self.pid != pid {
+            return Err(Error::ForkedChild {
+                writer: self.kind,
+                path: self.path.clone(),
+                owner: self.pid,
+                pid,
+            });
         }
         if self.closed {
             return Err(Error::Closed {
@@ -570,69 +434,56 @@ impl Drop for SinkHandle {
     }
 }
 
-/// Groups smoothed scalars newer than `*last_write` by iteration (first-appearance order,
-/// as detectron2's dict), and advances `*last_write` to the newest iteration written.
-pub fn group_new_by_iteration(
-    scalars: Vec<crate::storage::SmoothedScalar>,
-    last_write: &mut f64,
-) -> Vec<JsonRow> {
-    let mut rows: Vec<JsonRow> = Vec::new();
-    let mut newest = *last_write;
-    for s in scalars {
-        let it = s.iter.as_f64();
-        if it <= *last_write {
-            continue;
-        }
-        newest = newest.max(it);
-        match rows.iter_mut().find(|r| r.iter.as_f64() == it) {
-            Some(row) => row.scalars.push((s.name, s.value)),
-            None => rows.push(JsonRow {
-                iter: s.iter,
-                scalars: vec![(s.name, s.value)],
-            }),
-        }
-    }
-    *last_write = newest;
-    rows
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::SmoothedScalar;
 
-    fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("hookloop-writer-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A sink that records what reached it, and panics on request.
+    struct Recording {
+        log: Arc<Mutex<Vec<String>>>,
     }
 
-    fn row(iter: i64, scalars: &[(&str, f64)]) -> JsonRow {
+    impl Sink for Recording {
+        fn write(&mut self, payload: Payload) -> Result<()> {
+            let Payload::Json(rows) = payload else {
+                panic!("boom");
+            };
+            let mut log = self.log.lock().unwrap();
+            log.extend(rows.iter().map(|r| format!("write {}", r.iter)));
+            Ok(())
+        }
+        fn sync(&mut self) -> Result<()> {
+            self.log.lock().unwrap().push("sync".into());
+            Ok(())
+        }
+        fn close(&mut self) -> Result<()> {
+            self.log.lock().unwrap().push("close".into());
+            Ok(())
+        }
+    }
+
+    fn row(i: i64) -> JsonRow {
         JsonRow {
-            iter: Iter::Int(iter),
-            scalars: scalars.iter().map(|(k, v)| (Arc::from(*k), *v)).collect(),
+            iter: crate::history::Iter::Int(i),
+            scalars: vec![],
         }
     }
 
     #[test]
-    fn json_sink_writes_exact_lines_through_the_thread() {
-        let path = tmpdir("json").join("metrics.json");
-        let sink = JsonSink::open(&path, FsyncPolicy::Always).unwrap();
-        let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
-        h.send(Payload::Json(vec![row(
-            19,
-            &[("loss", 0.5), ("data_time", 1e-05)],
-        )]))
-        .unwrap();
-        h.send(Payload::Json(vec![row(39, &[("loss", 0.25)])]))
-            .unwrap();
+    fn a_burst_of_writes_is_synced_once_and_flush_waits_for_it() {
+        let log = Arc::new(Mutex::new(vec![]));
+        let sink = Recording { log: log.clone() };
+        let mut h = SinkHandle::open(Box::new(sink), "test", "/x".into()).unwrap();
+        // Queued without waking the thread; flush is a barrier behind them.
+        for i in 0..3 {
+            h.send(Payload::Json(vec![row(i)])).unwrap();
+        }
+        h.flush().unwrap();
         h.close().unwrap();
-        let text = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(
-            text,
-            "{\"data_time\": 1e-05, \"iteration\": 19, \"loss\": 0.5}\n{\"iteration\": 39, \"loss\": 0.25}\n"
-        );
+        let log = log.lock().unwrap().clone();
+        let writes: Vec<&String> = log.iter().filter(|s| s.starts_with("write")).collect();
+        assert_eq!(writes, ["write 0", "write 1", "write 2"]);
+        assert_eq!(log.last().map(String::as_str), Some("close"));
         assert!(matches!(
             h.send(Payload::Json(vec![])),
             Err(Error::Closed { .. })
@@ -640,103 +491,26 @@ mod tests {
     }
 
     #[test]
-    fn json_sink_cuts_a_torn_last_line() {
-        let path = tmpdir("torn").join("metrics.json");
-        std::fs::write(&path, "{\"iteration\": 1}\n{\"itera").unwrap();
-        let mut sink = JsonSink::open(&path, FsyncPolicy::Never).unwrap();
-        sink.write(Payload::Json(vec![row(2, &[])])).unwrap();
-        sink.sync().unwrap();
-        assert_eq!(
-            std::fs::read_to_string(&path).unwrap(),
-            "{\"iteration\": 1}\n{\"iteration\": 2}\n"
-        );
-    }
-
-    #[test]
-    fn unwritable_location_fails_at_open_with_the_path() {
-        let path = PathBuf::from("/nonexistent-dir-hookloop/metrics.json");
-        let err = JsonSink::open(&path, FsyncPolicy::Always).err().unwrap();
-        assert!(
-            err.to_string()
-                .contains("/nonexistent-dir-hookloop/metrics.json"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn disk_full_is_reported_at_next_send() {
-        // /dev/full accepts open() and fails every write with ENOSPC.
-        let path = PathBuf::from("/dev/full");
-        if !path.exists() {
-            return;
-        }
-        let file = OpenOptions::new().append(true).open(&path).unwrap();
-        let sink = JsonSink {
-            path: path.clone(),
-            file,
-            pending: String::new(),
-            len: 0,
-            fsync: FsyncPolicy::Never,
-        };
-        let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
-        h.send(Payload::Json(vec![row(0, &[("a", 1.0)])])).unwrap();
-        h.flush()
-            .err()
-            .map(|e| assert!(matches!(e, Error::Io { .. }), "{e}"))
-            .unwrap_or_else(|| {
-                // The error may land after the barrier's check; close() reports it then.
-                assert!(h.close().is_err());
-            });
-    }
-
-    #[test]
-    fn event_sink_is_lazy() {
-        let dir = tmpdir("events").join("tb");
-        let sink = EventSink::new(dir.clone(), "host", "", FsyncPolicy::Close);
-        let path = sink.path();
-        let mut h = SinkHandle::open(Box::new(sink), "TensorboardXWriter", path.clone()).unwrap();
-        h.flush().unwrap();
-        assert!(!dir.exists());
-        let scalars = vec![ScalarPoint {
-            tag: "loss".into(),
-            value: 0.5,
-            step: 3,
-        }];
+    fn a_panicking_sink_becomes_its_writers_error() {
+        let log = Arc::new(Mutex::new(vec![]));
+        let mut h = SinkHandle::open(Box::new(Recording { log }), "test", "/p".into()).unwrap();
         h.send(Payload::Events {
-            wall_time: 1.0,
-            scalars,
+            wall_time: 0.0,
+            scalars: vec![],
             images: vec![],
             histograms: vec![],
         })
         .unwrap();
-        h.close().unwrap();
-        assert!(path.exists());
-        assert!(path
-            .file_name()
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .starts_with("events.out.tfevents."));
-    }
-
-    #[test]
-    fn grouping_skips_written_iterations() {
-        let s = |name: &str, value, iter| SmoothedScalar {
-            name: name.into(),
-            value,
-            iter: Iter::Int(iter),
-        };
-        let mut last = -1.0;
-        let rows = group_new_by_iteration(
-            vec![s("a", 1.0, 5), s("b", 2.0, 4), s("c", 3.0, 5)],
-            &mut last,
+        let err = h.flush().unwrap_err();
+        assert!(
+            matches!(&err, Error::WriterPanicked { message, .. } if message == "boom"),
+            "{err}"
         );
-        assert_eq!(
-            rows,
-            vec![row(5, &[("a", 1.0), ("c", 3.0)]), row(4, &[("b", 2.0)])]
-        );
-        assert_eq!(last, 5.0);
-        let rows = group_new_by_iteration(vec![s("a", 1.0, 5), s("b", 2.0, 6)], &mut last);
-        assert_eq!(rows, vec![row(6, &[("b", 2.0)])]);
+        // The thread survived: another writer still works.
+        let log = Arc::new(Mutex::new(vec![]));
+        let mut other = SinkHandle::open(Box::new(Recording { log }), "test", "/q".into()).unwrap();
+        other.send(Payload::Json(vec![row(1)])).unwrap();
+        other.close().unwrap();
+        let _ = h.close();
     }
 }

@@ -1,55 +1,85 @@
-//! Argument conversion shared by the binding classes: scalar values, iterations, windows.
+//! Argument conversion shared by the binding classes: scalar values and iterations. Failures
+//! are core errors (`WrongType`, `OutOfRange`), mapped to Python in `errors.rs`.
 
 use hookloop_core::history::Iter;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use hookloop_core::Error;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyFloat, PyInt};
+use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
 use pyo3::{intern, IntoPyObjectExt};
 
-/// Converts a metric value to f64: Python float/int/bool, numpy scalars, 0-d arrays and 0-d
-/// tensors (via `__float__`, which for a CUDA tensor waits for the device). Anything else is a
-/// `TypeError` naming `what` (the metric). NaN and inf pass through: a NaN loss is recordable.
+use crate::errors::to_py;
+
+const SCALAR: &str = "a number or a single-element tensor/array";
+
+/// Converts a metric value to f64: Python float/int/bool, numpy scalars, and tensors or arrays
+/// holding one element (any shape, as `float()` accepts; read with `item()`, which for a CUDA
+/// tensor waits for the device). Anything else is a `TypeError` naming `what` (the metric).
+/// NaN and inf pass through: a NaN loss is recordable.
 pub fn scalar_value(what: &str, value: &Bound<'_, PyAny>) -> PyResult<f64> {
     if let Ok(f) = value.cast_exact::<PyFloat>() {
         return Ok(f.value());
     }
+    let py = value.py();
     if value.is_instance_of::<PyInt>() {
-        return value.extract::<f64>().map_err(|e| {
-            PyValueError::new_err(format!("value for '{what}' does not fit a float: {e}"))
+        return value.extract::<f64>().map_err(|_| {
+            to_py(Error::OutOfRange {
+                what: format!("value for '{what}'"),
+                value: value.str().map(|s| s.to_string()).unwrap_or_default(),
+                range: "a float64",
+            })
         });
     }
-    if value.is_none() || value.is_instance_of::<pyo3::types::PyString>() {
-        return Err(type_error(what, value));
+    if value.is_none() || value.is_instance_of::<PyString>() {
+        return Err(wrong_type(what, value, None));
     }
-    // Tensors and arrays: only 0-d ones are scalars (float() would accept shape [1, 1]).
-    if let Ok(ndim) = value.getattr(intern!(value.py(), "ndim")) {
-        if ndim.extract::<i64>().is_ok_and(|n| n == 0) {
-            // item(), not float(): torch warns on float() of a tensor that requires grad.
-            if let Ok(item) = value.call_method0(intern!(value.py(), "item")) {
-                return item.extract::<f64>().map_err(|_| type_error(what, value));
-            }
+    // Tensors and arrays: one element, read with item() (not float(): torch warns on float() of
+    // a tensor that requires grad).
+    if let Ok(ndim) = value.getattr(intern!(py, "ndim")) {
+        let count = if ndim.extract::<i64>().is_ok_and(|n| n == 0) {
+            Some(1)
         } else {
-            let shape = value
-                .getattr(intern!(value.py(), "shape"))
-                .and_then(|s| s.str().map(|s| s.to_string()))
-                .unwrap_or_else(|_| "?".into());
-            return Err(PyTypeError::new_err(format!(
-                "value for '{what}' must be a number or a 0-d tensor/array, got a {} of shape {shape}",
-                type_name(value)
-            )));
+            element_count(value)
+        };
+        if count == Some(1) {
+            if let Ok(item) = value.call_method0(intern!(py, "item")) {
+                if let Ok(f) = item.extract::<f64>() {
+                    return Ok(f);
+                }
+            }
         }
+        let shape = value
+            .getattr(intern!(py, "shape"))
+            .and_then(|s| s.str().map(|s| s.to_string()))
+            .unwrap_or_else(|_| "?".into());
+        return Err(wrong_type(what, value, Some(shape)));
     }
-    value.extract::<f64>().map_err(|_| type_error(what, value))
+    value
+        .extract::<f64>()
+        .map_err(|_| wrong_type(what, value, None))
 }
 
-fn type_error(what: &str, value: &Bound<'_, PyAny>) -> PyErr {
-    PyTypeError::new_err(format!(
-        "value for '{what}' must be a number or a 0-d tensor/array, got {}",
-        type_name(value)
+/// The number of elements of a tensor (`numel()`) or array (`size`).
+fn element_count(value: &Bound<'_, PyAny>) -> Option<i64> {
+    let py = value.py();
+    if let Ok(n) = value.call_method0(intern!(py, "numel")) {
+        return n.extract().ok();
+    }
+    value.getattr(intern!(py, "size")).ok()?.extract().ok()
+}
+
+fn wrong_type(what: &str, value: &Bound<'_, PyAny>, shape: Option<String>) -> PyErr {
+    let got = match shape {
+        Some(shape) => format!("a {} of shape {shape}", type_name(value)),
+        None => type_name(value),
+    };
+    to_py(Error::wrong_type(
+        format!("value for '{what}'"),
+        SCALAR,
+        got,
     ))
 }
 
-/// The qualified type name of `value`, for messages.
+/// The type name of `value`, for messages.
 pub fn type_name(value: &Bound<'_, PyAny>) -> String {
     value
         .get_type()
@@ -58,37 +88,37 @@ pub fn type_name(value: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "<unknown type>".into())
 }
 
+/// An integer argument (ints, numpy ints, anything with `__index__`; not bool) as i64: a
+/// `TypeError` for other types, an `OverflowError` naming `what` beyond int64.
+pub fn int64(what: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
+    if value.is_instance_of::<PyBool>() {
+        return Err(to_py(Error::wrong_type(what, "an int", "bool")));
+    }
+    match value.extract::<i64>() {
+        Ok(i) => Ok(i),
+        Err(_)
+            if value.is_instance_of::<PyInt>() || value.hasattr("__index__").unwrap_or(false) =>
+        {
+            Err(to_py(Error::OutOfRange {
+                what: what.to_owned(),
+                value: value.str().map(|s| s.to_string()).unwrap_or_default(),
+                range: "int64",
+            }))
+        }
+        Err(_) => Err(to_py(Error::wrong_type(what, "an int", type_name(value)))),
+    }
+}
+
 /// An iteration argument: an int (numpy ints included) or a float; `None` maps to `None`.
 pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Iter>> {
     let Some(value) = value else { return Ok(None) };
     if value.is_none() {
         return Ok(None);
     }
-    if value.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be an int, got bool"
-        )));
-    }
-    if let Ok(i) = value.extract::<i64>() {
-        return Ok(Some(Iter::Int(i)));
-    }
     if let Ok(f) = value.cast::<PyFloat>() {
         return Ok(Some(Iter::Float(f.value())));
     }
-    Err(PyTypeError::new_err(format!(
-        "{what} must be an int, got {}",
-        type_name(value)
-    )))
-}
-
-/// An integer argument that must be positive (window sizes, lengths).
-pub fn positive(what: &str, value: i64) -> PyResult<i64> {
-    if value <= 0 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be a positive integer, got {value}"
-        )));
-    }
-    Ok(value)
+    int64(what, value).map(|i| Some(Iter::Int(i)))
 }
 
 /// Converts an iteration back to a Python int or float.

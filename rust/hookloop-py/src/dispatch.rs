@@ -1,166 +1,271 @@
-//! Hook dispatch: per stage, the hooks that override it, called in registration order with one
-//! crossing into Rust per stage; and the training loop itself.
+//! Hook dispatch and the training loop: the binding over the core's `dispatch::Table`.
 //!
-//! The table is rebuilt whenever the trainer's hook list changes (`_HookList` in Python calls
-//! `set_hooks`). Calls copy the table's `Arc` out of the lock first, so a hook may register
-//! more hooks (or do anything else) while it runs; the change applies from the next stage.
+//! The trainer's hook list stays a plain Python list. The dispatcher keeps a copy of it next
+//! to the table built from it, and at each stage compares the two (one C-level list comparison,
+//! identity first): any in-place edit of `trainer._hooks` rebuilds the table before the stage
+//! runs, as detectron2's `for h in self._hooks` would see it. The table holds each hook's bound
+//! stage methods, resolved when it is built, and calls them with vectorcall; a periodic hook is
+//! skipped between its periods by the core's one period rule.
 
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use hookloop_core::dispatch::{Stage, Table, STAGES};
+use hookloop_core::Error;
+use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::PyList;
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::storage::{lock, PyEventStorage};
+use crate::convert::int64;
+use crate::errors::to_py;
+use crate::storage::PyEventStorage;
 
-/// The five stages of `HookBase`, in the order of the table.
-pub const STAGES: [&str; 5] = [
-    "before_train",
-    "after_train",
-    "before_step",
-    "after_step",
-    "after_backward",
-];
+/// What an entry calls: a function with the hook as its one argument (a Python method,
+/// unbound: one vectorcall, no bound-method object), or any other callable with none.
+enum Call {
+    Method(Py<PyAny>, Py<PyAny>),
+    Plain(Py<PyAny>),
+}
 
-const BEFORE_TRAIN: usize = 0;
-const AFTER_TRAIN: usize = 1;
-const BEFORE_STEP: usize = 2;
-const AFTER_STEP: usize = 3;
-const AFTER_BACKWARD: usize = 4;
+impl Call {
+    fn call(&self, py: Python<'_>) -> PyResult<()> {
+        match self {
+            Call::Method(func, hook) => func.bind(py).call1((hook.bind(py),)).map(drop),
+            Call::Plain(f) => f.bind(py).call0().map(drop),
+        }
+    }
+}
 
-/// Per stage, the hooks to call.
-#[derive(Default)]
-struct Table {
-    stages: [Vec<Py<PyAny>>; 5],
+/// A table and the hook list it was built from.
+struct Built {
+    table: Table<Call>,
+    /// The live list (`trainer._hooks`).
+    hooks: Py<PyList>,
+    /// A copy of it at build time.
+    copy: Py<PyList>,
 }
 
 /// The hook table of one trainer.
 #[pyclass(name = "Dispatcher", module = "hookloop._core", frozen)]
 pub struct PyDispatcher {
-    table: Mutex<Arc<Table>>,
+    /// Python callable: `build(hooks) -> [(hook_index, stage_index, function, self, period)]`.
+    build: Py<PyAny>,
+    built: Mutex<Arc<Built>>,
+    storage: Mutex<Option<Py<PyEventStorage>>>,
+    max_iter: AtomicI64,
+    /// The iteration of the step in progress (for `after_backward`'s period filter).
+    iter: AtomicI64,
+    timing: AtomicBool,
 }
 
 impl PyDispatcher {
-    fn snapshot(&self) -> Arc<Table> {
-        lock(&self.table).clone()
+    fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn call_stage(&self, py: Python<'_>, stage: usize) -> PyResult<()> {
-        let table = self.snapshot();
-        call_all(py, &table.stages[stage], stage)
+    /// The table for the hook list as it is now, rebuilt if the list changed.
+    fn current(&self, py: Python<'_>) -> PyResult<Arc<Built>> {
+        let built = Self::lock(&self.built).clone();
+        if built.hooks.bind(py).eq(built.copy.bind(py))? {
+            return Ok(built);
+        }
+        let hooks = built.hooks.clone_ref(py);
+        drop(built);
+        self.rebuild(py, hooks)
     }
-}
 
-fn stage_name<'py>(py: Python<'py>, stage: usize) -> &'py Bound<'py, PyString> {
-    match stage {
-        BEFORE_TRAIN => intern!(py, "before_train"),
-        AFTER_TRAIN => intern!(py, "after_train"),
-        BEFORE_STEP => intern!(py, "before_step"),
-        AFTER_STEP => intern!(py, "after_step"),
-        _ => intern!(py, "after_backward"),
+    fn rebuild(&self, py: Python<'_>, hooks: Py<PyList>) -> PyResult<Arc<Built>> {
+        let copy = PyList::new(py, hooks.bind(py).iter())?.unbind();
+        let entries = self.build.bind(py).call1((hooks.bind(py),))?;
+        let mut table = Table::default();
+        for entry in entries.try_iter()? {
+            let (hook, stage, func, this, period): (
+                usize,
+                usize,
+                Bound<'_, PyAny>,
+                Option<Bound<'_, PyAny>>,
+                i64,
+            ) = entry?.extract()?;
+            let stage = Stage::from_index(stage).ok_or_else(|| {
+                to_py(Error::bad_value(
+                    "stage index",
+                    format!("{stage} is not a stage"),
+                ))
+            })?;
+            let call = match this {
+                Some(this) => Call::Method(func.unbind(), this.unbind()),
+                None => Call::Plain(func.unbind()),
+            };
+            table.push(stage, hook, call, u64::try_from(period).unwrap_or(0));
+        }
+        let built = Arc::new(Built { table, hooks, copy });
+        let old = std::mem::replace(&mut *Self::lock(&self.built), built.clone());
+        drop(old); // after unlocking: dropping hooks may run Python code (__del__)
+        Ok(built)
     }
-}
 
-/// Calls `hook.<stage>()` on each hook. Looked up by name at each call (as detectron2 does), so
-/// a method replaced on an instance after registration is still honoured.
-fn call_all(py: Python<'_>, hooks: &[Py<PyAny>], stage: usize) -> PyResult<()> {
-    if hooks.is_empty() {
-        return Ok(());
+    fn call(&self, py: Python<'_>, stage: Stage, iter: i64) -> PyResult<()> {
+        let built = self.current(py)?;
+        let max_iter = self.max_iter.load(Ordering::Relaxed);
+        let timing = self.timing.load(Ordering::Relaxed);
+        for entry in built.table.due(stage, iter, max_iter) {
+            if timing {
+                let start = Instant::now();
+                let result = entry.call.call(py);
+                entry.stats.record(start.elapsed());
+                result?;
+            } else {
+                entry.call.call(py)?;
+            }
+        }
+        Ok(())
     }
-    let name = stage_name(py, stage);
-    for hook in hooks {
-        hook.bind(py).call_method0(name)?;
+
+    fn set_storage_iter(&self, py: Python<'_>, iter: i64) {
+        let storage = Self::lock(&self.storage).as_ref().map(|s| s.clone_ref(py));
+        if let Some(storage) = storage {
+            storage.get().set_iter(iter);
+        }
     }
-    Ok(())
+
+    /// TrainerBase's `before_step`: the storage's iteration follows the trainer's, then the
+    /// hooks run. The one implementation, for the loop and for a subclass's `super()` call.
+    fn do_before_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+        self.iter.store(iter, Ordering::Relaxed);
+        self.set_storage_iter(py, iter);
+        self.call(py, Stage::BeforeStep, iter)
+    }
+
+    fn do_after_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+        self.call(py, Stage::AfterStep, iter)
+    }
 }
 
 #[pymethods]
 impl PyDispatcher {
+    /// `build(hooks)` lists, for the hooks in `hooks` (the trainer's list), the stage methods
+    /// to call: `(hook_index, stage_index, function, self, period)`, calling `function(self)`
+    /// (or `function()` when `self` is None), with period 0 for "every time".
     #[new]
-    fn new() -> Self {
-        PyDispatcher {
-            table: Mutex::new(Arc::new(Table::default())),
-        }
+    fn new(py: Python<'_>, hooks: Bound<'_, PyList>, build: Py<PyAny>) -> PyResult<Self> {
+        let built = Built {
+            table: Table::default(),
+            hooks: hooks.unbind(),
+            copy: PyList::empty(py).unbind(),
+        };
+        Ok(PyDispatcher {
+            build,
+            built: Mutex::new(Arc::new(built)),
+            storage: Mutex::new(None),
+            max_iter: AtomicI64::new(i64::MAX),
+            iter: AtomicI64::new(0),
+            timing: AtomicBool::new(false),
+        })
     }
 
-    /// Rebuilds the table from `hooks`: a hook is listed for a stage unless that stage's
-    /// method is `base`'s own (inherited unchanged) and not replaced on the instance.
-    fn set_hooks(
+    /// Starts a run: the hook list (`trainer._hooks`, re-read in case it was rebound), the
+    /// storage whose iteration follows the trainer's, and `max_iter` for period filters. The
+    /// table is rebuilt, so stage methods set on hook instances since are seen.
+    fn begin(
         &self,
         py: Python<'_>,
-        hooks: &Bound<'_, PyList>,
-        base: &Bound<'_, PyAny>,
+        hooks: Bound<'_, PyList>,
+        storage: Py<PyEventStorage>,
+        max_iter: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let mut table = Table::default();
-        for hook in hooks.iter() {
-            let cls = hook.get_type();
-            let inst_dict = hook
-                .getattr(intern!(py, "__dict__"))
-                .ok()
-                .and_then(|d| d.cast_into::<PyDict>().ok());
-            for (i, name_str) in STAGES.iter().copied().enumerate() {
-                let on_instance = match &inst_dict {
-                    Some(d) => d.contains(name_str)?,
-                    None => false,
-                };
-                let inherited = match (cls.getattr(name_str), base.getattr(name_str)) {
-                    (Ok(a), Ok(b)) => a.is(&b),
-                    // No such attribute: list it, so the call fails as it would in detectron2.
-                    _ => false,
-                };
-                if on_instance || !inherited {
-                    table.stages[i].push(hook.clone().unbind());
-                }
-            }
-        }
-        let old = std::mem::replace(&mut *lock(&self.table), Arc::new(table));
-        drop(old); // after unlocking: dropping hooks may run Python code (__del__)
+        self.max_iter
+            .store(int64("max_iter", max_iter)?, Ordering::Relaxed);
+        let old = Self::lock(&self.storage).replace(storage);
+        drop(old);
+        self.rebuild(py, hooks.unbind())?;
         Ok(())
     }
 
-    /// The hooks listed for `stage` (for tests and introspection).
-    fn hooks_for<'py>(&self, py: Python<'py>, stage: &str) -> PyResult<Bound<'py, PyList>> {
-        let idx = STAGES.iter().position(|s| *s == stage).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!(
-                "unknown stage '{stage}', expected one of {STAGES:?}"
-            ))
-        })?;
-        let table = self.snapshot();
-        PyList::new(py, table.stages[idx].iter().map(|h| h.clone_ref(py)))
-    }
-
     fn before_train(&self, py: Python<'_>) -> PyResult<()> {
-        self.call_stage(py, BEFORE_TRAIN)
+        self.call(py, Stage::BeforeTrain, 0)
     }
 
-    fn after_train(&self, py: Python<'_>) -> PyResult<()> {
-        self.call_stage(py, AFTER_TRAIN)
+    /// TrainerBase's `after_train`: the storage's iteration is set to `iter`, then the hooks.
+    fn after_train(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+        self.set_storage_iter(py, iter);
+        self.call(py, Stage::AfterTrain, iter)
     }
 
-    fn before_step(&self, py: Python<'_>) -> PyResult<()> {
-        self.call_stage(py, BEFORE_STEP)
+    fn before_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+        self.do_before_step(py, iter)
     }
 
-    fn after_step(&self, py: Python<'_>) -> PyResult<()> {
-        self.call_stage(py, AFTER_STEP)
+    fn after_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+        self.do_after_step(py, iter)
     }
 
     fn after_backward(&self, py: Python<'_>) -> PyResult<()> {
-        self.call_stage(py, AFTER_BACKWARD)
+        self.call(py, Stage::AfterBackward, self.iter.load(Ordering::Relaxed))
+    }
+
+    /// The hooks listed for `stage`, in call order (for tests and introspection).
+    fn hooks_for<'py>(&self, py: Python<'py>, stage: &str) -> PyResult<Bound<'py, PyList>> {
+        let idx = STAGES.iter().position(|s| *s == stage).ok_or_else(|| {
+            to_py(Error::bad_value(
+                format!("stage '{stage}'"),
+                format!("is not one of {STAGES:?}"),
+            ))
+        })?;
+        let stage = Stage::from_index(idx).unwrap_or(Stage::AfterStep);
+        let built = self.current(py)?;
+        let copy = built.copy.bind(py);
+        let hooks = built
+            .table
+            .entries(stage)
+            .iter()
+            .map(|e| copy.get_item(e.hook))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, hooks)
+    }
+
+    /// Whether each hook call is timed (a monotonic clock read before and after).
+    #[getter]
+    fn timing(&self) -> bool {
+        self.timing.load(Ordering::Relaxed)
+    }
+
+    #[setter]
+    fn set_timing(&self, on: bool) {
+        self.timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Per hook and stage: `(hook, stage, calls, total_s, max_s)`, in table order. Counts start
+    /// again whenever the table is rebuilt (each `train()`).
+    fn hook_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let built = Self::lock(&self.built).clone();
+        let copy = built.copy.bind(py);
+        let out = PyList::empty(py);
+        for (stage, entry) in built.table.all() {
+            let s = entry.stats.snapshot();
+            out.append((
+                copy.get_item(entry.hook)?,
+                stage.name(),
+                s.calls,
+                s.total_ns as f64 * 1e-9,
+                s.max_ns as f64 * 1e-9,
+            ))?;
+        }
+        Ok(out)
     }
 
     /// The loop of `TrainerBase.train`: for each iteration, set `trainer.iter`, run
     /// before_step, `run_step()`, after_step. `before_step`/`after_step` are the trainer's own
-    /// methods when a subclass overrides them (then called instead of the fast path); `None`
-    /// means TrainerBase's: set `storage.iter` and call the hooks from here.
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (trainer, storage, start_iter, max_iter, run_step, before_step = None, after_step = None))]
+    /// methods when a subclass overrides them; `None` means TrainerBase's, run here directly
+    /// (the same code as `Dispatcher.before_step`/`after_step`).
+    #[expect(clippy::too_many_arguments, reason = "mirrors the Python call")]
+    #[pyo3(signature = (trainer, start_iter, max_iter, run_step, before_step = None, after_step = None))]
     fn run_loop(
         &self,
         py: Python<'_>,
         trainer: &Bound<'_, PyAny>,
-        storage: &Bound<'_, PyEventStorage>,
         start_iter: i64,
         max_iter: i64,
         run_step: &Bound<'_, PyAny>,
@@ -168,28 +273,20 @@ impl PyDispatcher {
         after_step: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let iter_name = intern!(py, "iter");
-        let storage = storage.get();
         for i in start_iter..max_iter {
             trainer.setattr(iter_name, i)?;
             match before_step {
                 Some(f) => {
                     f.call0()?;
                 }
-                None => {
-                    storage.set_iter(i);
-                    let table = self.snapshot();
-                    call_all(py, &table.stages[BEFORE_STEP], BEFORE_STEP)?;
-                }
+                None => self.do_before_step(py, i)?,
             }
             run_step.call0()?;
             match after_step {
                 Some(f) => {
                     f.call0()?;
                 }
-                None => {
-                    let table = self.snapshot();
-                    call_all(py, &table.stages[AFTER_STEP], AFTER_STEP)?;
-                }
+                None => self.do_after_step(py, i)?,
             }
             // A Ctrl-C while only Rust and C code ran would otherwise wait for Python bytecode.
             py.check_signals()?;
@@ -197,23 +294,38 @@ impl PyDispatcher {
         Ok(())
     }
 
+    fn __reduce__(&self) -> PyResult<()> {
+        Err(PyTypeError::new_err(
+            "a hookloop Dispatcher cannot be pickled or copied: it belongs to one trainer (save \
+             trainer.state_dict() instead)",
+        ))
+    }
+
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        if let Ok(table) = self.table.try_lock() {
-            for stage in &table.stages {
-                for hook in stage {
-                    visit.call(hook)?;
+        visit.call(&self.build)?;
+        if let Ok(built) = self.built.try_lock() {
+            visit.call(&built.hooks)?;
+            visit.call(&built.copy)?;
+            for (_, entry) in built.table.all() {
+                match &entry.call {
+                    Call::Method(f, h) => {
+                        visit.call(f)?;
+                        visit.call(h)?;
+                    }
+                    Call::Plain(f) => visit.call(f)?,
                 }
+            }
+        }
+        if let Ok(storage) = self.storage.try_lock() {
+            if let Some(s) = storage.as_ref() {
+                visit.call(s)?;
             }
         }
         Ok(())
     }
 
     fn __clear__(&self) {
-        let old = self
-            .table
-            .try_lock()
-            .map(|mut t| std::mem::replace(&mut *t, Arc::new(Table::default())))
-            .ok();
-        drop(old); // after unlocking, as in set_hooks
+        let storage = self.storage.try_lock().ok().and_then(|mut s| s.take());
+        drop(storage);
     }
 }

@@ -1,25 +1,51 @@
 //! The one place core errors become Python exceptions.
 
 use hookloop_core::Error;
-use pyo3::exceptions::{PyIndexError, PyKeyError, PyOSError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{
+    PyFloatingPointError, PyIndexError, PyKeyError, PyOSError, PyOverflowError, PyRuntimeError,
+    PyTypeError, PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use pyo3::PyErr;
 
 /// Maps a core error to the Python exception detectron2 users expect: unknown metric ->
-/// `KeyError`, bad values -> `ValueError`, I/O -> `OSError(errno, message, path)`.
+/// `KeyError`, wrong type -> `TypeError`, bad value -> `ValueError`, out of range ->
+/// `OverflowError`, a non-finite loss -> `FloatingPointError`, I/O -> `OSError(errno,
+/// message, path)`.
 pub fn to_py(err: Error) -> PyErr {
     match err {
         Error::UnknownMetric(_) => PyKeyError::new_err(err.to_string()),
         Error::EmptyHistory => PyIndexError::new_err(err.to_string()),
+        Error::WrongType { .. } => PyTypeError::new_err(err.to_string()),
+        Error::OutOfRange { .. } => PyOverflowError::new_err(err.to_string()),
         Error::HintChanged { .. }
         | Error::BadWindow(_)
         | Error::BadMaxLength(_)
-        | Error::BadImage { .. }
+        | Error::BadValue { .. }
+        | Error::BadState { .. }
+        | Error::Image { .. }
         | Error::Closed { .. }
         | Error::BadSchedule { .. }
         | Error::IterOutOfRange { .. }
         | Error::MaxIterChanged { .. } => PyValueError::new_err(err.to_string()),
         // fvcore raises RuntimeError for a `where` outside a schedule's range.
         Error::WhereOutOfRange { .. } => PyRuntimeError::new_err(err.to_string()),
+        Error::NonFiniteLoss { ref losses, .. } => {
+            // detectron2's message shows the losses as the Python dict they were.
+            let dict = Python::attach(|py| -> PyResult<String> {
+                let d = PyDict::new(py);
+                for (k, v) in losses {
+                    d.set_item(k, v)?;
+                }
+                Ok(d.repr()?.to_string())
+            })
+            .unwrap_or_else(|_| format!("{losses:?}"));
+            PyFloatingPointError::new_err(format!("{err}\nloss_dict = {dict}"))
+        }
+        Error::ForkedChild { .. } | Error::WriterPanicked { .. } => {
+            PyOSError::new_err(err.to_string())
+        }
         Error::Io { path, source } => match source.raw_os_error() {
             // OSError(errno, strerror, filename): sets .errno/.filename, as open() would.
             Some(errno) => {
@@ -33,11 +59,11 @@ pub fn to_py(err: Error) -> PyErr {
 
 /// `Result::map_err(to_py)` in method-call form.
 pub trait IntoPyResult<T> {
-    fn py_err(self) -> pyo3::PyResult<T>;
+    fn py_err(self) -> PyResult<T>;
 }
 
 impl<T> IntoPyResult<T> for hookloop_core::Result<T> {
-    fn py_err(self) -> pyo3::PyResult<T> {
+    fn py_err(self) -> PyResult<T> {
         self.map_err(to_py)
     }
 }

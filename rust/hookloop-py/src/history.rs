@@ -2,22 +2,19 @@
 //! metric inside an `EventStorage` (what `storage.history(name)` returns, as in detectron2 where
 //! the buffer object is the storage's own).
 
-use std::sync::{Arc, Mutex};
-
+use hookloop_core::error::positive;
 use hookloop_core::history::{History, Iter};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::convert::{iter_to_py, positive, scalar_value};
+use crate::convert::{iter_to_py, scalar_value};
 use crate::errors::IntoPyResult;
-use crate::storage::{lock, State};
+use crate::state::{Shared, SharedState};
+use crate::storage::{history_state_from_py, history_to_py};
 
 enum Source {
-    Owned(Mutex<History>),
-    View {
-        state: Arc<Mutex<State>>,
-        name: String,
-    },
+    Owned(Shared<History>),
+    View { state: SharedState, name: String },
 }
 
 /// The last `max_length` values of one scalar, with median/avg over windows and a global
@@ -29,19 +26,18 @@ pub struct PyHistoryBuffer {
 
 impl PyHistoryBuffer {
     /// A live view of `name` inside a storage.
-    pub fn view(state: Arc<Mutex<State>>, name: String) -> Self {
+    pub fn view(state: SharedState, name: String) -> Self {
         PyHistoryBuffer {
             source: Source::View { state, name },
         }
     }
 
-    /// Runs `f` on the history with its lock held. `f` must not call into Python.
-    fn with<T>(&self, f: impl FnOnce(&mut History) -> T) -> PyResult<T> {
+    /// Runs `f` on the history with its lock held.
+    fn with<T: Send>(&self, f: impl FnOnce(&mut History) -> T + Send) -> PyResult<T> {
         match &self.source {
-            Source::Owned(h) => Ok(f(&mut lock(h))),
+            Source::Owned(h) => Ok(h.with(f)),
             Source::View { state, name } => {
-                let mut state = lock(state);
-                Ok(f(state.core.history_mut(name).py_err()?))
+                state.with(|s| s.core.history_mut(name).map(f)).py_err()
             }
         }
     }
@@ -57,13 +53,40 @@ impl PyHistoryBuffer {
 #[pymethods]
 impl PyHistoryBuffer {
     #[new]
-    #[pyo3(signature = (max_length = 1_000_000))]
+    #[pyo3(signature = (max_length = History::DEFAULT_MAX_LENGTH as i64))]
     fn new(max_length: i64) -> PyResult<Self> {
-        let max_length = positive("max_length", max_length)? as usize;
+        let max_length = positive("max_length", max_length).py_err()?;
         let history = History::new(max_length).py_err()?;
         Ok(PyHistoryBuffer {
-            source: Source::Owned(Mutex::new(history)),
+            source: Source::Owned(Shared::new(history)),
         })
+    }
+
+    /// Pickles (and copies) as an owned buffer with the same contents; a view of a storage's
+    /// history becomes an independent copy.
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+        let py = slf.py();
+        let this = slf.get();
+        let state = this.with(|h| h.state(None))?;
+        let args = PyTuple::new(py, [state.max_length])?;
+        Ok((slf.get_type().into_any(), args, history_to_py(py, &state)?))
+    }
+
+    /// Restores what `__reduce__` saved.
+    fn __setstate__(&self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let state = history_state_from_py(state)?;
+        let history = History::from_state(state).py_err()?;
+        match &self.source {
+            Source::Owned(h) => {
+                h.with(move |slot| *slot = history);
+                Ok(())
+            }
+            Source::View { state, name } => state
+                .with(move |s| s.core.history_mut(name).map(|slot| *slot = history))
+                .py_err(),
+        }
     }
 
     /// Adds a value at `iteration` (default: the number of updates so far).
@@ -85,13 +108,11 @@ impl PyHistoryBuffer {
 
     /// The median of the last `window_size` values (numpy's median).
     fn median(&self, window_size: i64) -> PyResult<f64> {
-        positive("window_size", window_size)?;
         self.with(|h| h.median(window_size))?.py_err()
     }
 
     /// The mean of the last `window_size` values (numpy's mean).
     fn avg(&self, window_size: i64) -> PyResult<f64> {
-        positive("window_size", window_size)?;
         self.with(|h| h.avg(window_size))?.py_err()
     }
 

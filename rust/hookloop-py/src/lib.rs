@@ -9,6 +9,7 @@ mod errors;
 mod history;
 mod hooks;
 mod schedule;
+mod state;
 mod storage;
 mod writers;
 
@@ -19,6 +20,33 @@ const BUILD_PROFILE: &str = if cfg!(debug_assertions) {
     "release"
 };
 
+/// The period rule of periodic hooks (`hookloop_core::dispatch::periodic_due`): due when
+/// `iter + 1` is a multiple of `period`, and at `max_iter - 1`.
+#[pyfunction]
+fn periodic_due(iter: i64, period: i64, max_iter: i64) -> PyResult<bool> {
+    let period = hookloop_core::error::positive("period", period).map_err(errors::to_py)?;
+    Ok(hookloop_core::dispatch::periodic_due(
+        iter,
+        period as u64,
+        max_iter,
+    ))
+}
+
+/// Checks an image shape against the core's rule (`(C, H, W)`, C in 1, 3, 4, H and W
+/// positive): `ValueError` naming the image otherwise.
+#[pyfunction]
+fn check_chw(tag: String, shape: Vec<i64>) -> PyResult<()> {
+    hookloop_core::tfevents::check_chw(&shape)
+        .map(|_| ())
+        .map_err(|source| {
+            errors::to_py(hookloop_core::Error::Image {
+                tag,
+                step: None,
+                source,
+            })
+        })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -27,13 +55,26 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<storage::PyEventStorage>()?;
     m.add_class::<dispatch::PyDispatcher>()?;
     m.add_class::<hooks::PyIterationTimerBase>()?;
-    m.add_class::<hooks::PyPeriodicWriterBase>()?;
     m.add_class::<hooks::PyLRSchedulerBase>()?;
     m.add_class::<writers::PyNativeWriter>()?;
     m.add_class::<writers::PyJsonWriter>()?;
     m.add_class::<writers::PyTensorboardWriter>()?;
     m.add_class::<writers::PyMetricPrinter>()?;
     m.add_function(wrap_pyfunction!(writers::flush_writers, m)?)?;
+    m.add_function(wrap_pyfunction!(periodic_due, m)?)?;
+    m.add_function(wrap_pyfunction!(check_chw, m)?)?;
+    m.add(
+        "DEFAULT_MAX_LENGTH",
+        hookloop_core::History::DEFAULT_MAX_LENGTH,
+    )?;
+    m.add(
+        "JSON_FSYNC_DEFAULT",
+        hookloop_core::writer::FsyncPolicy::JSON_DEFAULT.as_str(),
+    )?;
+    m.add(
+        "EVENTS_FSYNC_DEFAULT",
+        hookloop_core::writer::FsyncPolicy::EVENTS_DEFAULT.as_str(),
+    )?;
     m.add_class::<schedule::PyNativeSchedule>()?;
     m.add_class::<schedule::PyCompositeSpans>()?;
     m.add_function(wrap_pyfunction!(schedule::warmup_parts, m)?)?;

@@ -1,45 +1,24 @@
 //! `EventStorage`: detectron2's metric storage with its state in Rust.
 //!
-//! Thread safety: all state sits behind one `Mutex`, taken once per Python call and never held
-//! while Python code runs (values are converted before locking; Python objects removed from the
-//! state are dropped after unlocking, since a `__del__` could call back into the storage).
+//! Thread safety: all state sits behind one `Shared` lock (see `state.rs`), taken once per
+//! Python call; values are converted before locking, and Python objects removed from the state
+//! are released after unlocking.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
-use hookloop_core::history::Iter;
-use hookloop_core::storage::Storage;
-use hookloop_core::tfevents::HistogramPoint;
-use pyo3::exceptions::PyTypeError;
+use hookloop_core::history::{HistoryState, Iter};
+use hookloop_core::metrics::{write_metrics, Reduced};
+use hookloop_core::storage::{Bounded, ScalarState, Storage, StorageState};
+use hookloop_core::tfevents::{check_chw, HistogramPoint};
+use hookloop_core::{error::positive, Error, History};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{intern, PyTraverseError, PyVisit};
 
-use crate::convert::{iter_to_py, iteration, positive, scalar_value, type_name};
-use crate::errors::IntoPyResult;
+use crate::convert::{int64, iter_to_py, iteration, scalar_value};
+use crate::errors::{to_py, IntoPyResult};
 use crate::history::PyHistoryBuffer;
-
-/// Locks `m`, ignoring poisoning: no code path panics while holding these locks, and a
-/// poisoned storage is still more useful than an exception on every later call.
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// An image put with `put_image`, held as the caller's object until a writer converts it
-/// (reading a CUDA tensor would wait for the device).
-pub struct PendingImage {
-    pub name: String,
-    pub image: Py<PyAny>,
-    pub iter: i64,
-}
-
-/// Everything behind the storage's lock.
-pub struct State {
-    pub core: Storage,
-    pub images: VecDeque<PendingImage>,
-    pub max_images: usize,
-    pub dropped_images: u64,
-}
+use crate::state::{PendingImage, Shared, SharedState, State};
 
 /// detectron2's `EventStorage`; `hookloop.utils.events.EventStorage` subclasses it to add the
 /// context manager, `name_scope` and tensor handling.
@@ -51,42 +30,42 @@ pub struct State {
     weakref
 )]
 pub struct PyEventStorage {
-    pub state: Arc<Mutex<State>>,
+    pub state: SharedState,
 }
 
 impl PyEventStorage {
-    pub fn lock(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
+    /// Runs `f` on the core storage under the lock.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Storage) -> R + Send) -> R {
+        self.state.with(|s| f(&mut s.core))
     }
 
     /// Sets the iteration: the training loop's per-step call, without a Python frame.
     pub fn set_iter(&self, iter: i64) {
-        self.lock().core.set_iter(iter);
+        self.with(|s| s.set_iter(iter));
     }
 }
 
 #[pymethods]
 impl PyEventStorage {
     #[new]
-    #[pyo3(signature = (start_iter = 0, *, max_length = 1_000_000, max_images = 256, max_histograms = 256))]
+    #[pyo3(signature = (start_iter = None, *, max_length = History::DEFAULT_MAX_LENGTH as i64, max_images = 256, max_histograms = 256))]
     fn new(
-        start_iter: i64,
+        start_iter: Option<&Bound<'_, PyAny>>,
         max_length: i64,
         max_images: i64,
         max_histograms: i64,
     ) -> PyResult<Self> {
-        let max_length = positive("max_length", max_length)? as usize;
-        let max_images = positive("max_images", max_images)? as usize;
-        let max_histograms = positive("max_histograms", max_histograms)? as usize;
+        let start_iter = start_iter.map_or(Ok(0), |s| int64("start_iter", s))?;
+        let max_length = positive("max_length", max_length).py_err()?;
+        let max_images = positive("max_images", max_images).py_err()?;
+        let max_histograms = positive("max_histograms", max_histograms).py_err()?;
         let core = Storage::new(start_iter, max_length, max_histograms).py_err()?;
         let state = State {
             core,
-            images: VecDeque::new(),
-            max_images,
-            dropped_images: 0,
+            images: Bounded::new(max_images),
         };
         Ok(PyEventStorage {
-            state: Arc::new(Mutex::new(state)),
+            state: Arc::new(Shared::new(state)),
         })
     }
 
@@ -101,9 +80,7 @@ impl PyEventStorage {
     ) -> PyResult<()> {
         let v = scalar_value(name, value)?;
         let it = iteration("cur_iter", cur_iter)?;
-        self.lock()
-            .core
-            .put_scalar(name, v, smoothing_hint, it)
+        self.with(|s| s.put_scalar(name, v, smoothing_hint, it))
             .py_err()
     }
 
@@ -119,106 +96,101 @@ impl PyEventStorage {
         let it = iteration("cur_iter", cur_iter)?;
         // Convert first (Python code may run), then store under one lock. As in detectron2's
         // loop of put_scalar calls, the values before a bad one are kept.
-        let mut items: Vec<(Bound<'_, PyString>, f64)> = Vec::with_capacity(kwargs.len());
+        let mut items: Vec<(String, f64)> = Vec::with_capacity(kwargs.len());
         let mut failure = None;
         for (k, v) in kwargs.iter() {
             let k = k.cast_into::<PyString>()?;
-            match scalar_value(k.to_str()?, &v) {
-                Ok(value) => items.push((k, value)),
+            let k = k.to_str()?;
+            match scalar_value(k, &v) {
+                Ok(value) => items.push((k.to_owned(), value)),
                 Err(e) => {
                     failure = Some(e);
                     break;
                 }
             }
         }
-        let mut state = self.lock();
-        for (k, v) in &items {
-            state
-                .core
-                .put_scalar(k.to_str()?, *v, smoothing_hint, it)
-                .py_err()?;
-        }
-        drop(state);
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        Ok(())
+        self.with(|s| {
+            items
+                .iter()
+                .try_for_each(|(k, v)| s.put_scalar(k, *v, smoothing_hint, it))
+        })
+        .py_err()?;
+        failure.map_or(Ok(()), Err)
     }
 
-    /// The single-process body of `SimpleTrainer.write_metrics` in one crossing: reads each
-    /// loss with `.item()`, puts `rank_data_time`, `data_time`, `{prefix}total_loss` and (for
-    /// several losses) each loss at `cur_iter`. Returns None, or, when the total is not finite,
-    /// the `{name: value}` dict for the caller's `FloatingPointError` (then, as in detectron2,
-    /// only the two data times were put).
-    fn _put_losses<'py>(
+    /// `SimpleTrainer.write_metrics`'s rule (core `metrics::write_metrics`) in one crossing.
+    /// `losses` (None on ranks other than the main one) maps names to floats or to tensors,
+    /// which are read with `item()`; `data_time` is the reduced data time (with one process,
+    /// the same as `rank_data_time`). A non-finite total raises `FloatingPointError`.
+    #[pyo3(signature = (losses, rank_data_time, data_time, cur_iter, prefix = ""))]
+    fn _write_metrics(
         &self,
-        py: Python<'py>,
-        loss_dict: &Bound<'py, PyDict>,
-        data_time: f64,
-        cur_iter: i64,
+        losses: Option<&Bound<'_, PyDict>>,
+        rank_data_time: f64,
+        data_time: Option<f64>,
+        cur_iter: &Bound<'_, PyAny>,
         prefix: &str,
-    ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let item = intern!(py, "item");
-        let mut losses: Vec<(Bound<'py, PyString>, f64)> = Vec::with_capacity(loss_dict.len());
-        // Python's sum() starts from the int 0, and 0 + x == x for every float but -0.0,
-        // which 0.0 + x turns into 0.0 exactly as 0 + x does.
-        let mut total = 0.0;
-        for (k, v) in loss_dict.iter() {
-            let k = k.cast_into::<PyString>()?;
-            let value = scalar_value(k.to_str()?, &v.call_method0(item)?)?;
-            total += value;
-            losses.push((k, value));
-        }
-        let it = Some(Iter::Int(cur_iter));
-        let mut state = self.lock();
-        let core = &mut state.core;
-        core.put_scalar("rank_data_time", data_time, true, it)
-            .py_err()?;
-        core.put_scalar("data_time", data_time, true, it).py_err()?;
-        if !total.is_finite() {
-            drop(state);
-            let out = PyDict::new(py);
-            for (k, v) in &losses {
-                out.set_item(k, v)?;
-            }
-            return Ok(Some(out));
-        }
-        core.put_scalar(&format!("{prefix}total_loss"), total, true, it)
-            .py_err()?;
-        if losses.len() > 1 {
-            for (k, v) in &losses {
-                core.put_scalar(k.to_str()?, *v, true, it).py_err()?;
+    ) -> PyResult<()> {
+        let it = iteration("cur_iter", Some(cur_iter))?.unwrap_or(Iter::Int(0));
+        let mut values: Vec<(String, f64)> = Vec::with_capacity(losses.map_or(0, |d| d.len()));
+        if let Some(losses) = losses {
+            for (k, v) in losses.iter() {
+                let k = k.cast_into::<PyString>().map_err(|_| {
+                    to_py(Error::wrong_type("loss_dict keys", "str", "another type"))
+                })?;
+                let name = k.to_str()?;
+                values.push((name.to_owned(), scalar_value(name, &v)?));
             }
         }
-        Ok(None)
+        let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let reduced = match (losses, data_time) {
+            (Some(_), Some(data_time)) => Some(Reduced {
+                data_time,
+                losses: &refs,
+            }),
+            _ => None,
+        };
+        self.with(|s| write_metrics(s, it, prefix, rank_data_time, reduced))
+            .py_err()
     }
 
-    /// Queues an image (kept as given) for the TensorBoard writer. Validation and conversion
-    /// happen in Python (`hookloop.utils.events`); this only stores it.
-    fn _put_image(&self, img_name: String, img_tensor: Py<PyAny>) -> PyResult<bool> {
-        let (dropped, first_drop) = {
-            let mut state = self.lock();
-            let iter = state.core.iter();
-            state.images.push_back(PendingImage {
+    /// Queues an image (kept as given: a CUDA tensor is not read) for the TensorBoard writer,
+    /// after checking its shape. Returns True the first time the bound dropped one.
+    fn _put_image(&self, img_name: String, img_tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let shape: Vec<i64> = img_tensor
+            .getattr(intern!(img_tensor.py(), "shape"))
+            .and_then(|s| s.extract())
+            .map_err(|_| {
+                to_py(Error::wrong_type(
+                    format!("put_image('{img_name}') image"),
+                    "a tensor or array of shape (C, H, W)",
+                    crate::convert::type_name(img_tensor),
+                ))
+            })?;
+        check_chw(&shape).map_err(|source| {
+            to_py(Error::Image {
+                tag: img_name.clone(),
+                step: None,
+                source,
+            })
+        })?;
+        let image = Arc::new(img_tensor.clone().unbind());
+        let (dropped, first) = self.state.with(move |s| {
+            let iter = s.core.iter();
+            s.images.push(PendingImage {
                 name: img_name,
-                image: img_tensor,
+                image,
                 iter,
-            });
-            if state.images.len() > state.max_images {
-                state.dropped_images += 1;
-                (state.images.pop_front(), state.dropped_images == 1)
-            } else {
-                (None, false)
-            }
-        };
-        // Dropped after unlocking: the object's __del__ may call back into this storage.
+            })
+        });
+        // Released after unlocking: the object's __del__ may call back into this storage.
         drop(dropped);
-        Ok(first_drop)
+        Ok(first)
     }
 
     /// Queues a histogram computed by the Python layer (detectron2's `add_histogram_raw`
     /// parameters). Returns True the first time the queue bound dropped one.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(clippy::too_many_arguments, reason = "add_histogram_raw's parameters")]
     #[pyo3(signature = (tag, min, max, num, sum, sum_squares, bucket_limits, bucket_counts, global_step = None))]
     fn _put_histogram(
         &self,
@@ -232,44 +204,32 @@ impl PyEventStorage {
         bucket_counts: Vec<f64>,
         global_step: Option<i64>,
     ) -> PyResult<bool> {
-        if bucket_limits.len() != bucket_counts.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "histogram '{tag}': {} bucket limits but {} bucket counts",
-                bucket_limits.len(),
-                bucket_counts.len()
-            )));
-        }
-        let mut state = self.lock();
-        let step = global_step.unwrap_or(state.core.iter());
-        let hist = HistogramPoint {
+        let hist = HistogramPoint::new(
             tag,
-            step,
-            min,
-            max,
-            num,
-            sum,
-            sum_squares,
+            global_step.unwrap_or(0),
+            [min, max, num, sum, sum_squares],
             bucket_limits,
             bucket_counts,
-        };
-        Ok(state.core.put_histogram(hist))
+        )
+        .py_err()?;
+        Ok(self.with(move |s| {
+            let mut hist = hist;
+            if global_step.is_none() {
+                hist.step = s.iter();
+            }
+            s.put_histogram(hist)
+        }))
     }
 
     /// The `HistoryBuffer` of `name` (a live view). `KeyError` if never put.
-    fn history(slf: &Bound<'_, Self>, name: &str) -> PyResult<PyHistoryBuffer> {
-        let this = slf.get();
-        this.lock().core.scalar(name).py_err()?;
-        Ok(PyHistoryBuffer::view(this.state.clone(), name.to_owned()))
+    fn history(&self, name: &str) -> PyResult<PyHistoryBuffer> {
+        self.with(|s| s.scalar(name).map(|_| ())).py_err()?;
+        Ok(PyHistoryBuffer::view(self.state.clone(), name.to_owned()))
     }
 
     /// `{name: HistoryBuffer}` for every scalar, in first-put order.
     fn histories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let names: Vec<String> = self
-            .lock()
-            .core
-            .scalars()
-            .map(|(k, _)| k.to_owned())
-            .collect();
+        let names: Vec<String> = self.with(|s| s.scalars().map(|(k, _)| k.to_owned()).collect());
         let out = PyDict::new(py);
         for name in names {
             let view = PyHistoryBuffer::view(self.state.clone(), name.clone());
@@ -280,12 +240,11 @@ impl PyEventStorage {
 
     /// `{name: (latest value, iteration)}` in first-put order (a snapshot).
     fn latest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let items: Vec<(String, f64, Iter)> = self
-            .lock()
-            .core
-            .scalars()
-            .map(|(k, s)| (k.to_owned(), s.latest.0, s.latest.1))
-            .collect();
+        let items: Vec<(String, f64, Iter)> = self.with(|s| {
+            s.scalars()
+                .map(|(k, s)| (k.to_owned(), s.latest.0, s.latest.1))
+                .collect()
+        });
         let out = PyDict::new(py);
         for (k, v, it) in items {
             out.set_item(k, (v, iter_to_py(py, it)?))?;
@@ -301,11 +260,8 @@ impl PyEventStorage {
         py: Python<'py>,
         window_size: i64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        positive("window_size", window_size)?;
         let items = self
-            .lock()
-            .core
-            .latest_with_smoothing_hint(window_size)
+            .with(|s| s.latest_with_smoothing_hint(window_size))
             .py_err()?;
         let out = PyDict::new(py);
         for s in items {
@@ -318,18 +274,16 @@ impl PyEventStorage {
     /// names raise `KeyError` and create nothing (detectron2 would create an empty history).
     #[pyo3(signature = (name, window_size = 20))]
     fn count_samples(&self, name: &str, window_size: i64) -> PyResult<usize> {
-        positive("window_size", window_size)?;
-        self.lock().core.count_samples(name, window_size).py_err()
+        self.with(|s| s.count_samples(name, window_size)).py_err()
     }
 
     /// `{name: smoothing_hint}` in first-put order.
     fn smoothing_hints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let items: Vec<(String, bool)> = self
-            .lock()
-            .core
-            .scalars()
-            .map(|(k, s)| (k.to_owned(), s.smoothing_hint))
-            .collect();
+        let items: Vec<(String, bool)> = self.with(|s| {
+            s.scalars()
+                .map(|(k, s)| (k.to_owned(), s.smoothing_hint))
+                .collect()
+        });
         let out = PyDict::new(py);
         for (k, hint) in items {
             out.set_item(k, hint)?;
@@ -337,30 +291,40 @@ impl PyEventStorage {
         Ok(out)
     }
 
-    /// Advances the iteration by one.
-    fn step(&self) {
-        self.lock().core.step();
+    /// Advances the iteration by one (`OverflowError` at the top of int64).
+    fn step(&self) -> PyResult<()> {
+        self.with(Storage::step).py_err()
     }
 
     /// The current iteration.
     #[getter(iter)]
     fn get_iter(&self) -> i64 {
-        self.lock().core.iter()
+        self.with(|s| s.iter())
     }
 
     #[setter(iter)]
     fn set_iter_py(&self, val: &Bound<'_, PyAny>) -> PyResult<()> {
-        let it = match val.extract::<i64>() {
-            Ok(i) => i,
-            Err(_) => match val.extract::<f64>() {
-                Ok(f) if f.fract() == 0.0 && f.is_finite() => f as i64,
-                _ => {
-                    return Err(PyTypeError::new_err(format!(
-                        "iter must be an int, got {}",
-                        type_name(val)
-                    )))
+        // Integral floats are accepted, as Python's own range arithmetic produces them.
+        let it = match val.cast::<pyo3::types::PyFloat>() {
+            Ok(f) => {
+                let f = f.value();
+                if f.fract() != 0.0 || !f.is_finite() {
+                    return Err(to_py(Error::wrong_type(
+                        "EventStorage.iter",
+                        "an int (or an integral float)",
+                        format!("{f}"),
+                    )));
                 }
-            },
+                if !(-9.223_372_036_854_776e18..9.223_372_036_854_776e18).contains(&f) {
+                    return Err(to_py(Error::OutOfRange {
+                        what: "EventStorage.iter".into(),
+                        value: format!("{f}"),
+                        range: "int64",
+                    }));
+                }
+                f as i64
+            }
+            Err(_) => int64("EventStorage.iter", val)?,
         };
         self.set_iter(it);
         Ok(())
@@ -369,36 +333,41 @@ impl PyEventStorage {
     /// The current iteration (detectron2's backward-compatible alias of `iter`).
     #[getter]
     fn iteration(&self) -> i64 {
-        self.lock().core.iter()
+        self.get_iter()
     }
 
     /// The current name prefix ("" outside `name_scope`).
     #[getter]
     fn _current_prefix(&self) -> String {
-        self.lock().core.prefix().to_owned()
+        self.with(|s| s.prefix().to_owned())
     }
 
     #[setter(_current_prefix)]
     fn set_current_prefix(&self, prefix: String) {
-        self.lock().core.set_prefix(prefix);
+        self.with(move |s| s.set_prefix(prefix));
     }
 
     /// detectron2's `_vis_data`: a list of (name, image, iteration) waiting for a writer.
     #[getter]
     fn _vis_data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items: Vec<(String, Py<PyAny>, i64)> = self
-            .lock()
-            .images
-            .iter()
-            .map(|p| (p.name.clone(), p.image.clone_ref(py), p.iter))
-            .collect();
-        PyList::new(py, items)
+        let items = self.state.with(|s| {
+            s.images
+                .iter()
+                .map(|p| (p.name.clone(), p.image.clone(), p.iter))
+                .collect::<Vec<_>>()
+        });
+        PyList::new(
+            py,
+            items
+                .into_iter()
+                .map(|(name, image, iter)| (name, image.clone_ref(py), iter)),
+        )
     }
 
     /// detectron2's `_histograms`: a list of `add_histogram_raw` keyword dicts.
     #[getter]
     fn _histograms<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let hists: Vec<HistogramPoint> = self.lock().core.histograms().cloned().collect();
+        let hists: Vec<HistogramPoint> = self.with(|s| s.histograms().cloned().collect());
         let out = PyList::empty(py);
         for h in hists {
             out.append(histogram_dict(py, h)?)?;
@@ -408,13 +377,23 @@ impl PyEventStorage {
 
     /// Removes and returns the queued images as (name, image, iteration) tuples.
     fn _take_images<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let taken: Vec<PendingImage> = self.lock().images.drain(..).collect();
-        PyList::new(py, taken.into_iter().map(|p| (p.name, p.image, p.iter)))
+        let taken = self.state.with(|s| s.images.take());
+        PyList::new(
+            py,
+            taken
+                .into_iter()
+                .map(|p| (p.name, p.image.clone_ref(py), p.iter)),
+        )
+    }
+
+    /// The number of images waiting for a writer.
+    fn _pending_images(&self) -> usize {
+        self.state.with(|s| s.images.len())
     }
 
     /// Removes and returns the queued histograms as keyword dicts.
     fn _take_histograms<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let taken = self.lock().core.take_histograms();
+        let taken = self.with(Storage::take_histograms);
         let out = PyList::empty(py);
         for h in taken {
             out.append(histogram_dict(py, h)?)?;
@@ -424,39 +403,167 @@ impl PyEventStorage {
 
     /// Drops the queued images (the TensorBoard writer calls this after writing them).
     fn clear_images(&self) {
-        let taken: Vec<PendingImage> = self.lock().images.drain(..).collect();
+        let taken = self.state.with(|s| s.images.take());
         drop(taken); // after unlocking, see the module comment
     }
 
     /// Drops the queued histograms.
     fn clear_histograms(&self) {
-        self.lock().core.take_histograms();
+        self.with(Storage::take_histograms);
     }
 
     /// Heap bytes held by the scalar histories.
     fn _heap_bytes(&self) -> usize {
-        self.lock().core.heap_bytes()
+        self.with(|s| s.heap_bytes())
+    }
+
+    /// The scalar state as plain data (`keep`: the newest entries kept per history, all with
+    /// None); what pickling and checkpoints save. Images and histograms are not included.
+    #[pyo3(signature = (keep = None))]
+    fn _state<'py>(&self, py: Python<'py>, keep: Option<i64>) -> PyResult<Bound<'py, PyDict>> {
+        let keep = keep.map(|k| positive("keep", k)).transpose().py_err()?;
+        let state = self.with(|s| s.state(keep));
+        storage_state_to_py(py, &state)
+    }
+
+    /// Replaces the scalars and the iteration with a `_state()` dict's.
+    fn _load_state(&self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let state = storage_state_from_py(state)?;
+        self.with(move |s| s.load_state(state)).py_err()
+    }
+
+    fn __getstate__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self._state(py, None)
+    }
+
+    fn __setstate__(&self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        self._load_state(state)
+    }
+
+    fn __getnewargs__<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
+        PyTuple::empty(py)
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        // try_lock: the lock is never held across Python code, so this only fails while
+        // try_with: the lock is never held across Python code, so this only fails while
         // another thread is inside a Rust call, and then the images are reachable next time.
-        if let Ok(state) = self.state.try_lock() {
-            for p in &state.images {
-                visit.call(&p.image)?;
-            }
+        let images = self
+            .state
+            .try_with(|s| s.images.iter().map(|p| p.image.clone()).collect::<Vec<_>>())
+            .unwrap_or_default();
+        for image in &images {
+            visit.call(&**image)?;
         }
         Ok(())
     }
 
     fn __clear__(&self) {
-        let taken: Vec<PendingImage> = self
-            .state
-            .try_lock()
-            .map(|mut s| s.images.drain(..).collect())
-            .unwrap_or_default();
+        let taken = self.state.try_with(|s| s.images.take()).unwrap_or_default();
         drop(taken);
     }
+}
+
+fn history_state_to_py<'py>(py: Python<'py>, h: &HistoryState) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let values: Vec<u8> = h.entries.iter().flat_map(|e| e.0.to_le_bytes()).collect();
+    let iters: Vec<u8> = h.entries.iter().flat_map(|e| e.1.to_le_bytes()).collect();
+    d.set_item("max_length", h.max_length)?;
+    d.set_item("values", PyBytes::new(py, &values))?;
+    d.set_item("iterations", PyBytes::new(py, &iters))?;
+    d.set_item("count", h.count)?;
+    d.set_item("global_avg", h.global_avg)?;
+    d.set_item("int_iterations", h.int_iterations)?;
+    Ok(d)
+}
+
+fn f64s(what: &str, bytes: &[u8]) -> PyResult<Vec<f64>> {
+    if bytes.len() % 8 != 0 {
+        return Err(to_py(Error::BadState {
+            what: "HistoryBuffer",
+            reason: format!("{what} holds {} bytes, not a multiple of 8", bytes.len()),
+        }));
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect())
+}
+
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+    d.get_item(key)?.ok_or_else(|| {
+        to_py(Error::BadState {
+            what: "EventStorage/HistoryBuffer",
+            reason: format!("the state has no '{key}'"),
+        })
+    })
+}
+
+pub fn history_state_from_py(d: &Bound<'_, PyDict>) -> PyResult<HistoryState> {
+    let values = f64s("values", item(d, "values")?.cast::<PyBytes>()?.as_bytes())?;
+    let iters = f64s(
+        "iterations",
+        item(d, "iterations")?.cast::<PyBytes>()?.as_bytes(),
+    )?;
+    if values.len() != iters.len() {
+        return Err(to_py(Error::BadState {
+            what: "HistoryBuffer",
+            reason: format!("{} values but {} iterations", values.len(), iters.len()),
+        }));
+    }
+    Ok(HistoryState {
+        max_length: item(d, "max_length")?.extract()?,
+        entries: values.into_iter().zip(iters).collect(),
+        count: item(d, "count")?.extract()?,
+        global_avg: item(d, "global_avg")?.extract()?,
+        int_iterations: item(d, "int_iterations")?.extract()?,
+    })
+}
+
+pub fn history_to_py<'py>(py: Python<'py>, h: &HistoryState) -> PyResult<Bound<'py, PyDict>> {
+    history_state_to_py(py, h)
+}
+
+fn storage_state_to_py<'py>(py: Python<'py>, s: &StorageState) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("iter", s.iter)?;
+    d.set_item("max_length", s.max_length)?;
+    let scalars = PyList::empty(py);
+    for sc in &s.scalars {
+        scalars.append((
+            &sc.name,
+            sc.smoothing_hint,
+            sc.latest.0,
+            iter_to_py(py, sc.latest.1)?,
+            history_state_to_py(py, &sc.history)?,
+        ))?;
+    }
+    d.set_item("scalars", scalars)?;
+    Ok(d)
+}
+
+fn storage_state_from_py(d: &Bound<'_, PyDict>) -> PyResult<StorageState> {
+    let mut scalars = Vec::new();
+    for entry in item(d, "scalars")?.try_iter()? {
+        let (name, hint, value, it, hist): (
+            String,
+            bool,
+            f64,
+            Bound<'_, PyAny>,
+            Bound<'_, PyDict>,
+        ) = entry?.extract()?;
+        let it = iteration("iteration", Some(&it))?.unwrap_or(Iter::Int(0));
+        scalars.push(ScalarState {
+            name,
+            smoothing_hint: hint,
+            latest: (value, it),
+            history: history_state_from_py(&hist)?,
+        });
+    }
+    Ok(StorageState {
+        iter: int64("iter", &item(d, "iter")?)?,
+        max_length: item(d, "max_length")?.extract()?,
+        scalars,
+    })
 }
 
 fn histogram_dict<'py>(py: Python<'py>, h: HistogramPoint) -> PyResult<Bound<'py, PyDict>> {
@@ -464,7 +571,8 @@ fn histogram_dict<'py>(py: Python<'py>, h: HistogramPoint) -> PyResult<Bound<'py
     d.set_item("tag", h.tag)?;
     d.set_item("min", h.min)?;
     d.set_item("max", h.max)?;
-    d.set_item("num", h.num)?;
+    // detectron2 stores num as an int (numel of the tensor).
+    d.set_item("num", h.num as i64)?;
     d.set_item("sum", h.sum)?;
     d.set_item("sum_squares", h.sum_squares)?;
     d.set_item("bucket_limits", h.bucket_limits)?;

@@ -7,26 +7,41 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use hookloop_core::error::positive;
+use hookloop_core::jsonl::{group_by_iteration, JsonSink};
 use hookloop_core::printer::Printer;
-use hookloop_core::tfevents::{HistogramPoint, ImagePoint, ScalarPoint};
-use hookloop_core::writer::{
-    flush_all, group_new_by_iteration, EventSink, FsyncPolicy, JsonSink, Payload, Sink, SinkHandle,
+use hookloop_core::tfevents::{
+    check_image_shape, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
 };
+use hookloop_core::writer::{flush_all, FsyncPolicy, Payload, Sink, SinkHandle};
 use hookloop_core::Error;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::convert::positive;
-use crate::errors::IntoPyResult;
-use crate::storage::{lock, PyEventStorage};
+use crate::errors::{to_py, IntoPyResult};
+use crate::storage::PyEventStorage;
 
-fn fsync_policy(s: &str) -> PyResult<FsyncPolicy> {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The policy named `s`, or the writer's default for `None`.
+fn fsync_policy(s: Option<&str>, default: FsyncPolicy) -> PyResult<FsyncPolicy> {
+    let Some(s) = s else { return Ok(default) };
     FsyncPolicy::parse(s).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "fsync must be 'always', 'close' or 'never', got '{s}'"
+        to_py(Error::bad_value(
+            "fsync",
+            format!("must be 'always', 'close' or 'never', got '{s}'"),
         ))
     })
+}
+
+fn not_picklable(what: &str) -> PyErr {
+    PyTypeError::new_err(format!(
+        "a {what} cannot be pickled or copied: it owns an open file on hookloop's writer \
+         thread (create a new writer in the other process instead)"
+    ))
 }
 
 fn wall_time() -> f64 {
@@ -58,7 +73,7 @@ impl PyNativeWriter {
         path: PathBuf,
         window_size: i64,
     ) -> PyResult<Self> {
-        positive("window_size", window_size)?;
+        positive("window_size", window_size).py_err()?;
         let handle = SinkHandle::open(sink, kind, path.clone()).py_err()?;
         Ok(PyNativeWriter {
             inner: Mutex::new(Native {
@@ -85,8 +100,8 @@ impl PyNativeWriter {
 
     /// The file (for TensorBoard: the event file, created at the first write).
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.path.clone()
+    fn path(&self) -> String {
+        self.path.to_string_lossy().into_owned()
     }
 
     #[getter]
@@ -99,23 +114,34 @@ impl PyNativeWriter {
     fn _last_write(&self) -> f64 {
         lock(&self.inner).last_write
     }
+
+    /// Sets the last iteration written: the next `write()` writes only what is newer.
+    #[setter(_last_write)]
+    fn set_last_write(&self, value: f64) {
+        lock(&self.inner).last_write = value;
+    }
+
+    fn __reduce__(&self) -> PyResult<()> {
+        Err(not_picklable("hookloop writer"))
+    }
 }
 
 /// metrics.json writer (`hookloop.utils.events.JSONWriter` wraps it).
-#[pyclass(name = "JsonWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
+#[pyclass(name = "JSONWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
 pub struct PyJsonWriter;
 
 #[pymethods]
 impl PyJsonWriter {
     #[new]
-    #[pyo3(signature = (json_file, window_size = 20, fsync = "always"))]
+    #[pyo3(signature = (json_file, window_size = 20, fsync = None))]
     fn new(
         json_file: PathBuf,
         window_size: i64,
-        fsync: &str,
+        fsync: Option<&str>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        positive("window_size", window_size)?;
-        let sink = JsonSink::open(&json_file, fsync_policy(fsync)?).py_err()?;
+        positive("window_size", window_size).py_err()?;
+        let fsync = fsync_policy(fsync, FsyncPolicy::JSON_DEFAULT)?;
+        let sink = JsonSink::open(&json_file, fsync).py_err()?;
         let base = PyNativeWriter::open(Box::new(sink), "JSONWriter", json_file, window_size)?;
         Ok(PyClassInitializer::from(base).add_subclass(PyJsonWriter))
     }
@@ -125,13 +151,14 @@ impl PyJsonWriter {
         let base = slf.as_super().get();
         let mut inner = lock(&base.inner);
         inner.handle.check().py_err()?;
+        let window = base.window_size;
+        let mut last_write = inner.last_write;
         let smoothed = storage
             .get()
-            .lock()
-            .core
-            .smoothed_newer_than(base.window_size, inner.last_write)
+            .with(|s| s.smoothed_since(window, &mut last_write))
             .py_err()?;
-        let rows = group_new_by_iteration(smoothed, &mut inner.last_write);
+        inner.last_write = last_write;
+        let rows = group_by_iteration(smoothed);
         if rows.is_empty() {
             return Ok(());
         }
@@ -140,7 +167,7 @@ impl PyJsonWriter {
 }
 
 /// TensorBoard event-file writer (`hookloop.utils.events.TensorboardXWriter` wraps it).
-#[pyclass(name = "TensorboardWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
+#[pyclass(name = "TensorboardXWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
 pub struct PyTensorboardWriter;
 
 type ImageArg<'py> = (String, i64, u32, u32, u8, Bound<'py, PyBytes>);
@@ -149,15 +176,16 @@ type HistArg = (String, i64, f64, f64, f64, f64, f64, Vec<f64>, Vec<f64>);
 #[pymethods]
 impl PyTensorboardWriter {
     #[new]
-    #[pyo3(signature = (log_dir, window_size = 20, hostname = "localhost", filename_suffix = "", fsync = "close"))]
+    #[pyo3(signature = (log_dir, window_size = 20, hostname = "localhost", filename_suffix = "", fsync = None))]
     fn new(
         log_dir: PathBuf,
         window_size: i64,
         hostname: &str,
         filename_suffix: &str,
-        fsync: &str,
+        fsync: Option<&str>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let sink = EventSink::new(log_dir, hostname, filename_suffix, fsync_policy(fsync)?);
+        let fsync = fsync_policy(fsync, FsyncPolicy::EVENTS_DEFAULT)?;
+        let sink = EventSink::new(log_dir, hostname, filename_suffix, fsync);
         let path = sink.path();
         let base = PyNativeWriter::open(Box::new(sink), "TensorboardXWriter", path, window_size)?;
         Ok(PyClassInitializer::from(base).add_subclass(PyTensorboardWriter))
@@ -169,24 +197,22 @@ impl PyTensorboardWriter {
         let base = slf.as_super().get();
         let mut inner = lock(&base.inner);
         inner.handle.check().py_err()?;
-        let (smoothed, histograms, n_images) = {
-            let mut state = storage.get().lock();
-            let smoothed = state
-                .core
-                .smoothed_newer_than(base.window_size, inner.last_write)
-                .py_err()?;
+        let window = base.window_size;
+        let mut last_write = inner.last_write;
+        let (smoothed, histograms, n_images) = storage.get().state.with(|state| {
+            let smoothed = state.core.smoothed_since(window, &mut last_write);
             (smoothed, state.core.take_histograms(), state.images.len())
-        };
-        let mut scalars = Vec::with_capacity(smoothed.len());
-        for s in smoothed {
-            let step = s.iter.as_f64();
-            inner.last_write = inner.last_write.max(step);
-            scalars.push(ScalarPoint {
+        });
+        let smoothed = smoothed.py_err()?;
+        inner.last_write = last_write;
+        let scalars: Vec<ScalarPoint> = smoothed
+            .into_iter()
+            .map(|s| ScalarPoint {
                 tag: s.name,
                 value: s.value,
-                step: step as i64,
-            });
-        }
+                step: s.iter.as_f64() as i64,
+            })
+            .collect();
         if !scalars.is_empty() || !histograms.is_empty() {
             let payload = Payload::Events {
                 wall_time: wall_time(),
@@ -221,19 +247,17 @@ impl PyTensorboardWriter {
         let mut imgs = Vec::with_capacity(images.len());
         for (tag, step, height, width, channels, pixels) in images {
             let pixels = pixels.as_bytes().to_vec();
-            // In u128: the product of two u32s and a u8 can overflow a u64.
-            let expected = u128::from(height) * u128::from(width) * u128::from(channels);
-            if !matches!(channels, 1 | 3 | 4)
-                || height == 0
-                || width == 0
-                || pixels.len() as u128 != expected
-            {
-                return Err(crate::errors::to_py(Error::BadImage {
+            let shape = check_image_shape(
+                u64::from(width),
+                u64::from(height),
+                u64::from(channels),
+                pixels.len(),
+            );
+            if let Err(source) = shape {
+                return Err(to_py(Error::Image {
                     tag,
-                    reason: format!(
-                        "expected {height}x{width}x{channels} uint8 pixels with 1, 3 or 4 channels, got {} bytes",
-                        pixels.len()
-                    ),
+                    step: Some(step),
+                    source,
                 }));
             }
             imgs.push(ImagePoint {
@@ -249,20 +273,17 @@ impl PyTensorboardWriter {
             .into_iter()
             .map(
                 |(tag, step, min, max, num, sum, sum_squares, bucket_limits, bucket_counts)| {
-                    HistogramPoint {
+                    HistogramPoint::new(
                         tag,
                         step,
-                        min,
-                        max,
-                        num,
-                        sum,
-                        sum_squares,
+                        [min, max, num, sum, sum_squares],
                         bucket_limits,
                         bucket_counts,
-                    }
+                    )
                 },
             )
-            .collect();
+            .collect::<hookloop_core::Result<Vec<_>>>()
+            .py_err()?;
         let payload = Payload::Events {
             wall_time: walltime.unwrap_or_else(wall_time),
             scalars,
@@ -275,7 +296,12 @@ impl PyTensorboardWriter {
 }
 
 /// The console line of `CommonMetricPrinter`.
-#[pyclass(name = "MetricPrinter", module = "hookloop._core", frozen)]
+#[pyclass(
+    name = "CommonMetricPrinter",
+    module = "hookloop._core",
+    frozen,
+    subclass
+)]
 pub struct PyMetricPrinter {
     inner: Mutex<Printer>,
 }
@@ -285,13 +311,14 @@ impl PyMetricPrinter {
     #[new]
     #[pyo3(signature = (max_iter = None, window_size = 20, epoch = None))]
     fn new(max_iter: Option<i64>, window_size: i64, epoch: Option<i64>) -> PyResult<Self> {
-        positive("window_size", window_size)?;
+        positive("window_size", window_size).py_err()?;
         if let Some(e) = epoch {
-            positive("epoch", e)?;
+            positive("epoch", e).py_err()?;
             if max_iter.is_none() {
-                return Err(PyValueError::new_err(
-                    "CommonMetricPrinter(epoch=...) needs max_iter",
-                ));
+                return Err(to_py(Error::bad_value(
+                    "CommonMetricPrinter(epoch=...)",
+                    "needs max_iter",
+                )));
             }
         }
         Ok(PyMetricPrinter {
@@ -306,9 +333,32 @@ impl PyMetricPrinter {
         storage: &Bound<'_, PyEventStorage>,
         max_mem_mb: Option<f64>,
     ) -> PyResult<Option<String>> {
-        let mut printer = lock(&self.inner);
-        let mut state = storage.get().lock();
-        printer.format(&mut state.core, max_mem_mb).py_err()
+        let mut guard = lock(&self.inner);
+        let printer: &mut Printer = &mut guard;
+        storage
+            .get()
+            .with(|core| printer.format(core, max_mem_mb))
+            .py_err()
+    }
+
+    /// The run's last iteration, for the ETA (None: no ETA).
+    #[getter]
+    fn _max_iter(&self) -> Option<i64> {
+        lock(&self.inner).max_iter()
+    }
+
+    #[setter(_max_iter)]
+    fn set_max_iter(&self, max_iter: Option<i64>) {
+        lock(&self.inner).set_max_iter(max_iter);
+    }
+
+    #[getter]
+    fn _window_size(&self) -> i64 {
+        lock(&self.inner).window_size()
+    }
+
+    fn __reduce__(&self) -> PyResult<()> {
+        Err(not_picklable("CommonMetricPrinter"))
     }
 }
 

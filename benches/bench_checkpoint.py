@@ -1,0 +1,115 @@
+"""What checkpointing costs the training thread.
+
+1. **save**: seconds the calling thread spends in one ``Checkpointer.save`` of a small model
+   (about the demo's size) and of a ~100 MB model, with and without ``async_save``; for
+   ``async_save`` also the time until the file is on disk (``wait()``).
+2. **hooks**: µs per iteration that ``PeriodicCheckpointer``, ``BestCheckpointer`` and
+   ``EvalHook`` add between their periods, over a bare ``TrainerBase`` loop.
+
+```
+python benches/bench_checkpoint.py           # about 30 s
+python benches/bench_checkpoint.py --quick   # a few seconds
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, List
+
+import torch
+from hookloop.checkpoint import Checkpointer
+from hookloop.engine import BestCheckpointer, EvalHook, PeriodicCheckpointer, TrainerBase
+from torch import nn
+
+
+def _model(n_bytes: int) -> nn.Module:
+    side = int((n_bytes / 4 / 2) ** 0.5)
+    return nn.Sequential(nn.Linear(side, side), nn.Linear(side, side))
+
+
+def _size(model: nn.Module) -> str:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    return f"{n / 2**20:.0f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB"
+
+
+def bench_save(n_bytes: int, repeats: int) -> List[str]:
+    model = _model(n_bytes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for async_save in (False, True):
+            ckpt = Checkpointer(model, d, async_save=async_save, optimizer=opt)
+            calling, total = [], []
+            for i in range(repeats):
+                start = time.perf_counter()
+                ckpt.save(f"m{i % 2}")
+                calling.append(time.perf_counter() - start)
+                ckpt.wait()
+                total.append(time.perf_counter() - start)
+            rows.append(
+                f"| {_size(model)} (+ SGD momentum) | {'async' if async_save else 'sync'} | "
+                f"{statistics.median(calling) * 1e3:.1f} ms | "
+                f"{statistics.median(total) * 1e3:.1f} ms |"
+            )
+    return rows
+
+
+class _Noop(TrainerBase):
+    def run_step(self) -> None:
+        pass
+
+
+def _per_iter(make_hooks: Callable[[], list], n: int) -> float:
+    t = _Noop()
+    t.register_hooks(make_hooks())
+    start = time.perf_counter()
+    t.train(0, n)
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def bench_hooks(n: int, repeats: int) -> str:
+    ckpt = Checkpointer(nn.Linear(1, 1), "")
+    never = 10**9
+
+    def three() -> list:
+        return [
+            PeriodicCheckpointer(ckpt, never),
+            EvalHook(never, lambda: {}, eval_after_train=False),
+            BestCheckpointer(never, ckpt, "metric"),
+        ]
+
+    bare, hooked = [], []
+    for _ in range(repeats):  # interleaved, so drift affects both
+        bare.append(_per_iter(list, n))
+        hooked.append(_per_iter(three, n))
+    b, h = statistics.median(bare), statistics.median(hooked)
+    return f"| bare loop | {b:.3f} µs |\n| + the 3 hooks | {h:.3f} µs (+{h - b:.3f} µs) |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import logging
+
+    logging.disable(logging.WARNING)  # BestCheckpointer warns that "metric" is absent
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {platform.machine()}")
+    print(f"command: python benches/bench_checkpoint.py{' --quick' if args.quick else ''}\n")
+    print("| model | save | training thread | until on disk |")
+    print("|---|---|---|---|")
+    for n_bytes in (4 * 2**10 * 10, 100 * 2**20):
+        for row in bench_save(n_bytes, 3 if args.quick else 7):
+            print(row)
+    print("\n| per iteration | |\n|---|---|")
+    print(bench_hooks(50_000 if args.quick else 300_000, 3 if args.quick else 7))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,843 @@
+"""``Checkpointer`` and ``PeriodicCheckpointer``, with fvcore's API and loading rules.
+
+Differences from ``fvcore.common.checkpoint``, all in what fvcore leaves undefined:
+
+* saves are atomic (a ``kill -9`` at any moment leaves the previous checkpoint and the
+  ``last_checkpoint`` pointer to it loadable), and a failed save raises ``OSError`` naming the
+  path without moving ``last_checkpoint``;
+* ``async_save=True`` serializes on a background thread;
+* bad input raises ``TypeError``/``ValueError``/``OSError`` instead of ``AssertionError``;
+* ``PeriodicCheckpointer(max_to_keep=N)`` also deletes older periodic files written before a
+  restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import logging
+import operator
+import os
+import re
+import threading
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
+
+from hookloop.checkpoint._fileio import LocalPathManager, _io_error, atomic_write
+
+__all__ = [
+    "Checkpointer",
+    "PeriodicCheckpointer",
+    "get_missing_parameters_message",
+    "get_unexpected_parameters_message",
+]
+
+_LAST_CHECKPOINT = "last_checkpoint"
+
+
+class _IncompatibleKeys(
+    NamedTuple(
+        "IncompatibleKeys",
+        [
+            ("missing_keys", List[str]),
+            ("unexpected_keys", List[str]),
+            ("incorrect_shapes", List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]]),
+        ],
+    )
+):
+    """What :meth:`Checkpointer._load_model` returns: ``torch.nn.Module.load_state_dict``'s
+    result plus ``incorrect_shapes``, a list of (key, shape in checkpoint, shape in model)."""
+
+
+def _check_checkpointable(what: str, obj: Any) -> None:
+    for method in ("state_dict", "load_state_dict"):
+        if not callable(getattr(obj, method, None)):
+            raise TypeError(
+                f"{what} must have state_dict() and load_state_dict(); "
+                f"{type(obj).__name__} has no {method}()"
+            )
+
+
+class _PendingSave:
+    """One save running on a background thread; its error waits for the training thread."""
+
+    def __init__(self, target: Callable[[], None], path: str) -> None:
+        self.path = path
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(
+            target=self._run, args=(target,), name="hookloop-checkpoint", daemon=False
+        )
+        self.thread.start()
+
+    def _run(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as e:  # re-raised on the training thread
+            self.error = e
+            logging.getLogger(__name__).error(
+                f"Background save of {self.path} failed (raised at the next save or wait()): {e!r}"
+            )
+
+
+_DEFAULT_SAVE_OPTIONS: Tuple[bool, Optional[Callable[[], None]]] = (True, None)
+
+
+class Checkpointer:
+    """A checkpointer that can save/load model as well as extra checkpointable objects.
+
+    Args:
+        model (nn.Module): model. A ``DataParallel``/``DistributedDataParallel`` wrapper is
+            unwrapped, so checkpoints never carry its ``module.`` prefix.
+        save_dir (str): a directory to save and find checkpoints.
+        save_to_disk (bool): if True, save checkpoint to disk, otherwise disable saving for
+            this checkpointer.
+        async_save (bool): if True, :meth:`save` copies the state to CPU on the calling thread
+            and serializes, fsyncs and renames it on a background thread. The next save,
+            :meth:`load` and :meth:`wait` wait for it; its error is raised by the next
+            :meth:`save` or :meth:`wait`.
+        checkpointables (object): any checkpointable objects, i.e., objects that have the
+            ``state_dict()`` and ``load_state_dict()`` methods. For example, it can be used
+            like ``Checkpointer(model, "dir", optimizer=optimizer, trainer=trainer)``.
+
+    Attributes:
+        logger (logging.Logger), path_manager (has ``open``, ``exists``, ``isfile``, ``ls``,
+        ``mkdirs``, ``rm``, ``get_local_path``; saves to a local path are atomic whatever it
+        is, and saves to a URL go through its ``open``),
+        save_dir (str), save_to_disk (bool), model, checkpointables (dict).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        save_dir: str = "",
+        *,
+        save_to_disk: bool = True,
+        async_save: bool = False,
+        **checkpointables: Any,
+    ) -> None:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        _check_checkpointable("Checkpointer model", model)
+        if save_dir is None:
+            save_dir = ""
+        if not isinstance(save_dir, (str, os.PathLike)):
+            raise TypeError(f"save_dir must be a str or path, got {type(save_dir).__name__}")
+        self.model = model
+        self.checkpointables: Dict[str, Any] = {}
+        for key, obj in checkpointables.items():
+            self.add_checkpointable(key, obj)
+        self.logger: logging.Logger = logging.getLogger(__name__)
+        self.save_dir = os.fspath(save_dir)
+        self.save_to_disk = save_to_disk
+        self.async_save = bool(async_save)
+        self.path_manager: Any = LocalPathManager()
+        self._pending: Optional[_PendingSave] = None
+        # What the next save() does besides writing the file; set by _save_with().
+        self._save_options: Tuple[bool, Optional[Callable[[], None]]] = _DEFAULT_SAVE_OPTIONS
+
+    def add_checkpointable(self, key: str, checkpointable: Any) -> None:
+        """Add a checkpointable object for this checkpointer to track.
+
+        Args:
+            key (str): the key used to save the object
+            checkpointable: any object with ``state_dict()`` and ``load_state_dict()``
+        """
+        if not isinstance(key, str):
+            raise TypeError(f"checkpointable key must be a str, got {type(key).__name__}")
+        if key == "model":
+            raise ValueError("'model' is the key of the model's state; pick another key")
+        if key in self.checkpointables:
+            raise KeyError(f"Key {key} already used in the Checkpointer")
+        _check_checkpointable(f"checkpointable {key!r}", checkpointable)
+        self.checkpointables[key] = checkpointable
+
+    # ------------------------------------------------------------------------------------------
+    # saving
+
+    def save(self, name: str, **kwargs: Any) -> None:
+        """Dump model and checkpointables to ``<save_dir>/<name>.pth`` and point
+        ``last_checkpoint`` at it.
+
+        Args:
+            name (str): name of the file.
+            kwargs (dict): extra arbitrary data to save.
+
+        Raises:
+            OSError: naming the file, when it cannot be written. No partial file is left and
+                ``last_checkpoint`` is not moved.
+        """
+        tag_last, on_saved = getattr(self, "_save_options", _DEFAULT_SAVE_OPTIONS)
+        self._save(name, kwargs, tag_last=tag_last, on_saved=on_saved)
+
+    def _save(
+        self,
+        name: str,
+        extra: Dict[str, Any],
+        *,
+        tag_last: bool = True,
+        on_saved: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """:meth:`save`, optionally without moving ``last_checkpoint``; ``on_saved`` runs once
+        the file is on disk (on the background thread with ``async_save``)."""
+        if not self.save_dir or not self.save_to_disk:
+            return
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"checkpoint name must be a non-empty str, got {name!r}")
+        basename = "{}.pth".format(name)
+        if os.path.basename(basename) != basename or name in (".", ".."):
+            raise ValueError(f"checkpoint name must be a file name, not a path: {name!r}")
+        self.wait()
+
+        data: Dict[str, Any] = {"model": self.model.state_dict()}
+        for key, obj in self.checkpointables.items():
+            data[key] = obj.state_dict()
+        data.update(extra)
+
+        save_file = os.path.join(self.save_dir, basename)
+        self.logger.info("Saving checkpoint to {}".format(save_file))
+
+        def write() -> None:
+            self._write_file(save_file, data)
+            if tag_last:
+                self.tag_last_checkpoint(basename)
+            if on_saved is not None:
+                on_saved()
+
+        if self.async_save:
+            # The training thread goes on changing the tensors that state_dict() returned.
+            data = _copy_to_cpu(data)
+            self._pending = _PendingSave(write, save_file)
+        else:
+            write()
+
+    def _atomic(self, path: str) -> bool:
+        """Whether ``path`` is written atomically: a local path (also with another
+        ``path_manager``, such as detectron2's iopath one); a URL goes through
+        ``path_manager.open``."""
+        return isinstance(self.path_manager, LocalPathManager) or "://" not in path
+
+    def _write_file(self, save_file: str, data: Dict[str, Any]) -> None:
+        if self._atomic(save_file):
+            atomic_write(save_file, lambda f: torch.save(data, f), what="checkpoint")
+        else:
+            with self.path_manager.open(save_file, "wb") as f:
+                torch.save(data, f)
+
+    def wait(self) -> None:
+        """Waits for the save in flight (``async_save``) and raises its error, if any."""
+        pending = self._pending
+        if pending is None or pending.thread is threading.current_thread():
+            return
+        pending.thread.join()
+        self._pending = None
+        if pending.error is not None:
+            raise pending.error
+
+    def _join(self) -> None:
+        """Waits for the save in flight but leaves its error for the next save or wait."""
+        pending = self._pending
+        if pending is not None and pending.thread is not threading.current_thread():
+            pending.thread.join()
+
+    def tag_last_checkpoint(self, last_filename_basename: str) -> None:
+        """Tag the last checkpoint: ``<save_dir>/last_checkpoint`` names it (atomically).
+
+        Args:
+            last_filename_basename (str): the basename of the last filename.
+        """
+        self.wait()
+        save_file = os.path.join(self.save_dir, _LAST_CHECKPOINT)
+        if self._atomic(save_file):
+            data = last_filename_basename.encode("utf-8")
+            atomic_write(save_file, lambda f: f.write(data), what="last_checkpoint")
+        else:
+            with self.path_manager.open(save_file, "w") as f:
+                f.write(last_filename_basename)
+
+    # ------------------------------------------------------------------------------------------
+    # finding checkpoints
+
+    def has_checkpoint(self) -> bool:
+        """Returns:
+        bool: whether a checkpoint exists in the target directory.
+        """
+        save_file = os.path.join(self.save_dir, _LAST_CHECKPOINT)
+        return bool(self.path_manager.exists(save_file))
+
+    def get_checkpoint_file(self) -> str:
+        """Returns:
+        str: The latest checkpoint file in target directory ("" when there is none).
+        """
+        save_file = os.path.join(self.save_dir, _LAST_CHECKPOINT)
+        try:
+            with self.path_manager.open(save_file, "r") as f:
+                last_saved = f.read().strip()
+        except OSError:
+            # if file doesn't exist, maybe because it has just been deleted by a separate
+            # process
+            return ""
+        if not last_saved:
+            return ""
+        return os.path.join(self.save_dir, last_saved)
+
+    def get_all_checkpoint_files(self) -> List[str]:
+        """Returns:
+        list: All available checkpoint files (.pth files) in target directory.
+        """
+        if not self.path_manager.exists(self.save_dir):
+            return []
+        return [
+            os.path.join(self.save_dir, file)
+            for file in sorted(self.path_manager.ls(self.save_dir))
+            if self.path_manager.isfile(os.path.join(self.save_dir, file)) and file.endswith(".pth")
+        ]
+
+    def resume_or_load(self, path: str, *, resume: bool = True) -> Dict[str, Any]:
+        """If ``resume`` is True, this method attempts to resume from the last checkpoint, if
+        exists. Otherwise, load checkpoint from the given path. This is useful when
+        restarting an interrupted training job.
+
+        Args:
+            path (str): path to the checkpoint.
+            resume (bool): if True, resume from the last checkpoint if it exists and load the
+                model together with all the checkpointables. Otherwise only load the model
+                without loading any checkpointables.
+
+        Returns:
+            same as :meth:`load`.
+        """
+        if resume and self.has_checkpoint():
+            path = self.get_checkpoint_file()
+            return self.load(path)
+        return self.load(path, checkpointables=[])
+
+    # ------------------------------------------------------------------------------------------
+    # loading
+
+    def load(self, path: str, checkpointables: Optional[List[str]] = None) -> Dict[str, Any]:
+        """Load from the given checkpoint.
+
+        Args:
+            path (str): path or url to the checkpoint. If empty, will not load anything.
+            checkpointables (list): List of checkpointable names to load. If not specified
+                (None), will load all the possible checkpointables.
+
+        Returns:
+            dict: extra data loaded from the checkpoint that has not been processed. For
+            example, those saved with :meth:`.save(**extra_data)`.
+
+        Raises:
+            FileNotFoundError: naming the path, when there is no such file.
+            ValueError: naming the path, when the file is not a readable checkpoint.
+        """
+        if not path:
+            # no checkpoint provided
+            self.logger.info("No checkpoint found. Initializing model from scratch")
+            return {}
+        path = os.fspath(path)
+        names = list(self.checkpointables) if checkpointables is None else list(checkpointables)
+        unknown = [k for k in names if k not in self.checkpointables]
+        if unknown:
+            raise KeyError(
+                f"load() got checkpointables {unknown} that this Checkpointer does not have "
+                f"(it has {sorted(self.checkpointables)})"
+            )
+        self._join()
+        self.logger.info("[Checkpointer] Loading from {} ...".format(path))
+        if not os.path.isfile(path):
+            local = self.path_manager.get_local_path(path)
+            if not os.path.isfile(local):
+                raise FileNotFoundError(errno.ENOENT, f"Checkpoint {path} not found", path)
+            path = local
+
+        try:
+            checkpoint = self._load_file(path)
+        except OSError as e:
+            raise _io_error("Cannot read checkpoint", path, e) from e
+        except Exception as e:
+            raise ValueError(
+                f"Cannot load checkpoint {path}: the file is corrupt or not a checkpoint "
+                f"({type(e).__name__}: {e})"
+            ) from e
+        if not isinstance(checkpoint, dict):
+            raise ValueError(
+                f"Checkpoint {path} holds a {type(checkpoint).__name__}, not a dict of states"
+            )
+        if type(self)._load_model is Checkpointer._load_model and "model" not in checkpoint:
+            raise ValueError(
+                f"Checkpoint {path} has no 'model' entry (it has {sorted(map(str, checkpoint))})"
+            )
+
+        incompatible = self._load_model(checkpoint)
+        if incompatible is not None:  # handle some existing subclasses that return None
+            self._log_incompatible_keys(incompatible)
+
+        for key in names:
+            if key in checkpoint:
+                self.logger.info("Loading {} from {} ...".format(key, path))
+                obj = self.checkpointables[key]
+                result = obj.load_state_dict(checkpoint.pop(key))
+                _log_checkpointable_keys(self.logger, key, result)
+
+        # return any further checkpoint data
+        return checkpoint
+
+    def _load_file(self, f: str) -> Dict[str, Any]:
+        """Load a checkpoint file. Can be overwritten by subclasses to support different
+        formats.
+
+        Args:
+            f (str): a locally mounted file path.
+        Returns:
+            dict: with keys "model" and optionally others that are saved by the checkpointer
+            dict["model"] must be a dict which maps strings to torch.Tensor or numpy arrays.
+
+        Checkpoints hold optimizer and trainer state (Python objects), so this unpickles:
+        load only files you trust.
+        """
+        return torch.load(f, map_location=torch.device("cpu"), weights_only=False)
+
+    def _load_model(self, checkpoint: Any) -> _IncompatibleKeys:
+        """Load weights from a checkpoint.
+
+        Args:
+            checkpoint (Any): checkpoint contains the weights.
+
+        Returns:
+            ``NamedTuple`` with ``missing_keys``, ``unexpected_keys``, and
+            ``incorrect_shapes`` fields:
+
+            * **missing_keys** is a list of str containing the missing keys
+            * **unexpected_keys** is a list of str containing the unexpected keys
+            * **incorrect_shapes** is a list of (key, shape in checkpoint, shape in model)
+
+            This is just like the return value of :func:`torch.nn.Module.load_state_dict`,
+            but with extra support for ``incorrect_shapes``.
+        """
+        checkpoint_state_dict = checkpoint.pop("model")
+        self._convert_ndarray_to_tensor(checkpoint_state_dict)
+        model_state_dict = self.model.state_dict()
+        _match_module_prefix(checkpoint_state_dict, model_state_dict)
+
+        incorrect_shapes = []
+        for k in list(checkpoint_state_dict.keys()):
+            if k not in model_state_dict:
+                continue
+            model_param = model_state_dict[k]
+            value = checkpoint_state_dict[k]
+            # A lazy module's parameters take their shape from what is loaded.
+            if _is_uninitialized(model_param) or _is_uninitialized(value):
+                continue
+            if not isinstance(model_param, torch.Tensor) or not isinstance(value, torch.Tensor):
+                continue
+            shape_model = tuple(model_param.shape)
+            shape_checkpoint = tuple(value.shape)
+            if shape_model != shape_checkpoint:
+                incorrect_shapes.append((k, shape_checkpoint, shape_model))
+                checkpoint_state_dict.pop(k)
+        incompatible = self.model.load_state_dict(checkpoint_state_dict, strict=False)
+        return _IncompatibleKeys(
+            missing_keys=list(getattr(incompatible, "missing_keys", None) or []),
+            unexpected_keys=list(getattr(incompatible, "unexpected_keys", None) or []),
+            incorrect_shapes=incorrect_shapes,
+        )
+
+    def _log_incompatible_keys(self, incompatible: _IncompatibleKeys) -> None:
+        """Log information about the incompatible keys returned by ``_load_model``."""
+        if incompatible.incorrect_shapes:
+            lines = [
+                f"  {k}: {tuple(s_ckpt)} in the checkpoint but {tuple(s_model)} in the model"
+                for k, s_ckpt, s_model in incompatible.incorrect_shapes
+            ]
+            self.logger.warning(
+                "Skip loading {} parameter(s) to the model due to incompatible shapes "
+                "(you might want to double check if this is expected):\n{}".format(
+                    len(lines), "\n".join(lines)
+                )
+            )
+        if incompatible.missing_keys:
+            missing_keys = _filter_reused_missing_keys(self.model, incompatible.missing_keys)
+            if missing_keys:
+                self.logger.info(get_missing_parameters_message(missing_keys))
+        if incompatible.unexpected_keys:
+            self.logger.info(get_unexpected_parameters_message(incompatible.unexpected_keys))
+
+    def _convert_ndarray_to_tensor(self, state_dict: Dict[str, Any]) -> None:
+        """In-place convert all numpy arrays in the state_dict to torch tensor.
+
+        Args:
+            state_dict (dict): a state-dict to be loaded to the model. Will be modified.
+        """
+        # state_dict may be an OrderedDict with a _metadata attribute (as returned by
+        # state_dict()): it is modified in place to keep it.
+        for k in list(state_dict.keys()):
+            v = state_dict[k]
+            if isinstance(v, torch.Tensor):
+                continue
+            if isinstance(v, (np.ndarray, np.generic)):
+                state_dict[k] = torch.as_tensor(np.array(v))
+            elif not k.endswith("_extra_state"):  # get_extra_state() may return anything
+                raise ValueError("Unsupported type found in checkpoint! {}: {}".format(k, type(v)))
+
+
+def _is_uninitialized(t: Any) -> bool:
+    return isinstance(t, (UninitializedParameter, UninitializedBuffer))
+
+
+def _log_checkpointable_keys(logger: logging.Logger, key: str, result: Any) -> None:
+    missing = list(getattr(result, "missing_keys", None) or [])
+    unexpected = list(getattr(result, "unexpected_keys", None) or [])
+    if missing:
+        logger.info(f"{key}: " + get_missing_parameters_message(missing))
+    if unexpected:
+        logger.info(f"{key}: " + get_unexpected_parameters_message(unexpected))
+
+
+def _strip_prefix_if_present(state_dict: Dict[str, Any], prefix: str) -> None:
+    """Strips ``prefix`` from every key, in place, if every key has it."""
+    keys = list(state_dict.keys())
+    if not keys or not all(key.startswith(prefix) for key in keys):
+        return
+
+    def strip(k: str) -> str:
+        return k[len(prefix) :] if k.startswith(prefix) else k
+
+    items = [(strip(k), v) for k, v in state_dict.items()]
+    state_dict.clear()
+    state_dict.update(items)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        # metadata keys are module names without the trailing dot: "module" is the root.
+        renamed = []
+        for k, v in metadata.items():
+            if k + "." == prefix:
+                renamed.append(("", v))
+            elif k.startswith(prefix):
+                renamed.append((k[len(prefix) :], v))
+            else:
+                renamed.append((k, v))
+        metadata.clear()
+        metadata.update(renamed)
+
+
+def _add_prefix(state_dict: Dict[str, Any], prefix: str) -> None:
+    """Adds ``prefix`` to every key, in place."""
+    items = [(prefix + k, v) for k, v in state_dict.items()]
+    state_dict.clear()
+    state_dict.update(items)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        renamed = [((prefix + k) if k else prefix[:-1], v) for k, v in metadata.items()]
+        metadata.clear()
+        metadata.update(renamed)
+
+
+def _match_module_prefix(checkpoint_sd: Dict[str, Any], model_sd: Dict[str, Any]) -> None:
+    """Makes a checkpoint saved with or without a DataParallel/DDP ``module.`` prefix match a
+    model with or without it."""
+    prefix = "module."
+    ckpt_has = bool(checkpoint_sd) and all(k.startswith(prefix) for k in checkpoint_sd)
+    model_has = bool(model_sd) and all(k.startswith(prefix) for k in model_sd)
+    if ckpt_has and not model_has:
+        _strip_prefix_if_present(checkpoint_sd, prefix)
+    elif model_has and not any(k.startswith(prefix) for k in checkpoint_sd):
+        _add_prefix(checkpoint_sd, prefix)
+
+
+def _filter_reused_missing_keys(model: nn.Module, keys: List[str]) -> List[str]:
+    """Filter "missing keys" to not include keys that have been loaded with another name (a
+    parameter or buffer shared by two modules)."""
+    keyset = set(keys)
+    names_of: Dict[int, set] = defaultdict(set)
+    tensors: Dict[int, Any] = {}  # keeps each tensor alive while its id() is a key
+    named = list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    )
+    for name, t in named:
+        tensors[id(t)] = t
+        names_of[id(t)].add(name)
+    for names in names_of.values():
+        # if one name appears missing but its alias exists, then this name is not missing
+        if any(n in keyset for n in names) and not all(n in keyset for n in names):
+            keyset -= names
+    return [k for k in keys if k in keyset]
+
+
+def _group_checkpoint_keys(keys: Iterable[str]) -> Dict[str, List[str]]:
+    """Groups keys by module: {"backbone.conv1": ["bias", "weight"], "cls": []}."""
+    groups: Dict[str, List[str]] = defaultdict(list)
+    for key in keys:
+        head, dot, tail = key.rpartition(".")
+        if dot:
+            groups[head].append(tail)
+        else:
+            groups[key]
+    return groups
+
+
+def _group_to_str(group: List[str]) -> str:
+    if not group:
+        return ""
+    if len(group) == 1:
+        return "." + group[0]
+    return ".{" + ", ".join(sorted(group)) + "}"
+
+
+def get_missing_parameters_message(keys: List[str]) -> str:
+    """The log message for parameters of the model that the checkpoint does not have, one
+    line per module."""
+    groups = _group_checkpoint_keys(keys)
+    lines = sorted("  " + k + _group_to_str(v) for k, v in groups.items())
+    return "Some model parameters or buffers are not found in the checkpoint:\n" + "\n".join(lines)
+
+
+def get_unexpected_parameters_message(keys: List[str]) -> str:
+    """The log message for checkpoint entries that the model does not use, one line per
+    module."""
+    groups = _group_checkpoint_keys(keys)
+    lines = sorted("  " + k + _group_to_str(v) for k, v in groups.items())
+    return "The checkpoint state_dict contains keys that are not used by the model:\n" + (
+        "\n".join(lines)
+    )
+
+
+def _copy_to_cpu(obj: Any) -> Any:
+    """A copy of a state that the training thread can go on changing: tensors copied to the
+    CPU, containers rebuilt (an OrderedDict keeps its ``_metadata``), other objects deep-copied.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # same type (OrderedDict, defaultdict) and attributes
+        out.clear()
+        for k, v in obj.items():
+            out[k] = _copy_to_cpu(v)
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy_to_cpu(v) for v in obj)
+    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    return copy.deepcopy(obj)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _save_with(
+    checkpointer: Any,
+    name: str,
+    extra: Dict[str, Any],
+    *,
+    tag_last: bool = True,
+    on_saved: Optional[Callable[[], None]] = None,
+) -> None:
+    """``checkpointer.save(name, **extra)``, optionally without moving ``last_checkpoint``,
+    and calling ``on_saved`` once the file is on disk.
+
+    It goes through ``save()``, so that a subclass's ``save`` (or a test's mock of it) sees
+    every save. A checkpointer of another class (fvcore's) gets the same effect afterwards.
+    """
+    if isinstance(checkpointer, Checkpointer):
+        previous = checkpointer._save_options
+        checkpointer._save_options = (tag_last, on_saved)
+        try:
+            checkpointer.save(name, **extra)
+        finally:
+            checkpointer._save_options = previous
+        return
+    pointer = os.path.join(checkpointer.save_dir, _LAST_CHECKPOINT)
+    before = ""
+    if not tag_last and checkpointer.has_checkpoint():
+        before = checkpointer.get_checkpoint_file()
+    checkpointer.save(name, **extra)
+    if not tag_last:
+        if before:
+            checkpointer.tag_last_checkpoint(os.path.basename(before))
+        elif checkpointer.path_manager.exists(pointer):
+            checkpointer.path_manager.rm(pointer)
+    if on_saved is not None:
+        on_saved()
+
+
+def _as_int(what: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}") from None
+
+
+def _saves_to_disk(checkpointer: Any) -> bool:
+    return bool(getattr(checkpointer, "save_dir", "")) and bool(
+        getattr(checkpointer, "save_to_disk", True)
+    )
+
+
+class PeriodicCheckpointer:
+    """Save checkpoints periodically. When ``.step(iteration)`` is called, it will execute
+    ``checkpointer.save`` on the given checkpointer, if iteration is a multiple of period or
+    if ``max_iter`` is reached.
+
+    Args:
+        checkpointer: the checkpointer object used to save checkpoints.
+        period (int): the period to save checkpoint.
+        max_iter (int): maximum number of iterations. When it is reached, a checkpoint named
+            "{file_prefix}_final" will be saved.
+        max_to_keep (int): maximum number of most current checkpoints to keep, previous
+            checkpoints will be deleted. Periodic files of this prefix left by an earlier run
+            in the same directory count as older ones; ``{file_prefix}_final`` and files of
+            other prefixes are never deleted.
+        file_prefix (str): the prefix of checkpoint's filename
+    """
+
+    def __init__(
+        self,
+        checkpointer: Any,
+        period: int,
+        max_iter: Optional[int] = None,
+        max_to_keep: Optional[int] = None,
+        file_prefix: str = "model",
+    ) -> None:
+        if not callable(getattr(checkpointer, "save", None)):
+            raise TypeError(
+                f"PeriodicCheckpointer needs a checkpointer with save(), "
+                f"got {type(checkpointer).__name__}"
+            )
+        period = _as_int("PeriodicCheckpointer period", period)
+        if period <= 0:
+            raise ValueError(f"PeriodicCheckpointer period must be positive, got {period}")
+        if max_iter is not None:
+            max_iter = _as_int("PeriodicCheckpointer max_iter", max_iter)
+        if max_to_keep is not None:
+            max_to_keep = _as_int("PeriodicCheckpointer max_to_keep", max_to_keep)
+            if max_to_keep <= 0:
+                raise ValueError(
+                    f"PeriodicCheckpointer max_to_keep must be positive, got {max_to_keep}"
+                )
+        if not isinstance(file_prefix, str) or not file_prefix:
+            raise ValueError(f"file_prefix must be a non-empty str, got {file_prefix!r}")
+        if os.path.basename(file_prefix) != file_prefix:
+            raise ValueError(f"file_prefix must be a file name, not a path: {file_prefix!r}")
+        self.checkpointer = checkpointer
+        self.period = period
+        self.max_iter = max_iter
+        self.max_to_keep = max_to_keep
+        # Periodic files this object knows of, oldest first (full paths, as fvcore's).
+        self.recent_checkpoints: List[str] = []
+        self.path_manager: Any = getattr(checkpointer, "path_manager", None) or LocalPathManager()
+        self.file_prefix = file_prefix
+        self._periodic_name = re.compile(re.escape(file_prefix) + r"_\d{7,}\.pth")
+
+    def step(self, iteration: int, **kwargs: Any) -> None:
+        """Perform the appropriate action at the given iteration.
+
+        Args:
+            iteration (int): the current iteration, ranged in [0, max_iter-1].
+            kwargs (Any): extra data to save, same as in :meth:`Checkpointer.save`.
+        """
+        iteration = _as_int("iteration", iteration)
+        additional_state = {"iteration": iteration}
+        additional_state.update(kwargs)
+
+        if (iteration + 1) % self.period == 0:
+            self._save_periodic(iteration, additional_state)
+
+        if self.max_iter is not None and iteration >= self.max_iter - 1:
+            self.checkpointer.save(f"{self.file_prefix}_final", **additional_state)
+
+    def save(self, name: str, **kwargs: Any) -> None:
+        """Same argument as :meth:`Checkpointer.save`. Use this method to manually save
+        checkpoints outside the schedule.
+
+        Args:
+            name (str): file name.
+            kwargs (Any): extra data to save, same as in :meth:`Checkpointer.save`.
+        """
+        self.checkpointer.save(name, **kwargs)
+
+    def _save_periodic(self, iteration: int, additional_state: Dict[str, Any]) -> None:
+        name = "{}_{:07d}".format(self.file_prefix, iteration)
+        ckpt = self.checkpointer
+        if self.max_to_keep is None or not _saves_to_disk(ckpt):
+            ckpt.save(name, **additional_state)
+            return
+        wait = getattr(ckpt, "wait", None)
+        if wait is not None:
+            wait()  # the file of an asynchronous save in flight is on disk after this
+        path = os.path.join(ckpt.save_dir, name + ".pth")
+        before = list(self.recent_checkpoints)
+        # In the list before saving, so that the state saved in this very checkpoint (the
+        # trainer's, which includes this hook's) lists it.
+        if path in self.recent_checkpoints:
+            self.recent_checkpoints.remove(path)
+        self.recent_checkpoints.append(path)
+        doomed = self._select_old_files(path)
+        self.recent_checkpoints = [p for p in self.recent_checkpoints if p not in doomed]
+
+        def delete_old() -> None:
+            for p in doomed:
+                try:
+                    self.path_manager.rm(p)
+                except OSError as e:
+                    logging.getLogger(__name__).warning(f"Cannot delete old checkpoint {p}: {e}")
+
+        try:
+            # Old files go once the new one is on disk (after the background write).
+            _save_with(ckpt, name, additional_state, on_saved=delete_old)
+        except BaseException:
+            self.recent_checkpoints = before
+            raise
+
+    def _select_old_files(self, new_path: str) -> List[str]:
+        """The periodic files to delete so that ``max_to_keep`` remain with ``new_path``."""
+        keep = self.max_to_keep or 1
+        save_dir = self.checkpointer.save_dir
+        try:
+            names = self.path_manager.ls(save_dir) if self.path_manager.exists(save_dir) else []
+        except OSError:
+            names = []
+        on_disk = {os.path.join(save_dir, n) for n in names if self._periodic_name.fullmatch(n)}
+        listed = [p for p in self.recent_checkpoints if p == new_path or p in on_disk]
+        listed_set = set(listed)
+        # Files this object does not know of were written before a restart: older than the
+        # ones it lists, in the order they were written.
+        unlisted = sorted(on_disk - listed_set, key=lambda p: (_mtime_ns(p), p))
+        order = unlisted + listed
+        self.recent_checkpoints = listed
+        if len(order) <= keep:
+            return []
+        return [p for p in order[:-keep] if p != new_path]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The periodic files this object keeps (basenames, oldest first)."""
+        return {"recent_checkpoints": [os.path.basename(p) for p in self.recent_checkpoints]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        recent = (
+            state_dict.get("recent_checkpoints", []) if isinstance(state_dict, Mapping) else None
+        )
+        if not isinstance(recent, list) or not all(isinstance(n, str) for n in recent):
+            raise ValueError(
+                "PeriodicCheckpointer.load_state_dict() needs {'recent_checkpoints': [str]}"
+            )
+        save_dir = getattr(self.checkpointer, "save_dir", "")
+        self.recent_checkpoints = [os.path.join(save_dir, os.path.basename(n)) for n in recent]
+
+
+def _mtime_ns(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return 0

@@ -1,0 +1,5 @@
+"""Data utilities, mirroring ``detectron2.data`` (so far: the training sampler)."""
+
+from hookloop.data.samplers import TrainingSampler
+
+__all__ = ["TrainingSampler"]

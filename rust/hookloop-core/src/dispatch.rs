@@ -1,0 +1,214 @@
+//! The hook table: per stage, which hooks run, filtered by period, timed per hook.
+//!
+//! The binding fills a `Table` with its callables (Python bound methods) and calls, per stage,
+//! the entries `due` returns. The period rule of every periodic hook lives here once
+//! (`periodic_due`), so a hook that runs every N iterations costs nothing in between.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A stage of `HookBase`, in the order of `STAGES`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    BeforeTrain = 0,
+    AfterTrain = 1,
+    BeforeStep = 2,
+    AfterStep = 3,
+    AfterBackward = 4,
+}
+
+/// The stage names, as the Python methods are called.
+pub const STAGES: [&str; 5] = [
+    "before_train",
+    "after_train",
+    "before_step",
+    "after_step",
+    "after_backward",
+];
+
+impl Stage {
+    /// Every stage, in table order.
+    pub const ALL: [Stage; 5] = [
+        Stage::BeforeTrain,
+        Stage::AfterTrain,
+        Stage::BeforeStep,
+        Stage::AfterStep,
+        Stage::AfterBackward,
+    ];
+
+    /// The stage at `index` in `STAGES`.
+    pub fn from_index(index: usize) -> Option<Stage> {
+        Stage::ALL.get(index).copied()
+    }
+
+    /// The Python method name.
+    pub fn name(self) -> &'static str {
+        STAGES[self as usize]
+    }
+
+    /// Whether the stage runs once per iteration (where a period filter applies).
+    pub fn per_step(self) -> bool {
+        matches!(
+            self,
+            Stage::BeforeStep | Stage::AfterStep | Stage::AfterBackward
+        )
+    }
+}
+
+/// The period rule shared by every periodic hook (detectron2's `PeriodicWriter`, fvcore's
+/// `PeriodicCheckpointer`): due when `iter + 1` is a multiple of `period`, and at the last
+/// iteration `max_iter - 1`. Hooks with a stricter rule (an evaluation skipped at the last
+/// iteration) check it themselves inside what this lets through.
+pub fn periodic_due(iter: i64, period: u64, max_iter: i64) -> bool {
+    let next = i128::from(iter) + 1;
+    next.rem_euclid(i128::from(period.max(1))) == 0 || next == i128::from(max_iter)
+}
+
+/// Per-hook, per-stage call statistics. Atomic so that a shared table can record them.
+#[derive(Debug, Default)]
+pub struct HookStats {
+    calls: AtomicU64,
+    total_ns: AtomicU64,
+    max_ns: AtomicU64,
+}
+
+/// A copy of `HookStats`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HookStatsSnapshot {
+    pub calls: u64,
+    pub total_ns: u64,
+    pub max_ns: u64,
+}
+
+impl HookStats {
+    /// Records one call that took `elapsed`.
+    pub fn record(&self, elapsed: Duration) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.total_ns.fetch_add(ns, Ordering::Relaxed);
+        self.max_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    /// The counts so far.
+    pub fn snapshot(&self) -> HookStatsSnapshot {
+        HookStatsSnapshot {
+            calls: self.calls.load(Ordering::Relaxed),
+            total_ns: self.total_ns.load(Ordering::Relaxed),
+            max_ns: self.max_ns.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One hook's method for one stage.
+#[derive(Debug)]
+pub struct Entry<C> {
+    /// What to call (the binding's bound method).
+    pub call: C,
+    /// The hook's position in the trainer's hook list: its identity in statistics.
+    pub hook: usize,
+    /// Run only when `periodic_due(iter, period, max_iter)`; `None`: every time.
+    pub period: Option<u64>,
+    pub stats: HookStats,
+}
+
+/// Per stage, the entries to call in order.
+#[derive(Debug)]
+pub struct Table<C> {
+    stages: [Vec<Entry<C>>; 5],
+}
+
+impl<C> Default for Table<C> {
+    fn default() -> Self {
+        Table {
+            stages: Default::default(),
+        }
+    }
+}
+
+impl<C> Table<C> {
+    /// Appends `call` for `stage` (registration order is call order). A period applies only to
+    /// per-step stages; zero means none.
+    pub fn push(&mut self, stage: Stage, hook: usize, call: C, period: u64) {
+        let period = (period > 0 && stage.per_step()).then_some(period);
+        self.stages[stage as usize].push(Entry {
+            call,
+            hook,
+            period,
+            stats: HookStats::default(),
+        });
+    }
+
+    /// Every entry of `stage`, due or not.
+    pub fn entries(&self, stage: Stage) -> &[Entry<C>] {
+        &self.stages[stage as usize]
+    }
+
+    /// The entries of `stage` to call at `iter` of a run ending at `max_iter`.
+    pub fn due(&self, stage: Stage, iter: i64, max_iter: i64) -> impl Iterator<Item = &Entry<C>> {
+        self.stages[stage as usize]
+            .iter()
+            .filter(move |e| e.period.map_or(true, |p| periodic_due(iter, p, max_iter)))
+    }
+
+    /// All entries with their stage, for statistics.
+    pub fn all(&self) -> impl Iterator<Item = (Stage, &Entry<C>)> {
+        Stage::ALL
+            .iter()
+            .flat_map(move |&s| self.stages[s as usize].iter().map(move |e| (s, e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn periodic_rule_matches_detectron2() {
+        let due: Vec<i64> = (0..12).filter(|&i| periodic_due(i, 5, 12)).collect();
+        assert_eq!(due, vec![4, 9, 11]);
+        assert!(periodic_due(0, 1, 10));
+        // At the extremes nothing overflows.
+        assert!(periodic_due(i64::MAX, 1, 0));
+        assert!(!periodic_due(i64::MIN, 3, 0));
+    }
+
+    #[test]
+    fn period_filter_applies_to_per_step_stages_only() {
+        let mut t: Table<&str> = Table::default();
+        t.push(Stage::AfterStep, 0, "every", 0);
+        t.push(Stage::AfterStep, 1, "fifth", 5);
+        t.push(Stage::AfterTrain, 1, "train", 5);
+        let names = |i| {
+            t.due(Stage::AfterStep, i, 100)
+                .map(|e| e.call)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(3), vec!["every"]);
+        assert_eq!(names(4), vec!["every", "fifth"]);
+        assert_eq!(names(99), vec!["every", "fifth"]);
+        assert_eq!(t.due(Stage::AfterTrain, 3, 100).count(), 1);
+    }
+
+    #[test]
+    fn stats_record_calls_total_and_max() {
+        let s = HookStats::default();
+        s.record(Duration::from_nanos(30));
+        s.record(Duration::from_nanos(10));
+        assert_eq!(
+            s.snapshot(),
+            HookStatsSnapshot {
+                calls: 2,
+                total_ns: 40,
+                max_ns: 30
+            }
+        );
+    }
+
+    #[test]
+    fn stage_names_round_trip() {
+        for (i, name) in STAGES.iter().enumerate() {
+            assert_eq!(Stage::from_index(i).map(Stage::name), Some(*name));
+        }
+        assert_eq!(Stage::from_index(5), None);
+    }
+}

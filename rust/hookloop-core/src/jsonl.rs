@@ -1,0 +1,306 @@
+//! metrics.json: detectron2's JSON-lines format (one `json.dumps(..., sort_keys=True)` object
+//! per line), the grouping of smoothed scalars into rows, and the sink that appends them.
+
+use std::fmt::Write as _;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::history::Iter;
+use crate::pyfmt::{write_json_str, write_repr_f64};
+use crate::storage::SmoothedScalar;
+use crate::writer::{FsyncPolicy, Payload, Sink};
+use crate::{Error, Result};
+
+/// One iteration's scalars for metrics.json.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JsonRow {
+    pub iter: Iter,
+    pub scalars: Vec<(Arc<str>, f64)>,
+}
+
+/// One line of detectron2's `metrics.json`, newline included:
+/// `json.dumps(d, sort_keys=True) + "\n"` where `d = dict(scalars)` and then
+/// `d["iteration"] = iteration`. A later duplicate name replaces an earlier one, and the
+/// integer `iteration` replaces a scalar of that name, as dict assignment does. Keys sort
+/// by code point, which is `str`'s byte order in UTF-8.
+pub fn json_metrics_line(iteration: Iter, scalars: &[(&str, f64)]) -> String {
+    // `None` stands for the integer iteration; it is pushed last, so it wins over any
+    // scalar named "iteration" just as the later of two duplicate scalars wins.
+    let mut entries: Vec<(&str, Option<f64>)> =
+        scalars.iter().map(|&(n, v)| (n, Some(v))).collect();
+    entries.push(("iteration", None));
+    // Stable: equal names stay in input order, so the last of each run is the one kept.
+    entries.sort_by(|a, b| a.0.cmp(b.0));
+
+    let mut out = String::with_capacity(16 + 32 * entries.len());
+    out.push('{');
+    let mut first = true;
+    for (k, &(name, value)) in entries.iter().enumerate() {
+        if entries.get(k + 1).is_some_and(|next| next.0 == name) {
+            continue;
+        }
+        if !first {
+            out.push_str(", ");
+        }
+        first = false;
+        write_json_str(&mut out, name);
+        out.push_str(": ");
+        match value {
+            Some(v) => write_repr_f64(&mut out, v),
+            None => match iteration {
+                Iter::Int(i) => {
+                    let _ = write!(out, "{i}");
+                }
+                Iter::Float(f) => write_repr_f64(&mut out, f),
+            },
+        }
+    }
+    out.push_str("}\n");
+    out
+}
+
+/// Groups smoothed scalars by iteration, in first-appearance order (as detectron2's dict).
+pub fn group_by_iteration(scalars: Vec<SmoothedScalar>) -> Vec<JsonRow> {
+    let mut rows: Vec<JsonRow> = Vec::new();
+    for s in scalars {
+        let it = s.iter.as_f64();
+        match rows.iter_mut().find(|r| r.iter.as_f64() == it) {
+            Some(row) => row.scalars.push((s.name, s.value)),
+            None => rows.push(JsonRow {
+                iter: s.iter,
+                scalars: vec![(s.name, s.value)],
+            }),
+        }
+    }
+    rows
+}
+
+/// metrics.json: one JSON object per line, appended. A failed write is cut back to whole lines;
+/// a SIGKILL inside a write can leave a torn last line, which `open` cuts off next time.
+pub struct JsonSink {
+    path: PathBuf,
+    file: File,
+    /// Whole lines formatted but not yet written.
+    pending: String,
+    /// Length of the file after the last whole write: where a failed write is cut back to.
+    len: u64,
+    fsync: FsyncPolicy,
+}
+
+impl JsonSink {
+    /// Opens `path` for appending (creating it), on the calling thread so that an unwritable
+    /// location fails at construction as in detectron2. A torn last line left by a killed run
+    /// is cut off, so the file parses line by line.
+    pub fn open(path: &Path, fsync: FsyncPolicy) -> Result<JsonSink> {
+        let io = |e| Error::io(path, e);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let len = whole_lines_len(&mut file, len).map_err(io)?;
+        if len != file.metadata().map_err(io)?.len() {
+            file.set_len(len).map_err(io)?;
+        }
+        Ok(JsonSink {
+            path: path.to_owned(),
+            file,
+            pending: String::new(),
+            len,
+            fsync,
+        })
+    }
+}
+
+/// The length of the longest prefix of `file` that ends with a newline (or is empty).
+fn whole_lines_len(file: &mut File, len: u64) -> std::io::Result<u64> {
+    let mut end = len;
+    let mut buf = [0u8; 4096];
+    while end > 0 {
+        let start = end.saturating_sub(buf.len() as u64);
+        let chunk = &mut buf[..(end - start) as usize];
+        file.seek(SeekFrom::Start(start))?;
+        file.read_exact(chunk)?;
+        if let Some(pos) = chunk.iter().rposition(|&b| b == b'\n') {
+            return Ok(start + pos as u64 + 1);
+        }
+        end = start;
+    }
+    Ok(0)
+}
+
+impl JsonSink {
+    fn write_pending(&mut self) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let text = std::mem::take(&mut self.pending);
+        // One write call; a failed one is cut back to what was there (a kill may tear it).
+        if let Err(e) = self.file.write_all(text.as_bytes()) {
+            let _ = self.file.set_len(self.len);
+            return Err(Error::io(&self.path, e));
+        }
+        self.len += text.len() as u64;
+        Ok(())
+    }
+}
+
+impl Sink for JsonSink {
+    fn write(&mut self, payload: Payload) -> Result<()> {
+        let Payload::Json(rows) = payload else {
+            return Ok(());
+        };
+        for row in &rows {
+            let scalars: Vec<(&str, f64)> = row.scalars.iter().map(|(k, v)| (&**k, *v)).collect();
+            self.pending
+                .push_str(&json_metrics_line(row.iter, &scalars));
+        }
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        self.write_pending()?;
+        if self.fsync == FsyncPolicy::Always {
+            self.file
+                .sync_data()
+                .map_err(|e| Error::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<()> {
+        self.write_pending()?;
+        if self.fsync != FsyncPolicy::Never {
+            self.file
+                .sync_data()
+                .map_err(|e| Error::io(&self.path, e))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::writer::SinkHandle;
+
+    fn tmpdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hookloop-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn row(iter: i64, scalars: &[(&str, f64)]) -> JsonRow {
+        JsonRow {
+            iter: Iter::Int(iter),
+            scalars: scalars.iter().map(|(k, v)| (Arc::from(*k), *v)).collect(),
+        }
+    }
+
+    #[test]
+    fn json_sink_writes_exact_lines_through_the_thread() {
+        let path = tmpdir("json").join("metrics.json");
+        let sink = JsonSink::open(&path, FsyncPolicy::Always).unwrap();
+        let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
+        h.send(Payload::Json(vec![row(
+            19,
+            &[("loss", 0.5), ("data_time", 1e-05)],
+        )]))
+        .unwrap();
+        h.send(Payload::Json(vec![row(39, &[("loss", 0.25)])]))
+            .unwrap();
+        h.close().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text,
+            "{\"data_time\": 1e-05, \"iteration\": 19, \"loss\": 0.5}\n{\"iteration\": 39, \"loss\": 0.25}\n"
+        );
+        assert!(matches!(
+            h.send(Payload::Json(vec![])),
+            Err(Error::Closed { .. })
+        ));
+    }
+
+    #[test]
+    fn json_sink_cuts_a_torn_last_line() {
+        let path = tmpdir("torn").join("metrics.json");
+        std::fs::write(&path, "{\"iteration\": 1}\n{\"itera").unwrap();
+        let mut sink = JsonSink::open(&path, FsyncPolicy::Never).unwrap();
+        sink.write(Payload::Json(vec![row(2, &[])])).unwrap();
+        sink.sync().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"iteration\": 1}\n{\"iteration\": 2}\n"
+        );
+    }
+
+    #[test]
+    fn unwritable_location_fails_at_open_with_the_path() {
+        let path = PathBuf::from("/nonexistent-dir-hookloop/metrics.json");
+        let err = JsonSink::open(&path, FsyncPolicy::Always).err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("/nonexistent-dir-hookloop/metrics.json"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn disk_full_is_reported_at_next_send() {
+        // /dev/full accepts open() and fails every write with ENOSPC.
+        let path = PathBuf::from("/dev/full");
+        if !path.exists() {
+            return;
+        }
+        let file = OpenOptions::new().append(true).open(&path).unwrap();
+        let sink = JsonSink {
+            path: path.clone(),
+            file,
+            pending: String::new(),
+            len: 0,
+            fsync: FsyncPolicy::Never,
+        };
+        let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
+        h.send(Payload::Json(vec![row(0, &[("a", 1.0)])])).unwrap();
+        h.flush()
+            .err()
+            .map(|e| assert!(matches!(e, Error::Io { .. }), "{e}"))
+            .unwrap_or_else(|| {
+                // The error may land after the barrier's check; close() reports it then.
+                assert!(h.close().is_err());
+            });
+    }
+
+    #[test]
+    fn grouping_keeps_first_appearance_order() {
+        let s = |name: &str, value, iter| SmoothedScalar {
+            name: name.into(),
+            value,
+            iter: Iter::Int(iter),
+        };
+        let rows = group_by_iteration(vec![s("a", 1.0, 5), s("b", 2.0, 4), s("c", 3.0, 5)]);
+        assert_eq!(
+            rows,
+            vec![row(5, &[("a", 1.0), ("c", 3.0)]), row(4, &[("b", 2.0)])]
+        );
+    }
+
+    #[test]
+    fn smoothed_since_skips_written_iterations_and_advances() {
+        let mut st = crate::storage::Storage::new(0, 100, 1).unwrap();
+        st.put_scalar("a", 1.0, false, Some(Iter::Int(5))).unwrap();
+        st.put_scalar("b", 2.0, false, Some(Iter::Int(4))).unwrap();
+        let mut last = -1.0;
+        assert_eq!(st.smoothed_since(20, &mut last).unwrap().len(), 2);
+        assert_eq!(last, 5.0);
+        st.put_scalar("b", 2.0, false, Some(Iter::Int(6))).unwrap();
+        let again = st.smoothed_since(20, &mut last).unwrap();
+        assert_eq!(again.iter().map(|s| &*s.name).collect::<Vec<_>>(), ["b"]);
+        assert_eq!(last, 6.0);
+    }
+}

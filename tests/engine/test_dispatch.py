@@ -1,0 +1,266 @@
+"""The dispatcher as the engine's extension point: the hook list is a plain list whose edits
+are seen, the period filter, per-hook timing, and the typed configuration of native hooks."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from hookloop import _core
+from hookloop.engine import HookBase, TrainerBase, hooks
+from hookloop.utils.events import EventWriter, get_event_storage
+
+
+class NoopTrainer(TrainerBase):
+    def run_step(self):
+        pass
+
+
+class Counting(HookBase):
+    def __init__(self):
+        self.calls = []
+
+    def before_step(self):
+        self.calls.append(("before_step", self.trainer.iter))
+
+    def after_step(self):
+        self.calls.append(("after_step", self.trainer.iter))
+
+
+class Recorder(EventWriter):
+    def __init__(self):
+        self.iters = []
+
+    def write(self):
+        self.iters.append(get_event_storage().iter)
+
+
+def test_hook_list_is_a_plain_list_that_prints_compares_and_copies_like_one():
+    """detectron2 code prints, compares and copies trainer._hooks as a list."""
+    t = NoopTrainer()
+    a, b = Counting(), Counting()
+    t.register_hooks([a, b])
+    assert type(t._hooks) is list
+    assert t._hooks == [a, b] and repr(t._hooks) == repr([a, b])
+    assert t._hooks[:1] == [a]
+    clone = copy.copy(t._hooks)
+    clone.pop()  # editing a copy must not change what the trainer calls
+    t.train(0, 2)
+    assert len(a.calls) == 4 and len(b.calls) == 4
+
+
+def test_in_place_edit_during_training_applies_from_the_next_stage():
+    t = NoopTrainer()
+    late = Counting()
+
+    class AddsOne(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 1:
+                late.trainer = self.trainer
+                self.trainer._hooks.append(late)
+
+    t.register_hooks([AddsOne()])
+    t.train(0, 4)
+    assert late.calls == [
+        ("before_step", 2),
+        ("after_step", 2),
+        ("before_step", 3),
+        ("after_step", 3),
+    ]
+
+
+def test_rebinding_hooks_between_runs_is_seen_at_the_next_train():
+    t = NoopTrainer()
+    h = Counting()
+    h.trainer = t
+    t._hooks = [h]
+    t.train(0, 1)
+    assert h.calls == [("before_step", 0), ("after_step", 0)]
+
+
+def test_period_filter_skips_periodic_writer_between_periods():
+    rec = Recorder()
+    w = hooks.PeriodicWriter([rec], period=5)
+    t = NoopTrainer()
+    t.register_hooks([w])
+    t._dispatcher.timing = True
+    t.train(0, 12)
+    assert rec.iters == [4, 9, 11, 12]
+    stats = {(type(h).__name__, stage): calls for h, stage, calls, _, _ in t.hook_stats()}
+    # Called only at the due iterations (4, 9, 11), not at the other nine.
+    assert stats[("PeriodicWriter", "after_step")] == 3
+
+
+def test_period_filter_does_not_apply_to_a_subclass_that_overrides_after_step():
+    seen = []
+
+    class EveryStep(hooks.PeriodicWriter):
+        def after_step(self):
+            seen.append(self.trainer.iter)
+
+    t = NoopTrainer()
+    t.register_hooks([EveryStep([], period=5)])
+    t.train(0, 3)
+    assert seen == [0, 1, 2]
+
+
+def test_periodic_writer_called_directly_keeps_its_period():
+    rec = Recorder()
+    w = hooks.PeriodicWriter([rec], period=5)
+
+    class Manual(TrainerBase):
+        def run_step(self):
+            w.after_step()  # as code that drives hooks by hand does
+
+    t = Manual()
+    w.trainer = t
+    t.train(0, 6)
+    assert rec.iters == [4, 5]
+
+
+def test_custom_hook_period_through_dispatch_period():
+    class Every3(HookBase):
+        def __init__(self):
+            self.iters = []
+
+        def _dispatch_period(self, stage):
+            return 3 if stage == "after_step" else None
+
+        def after_step(self):
+            self.iters.append(self.trainer.iter)
+
+    h = Every3()
+    t = NoopTrainer()
+    t.register_hooks([h])
+    t.train(0, 8)
+    assert h.iters == [2, 5, 7]
+
+
+def test_hook_stats_count_every_call_per_hook_and_stage():
+    a, b = Counting(), Counting()
+    t = NoopTrainer()
+    t.register_hooks([a, b])
+    t._dispatcher.timing = True
+    t.train(0, 5)
+    stats = t.hook_stats()
+    assert [(h, stage, calls) for h, stage, calls, _, _ in stats] == [
+        (a, "before_step", 5),
+        (b, "before_step", 5),
+        (a, "after_step", 5),
+        (b, "after_step", 5),
+    ]
+    for _, _, _, total, longest in stats:
+        assert total >= longest >= 0.0
+
+
+def test_timing_off_records_nothing():
+    a = Counting()
+    t = NoopTrainer()
+    t.register_hooks([a])
+    t.train(0, 3)
+    assert all(calls == 0 for _, _, calls, _, _ in t.hook_stats())
+
+
+def test_hooks_for_lists_only_overriding_hooks():
+    a = Counting()
+    t = NoopTrainer()
+    t.register_hooks([a, HookBase()])
+    assert t._dispatcher.hooks_for("after_step") == [a]
+    assert t._dispatcher.hooks_for("after_train") == []
+    with pytest.raises(ValueError, match="stage 'nope'"):
+        t._dispatcher.hooks_for("nope")
+
+
+def test_hookbase_attribute_store_is_a_plain_store():
+    """Setting attributes on hooks costs what it costs on any object: no __setattr__ hook."""
+    assert "__setattr__" not in vars(HookBase)
+    assert "__delattr__" not in vars(HookBase)
+
+
+def test_native_hook_subclass_without_super_init_gets_a_clear_error():
+    class Forgetful(hooks.IterationTimer):
+        def __init__(self):
+            pass  # no super().__init__()
+
+    t = NoopTrainer()
+    t.register_hooks([Forgetful()])
+    with pytest.raises(ValueError, match=r"super\(\).__init__\(\)"):
+        t.train(0, 2)
+
+
+def test_native_hook_subclass_without_super_before_train_gets_a_clear_error():
+    class NoStart(hooks.IterationTimer):
+        def before_train(self):
+            pass  # no super().before_train()
+
+    t = NoopTrainer()
+    t.register_hooks([NoStart()])
+    with pytest.raises(ValueError, match=r"super\(\).before_train\(\)"):
+        t.train(0, 2)
+
+
+def test_lr_scheduler_private_attributes_are_its_state():
+    """Setting _scheduler / _optimizer / _best_param_group_id is honoured at the next step."""
+    p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [p], "lr": 1.0}, {"params": [q], "lr": 0.5}], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+
+    class T(NoopTrainer):
+        pass
+
+    t = T()
+    t.optimizer, t.scheduler = opt, sched
+    h = hooks.LRScheduler()
+    t.register_hooks([h])
+
+    class Switch(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 1:
+                h._best_param_group_id = 1
+
+    t.register_hooks([Switch()])
+    t.train(0, 3)
+    assert h._scheduler is sched and h._optimizer is opt
+    assert [v for v, _ in t.storage.history("lr").values()] == [1.0, 1.0, 0.5]
+
+
+def test_periodic_due_is_the_core_rule():
+    assert [i for i in range(12) if _core.periodic_due(i, 5, 12)] == [4, 9, 11]
+    with pytest.raises(ValueError, match="period"):
+        _core.periodic_due(0, 0, 10)
+
+
+def test_dispatcher_holds_no_cycle_with_the_trainer():
+    t = NoopTrainer()
+    t.register_hooks([Counting(), hooks.IterationTimer()])
+    t.train(0, 2)
+    gc.collect()
+    import weakref
+
+    ref = weakref.ref(t)
+    del t
+    assert ref() is None
+
+
+def test_checkpoint_and_eval_hooks_are_skipped_between_periods(tmp_path):
+    """They are in every detectron2 hook list: between periods the dispatcher calls none."""
+    from hookloop.checkpoint import Checkpointer
+
+    model = torch.nn.Linear(1, 1)
+    ckpt = Checkpointer(model, str(tmp_path))
+    evals = []
+    hook_list = [
+        hooks.PeriodicCheckpointer(ckpt, period=4),
+        hooks.EvalHook(5, lambda: evals.append(1) or {"acc": 1.0}),
+        hooks.BestCheckpointer(5, ckpt, "acc"),
+    ]
+    t = NoopTrainer()
+    t.register_hooks(hook_list)
+    t._dispatcher.timing = True
+    t.train(0, 12)
+    calls = {type(h).__name__: n for h, stage, n, _, _ in t.hook_stats() if stage == "after_step"}
+    # due at (iter + 1) % period == 0 and at the last iteration (11)
+    assert calls == {"PeriodicCheckpointer": 3, "EvalHook": 3, "BestCheckpointer": 3}
+    assert len(evals) == 3  # at iterations 4 and 9, then after training

@@ -227,7 +227,9 @@ def test_step_lrs_refuses_bad_input_without_writing():
     sched = LRMultiplier(make_optimizer(), multiplier(), MAX_ITER)._native
     assert sched is not None
     groups = [{"lr": 1.0}, {"lr": 1.0}]
-    with pytest.raises(ValueError, match="2 param groups but base_lrs has 1"):
+    with pytest.raises(
+        ValueError, match="base_lrs has 1 entries but the optimizer has 2 param groups"
+    ):
         sched.step_lrs(groups, [0.1], 1, MAX_ITER)
     with pytest.raises(TypeError, match="base_lrs\\[1\\] must be a float, got Tensor"):
         sched.step_lrs(groups, [0.1, torch.tensor(0.1)], 1, MAX_ITER)

@@ -417,9 +417,9 @@ def test_native_schedule_surface():
     assert (
         repr(spans) == "CompositeSpans(lengths=[0.3, 0.7], interval_scaling=['rescaled', 'fixed'])"
     )
-    with pytest.raises(ValueError, match="unknown kind"):
+    with pytest.raises(ValueError, match="cannot restore NativeSchedule: unknown kind"):
         _core.NativeSchedule._from_params({"kind": "nope"})
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match="cannot restore NativeSchedule: params have no"):
         _core.NativeSchedule._from_params({"kind": "cosine"})
 
 

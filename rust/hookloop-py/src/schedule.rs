@@ -3,7 +3,6 @@
 
 use hookloop_core::schedule::{self, Kind, Scaling, Schedule, Spans, SumMode, WarmupParts};
 use hookloop_core::Error;
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
@@ -126,9 +125,10 @@ fn base_lr(index: usize, value: &Bound<'_, PyAny>) -> PyResult<f64> {
     if let Ok(f) = value.cast::<PyFloat>() {
         return Ok(f.value());
     }
-    Err(PyTypeError::new_err(format!(
-        "base_lrs[{index}] must be a float, got {}",
-        type_name(value)
+    Err(to_py(Error::wrong_type(
+        format!("base_lrs[{index}]"),
+        "a float",
+        type_name(value),
     )))
 }
 
@@ -214,9 +214,10 @@ fn to_params<'py>(py: Python<'py>, s: &Schedule) -> PyResult<Bound<'py, PyDict>>
 fn param<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
     match d.get_item(key)? {
         Some(v) => v.extract::<T>().map_err(Into::into),
-        None => Err(PyValueError::new_err(format!(
-            "NativeSchedule params: missing {key:?}"
-        ))),
+        None => Err(to_py(Error::BadState {
+            what: "NativeSchedule",
+            reason: format!("params have no {key:?}"),
+        })),
     }
 }
 
@@ -257,9 +258,10 @@ fn from_params(d: &Bound<'_, PyDict>) -> PyResult<Schedule> {
             Schedule::composite(schedules, spans).py_err()?
         }
         other => {
-            return Err(PyValueError::new_err(format!(
-                "NativeSchedule params: unknown kind {other:?}"
-            )))
+            return Err(to_py(Error::BadState {
+                what: "NativeSchedule",
+                reason: format!("unknown kind {other:?}"),
+            }))
         }
     };
     Ok(s)
@@ -395,30 +397,36 @@ impl PyNativeSchedule {
         let py = param_groups.py();
         let multiplier = self.core.multiplier(last_iter, max_iter).py_err()?;
         let groups = param_groups.cast::<PyList>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "param_groups must be a list of dicts, got {}",
-                type_name(param_groups)
+            to_py(Error::wrong_type(
+                "param_groups",
+                "a list of dicts",
+                type_name(param_groups),
             ))
         })?;
         let bases = base_lrs.cast::<PyList>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "base_lrs must be a list of floats, got {}",
-                type_name(base_lrs)
+            to_py(Error::wrong_type(
+                "base_lrs",
+                "a list of floats",
+                type_name(base_lrs),
             ))
         })?;
         if groups.len() != bases.len() {
-            return Err(PyValueError::new_err(format!(
-                "the optimizer has {} param groups but base_lrs has {} entries",
-                groups.len(),
-                bases.len()
+            return Err(to_py(Error::bad_value(
+                "base_lrs",
+                format!(
+                    "has {} entries but the optimizer has {} param groups",
+                    bases.len(),
+                    groups.len()
+                ),
             )));
         }
         let mut targets = Vec::with_capacity(groups.len());
         for (i, (group, base)) in groups.iter().zip(bases.iter()).enumerate() {
             let group = group.cast_into::<PyDict>().map_err(|e| {
-                PyTypeError::new_err(format!(
-                    "param_groups[{i}] must be a dict, got {}",
-                    type_name(&e.into_inner())
+                to_py(Error::wrong_type(
+                    format!("param_groups[{i}]"),
+                    "a dict",
+                    type_name(&e.into_inner()),
                 ))
             })?;
             // Python's `base_lr * multiplier`.

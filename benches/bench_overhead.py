@@ -6,7 +6,7 @@
 Everything is measured side by side in this one process: each repeat runs every variant once,
 in a rotating order, so both sides see the same machine noise; the table gives the median and
 the minimum over repeats and the ratio reference / hookloop of the medians. The baseline is
-``benches/d2_reference.py`` (detectron2's semantics, written for these benchmarks). The garbage
+``tests/compat/d2.py`` (detectron2's semantics, our own code; the tests' oracle too). The garbage
 collector is off inside timed regions (as ``timeit`` does). A debug build of hookloop is refused.
 See ``benches/README.md`` for what each section measures.
 """
@@ -33,13 +33,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+# The baseline is the tests' model of detectron2, tests/compat/d2.py.
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
-import d2_reference as ref  # noqa: E402
 import hookloop  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from compat import d2 as ref  # noqa: E402
 from hookloop.engine import hooks as hl_hooks  # noqa: E402
 from hookloop.engine import train_loop as hl_loop  # noqa: E402
 from hookloop.utils import events as hl_events  # noqa: E402

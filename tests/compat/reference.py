@@ -1,27 +1,27 @@
-"""A small pure-Python model of detectron2's writers, used as the oracle in writer tests.
+"""The writer oracle of the writer tests: ``compat.d2``'s writers run on a copy of a hookloop
+``EventStorage``.
 
-It reproduces what ``detectron2.utils.events`` does in ``JSONWriter.write``, the scalar part
-of ``TensorboardXWriter.write`` and ``CommonMetricPrinter.write``/``_get_eta``, with fvcore's
-``HistoryBuffer`` arithmetic (``np.median``/``np.mean`` over the last samples, the running
-global mean). It reads a hookloop ``EventStorage`` only through its raw data accessors
-(``latest()``, ``histories()`` + ``HistoryBuffer.values()``, ``smoothing_hints()``, ``iter``)
-and recomputes every derived number itself, so it does not share hookloop's smoothing code.
+``snapshot`` reads a hookloop storage only through its raw data accessors (``latest()``,
+``histories()`` + ``HistoryBuffer.values()``, ``smoothing_hints()``, ``iter``) into a
+``compat.d2.EventStorage``; everything derived (``count_samples``, medians, means, the global
+mean, the lines) is then computed by ``compat.d2``'s fvcore/detectron2 model, so the oracle
+shares none of hookloop's smoothing or formatting code.
 
 Each writer takes the storage as an argument instead of calling ``get_event_storage()``: the
-model stays independent of hookloop and tests decide when it runs.
+model stays independent of hookloop and tests decide when it runs. Where hookloop differs from
+detectron2 on purpose, the difference is written here, named: ``count_samples`` of an unknown
+name and ``CommonMetricPrinterRef``'s ``epoch``.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import time
-from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
+from compat import d2
 
 __all__ = [
+    "Snapshot",
+    "snapshot",
     "count_samples",
     "latest_with_smoothing_hint",
     "JSONWriterRef",
@@ -30,49 +30,82 @@ __all__ = [
 ]
 
 
-def _values(storage: Any, name: str) -> List[Tuple[float, Any]]:
-    return [(float(v), it) for v, it in storage.histories()[name].values()]
+class Snapshot(d2.EventStorage):
+    """A ``compat.d2.EventStorage`` copied from a hookloop storage; ``puts`` lists the scalars
+    put into it afterwards (by a writer: ``CommonMetricPrinter``'s ``eta_seconds``)."""
+
+    def __init__(self, start_iter: int = 0, *, max_length: int = 1000000) -> None:
+        super().__init__(start_iter, max_length=max_length)
+        self.puts: List[Tuple[str, Any]] = []
+
+    def put_scalar(
+        self, name: str, value: Any, smoothing_hint: bool = True, cur_iter: Optional[int] = None
+    ) -> None:
+        super().put_scalar(name, value, smoothing_hint=smoothing_hint, cur_iter=cur_iter)
+        self.puts.append((name, value))
+
+
+def snapshot(storage: Any) -> Snapshot:
+    """``storage``'s scalars in a ``compat.d2`` storage, in ``storage``'s order.
+
+    Each history is replayed through fvcore's ``HistoryBuffer.update``, so its global mean is
+    that of the samples ``storage`` still holds (hookloop's also counts evicted ones; no writer
+    test evicts)."""
+    values = {k: h.values() for k, h in storage.histories().items()}
+    longest = max([len(v) for v in values.values()], default=0)
+    snap = Snapshot(storage.iter, max_length=max(1000000, longest))
+    for name, data in values.items():
+        history = snap.histories()[name]  # a defaultdict: creates the history
+        for v, it in data:
+            history.update(float(v), it)
+    snap._latest_scalars = {k: (float(v), it) for k, (v, it) in storage.latest().items()}
+    snap._smoothing_hints = dict(storage.smoothing_hints())
+    return snap
 
 
 def count_samples(storage: Any, name: str, window_size: int = 20) -> int:
     """detectron2's ``EventStorage.count_samples``: samples in the last ``window_size``
-    iterations, counted back from the newest sample."""
-    data = _values(storage, name)
-    samples = 0
-    for _, iter_ in reversed(data):
-        if iter_ > data[-1][1] - window_size:
-            samples += 1
-        else:
-            break
-    return samples
+    iterations, counted back from the newest sample.
 
-
-def _median(data: List[Tuple[float, Any]], n: int) -> float:
-    # fvcore: np.median([x[0] for x in self._data[-window_size:]])
-    return float(np.median([x for x, _ in data[-n:]]))
-
-
-def _avg(data: List[Tuple[float, Any]], n: int) -> float:
-    return float(np.mean([x for x, _ in data[-n:]]))
-
-
-def _global_avg(data: List[Tuple[float, Any]]) -> float:
-    # fvcore's running mean (valid while nothing was evicted from the history).
-    g = 0.0
-    for count, (v, _) in enumerate(data, start=1):
-        g += (v - g) / count
-    return g
+    An unknown name is a ``KeyError``, as in hookloop: detectron2's ``defaultdict`` would create
+    an empty history for it and return 0."""
+    if name not in storage.histories():
+        raise KeyError(name)
+    return snapshot(storage).count_samples(name, window_size)
 
 
 def latest_with_smoothing_hint(storage: Any, window_size: int = 20) -> Dict[str, Tuple[float, Any]]:
-    """detectron2's ``EventStorage.latest_with_smoothing_hint``."""
-    hints = storage.smoothing_hints()
-    result = {}
-    for k, (v, itr) in storage.latest().items():
-        if hints[k]:
-            v = _median(_values(storage, k), count_samples(storage, k, window_size))
-        result[k] = (float(v), itr)
-    return result
+    """detectron2's ``EventStorage.latest_with_smoothing_hint``, values as Python floats."""
+    smoothed = snapshot(storage).latest_with_smoothing_hint(window_size)
+    return {k: (float(v), itr) for k, (v, itr) in smoothed.items()}
+
+
+class _Lines:
+    """The file ``compat.d2.JSONWriter`` writes into for the oracle. It has no ``fileno``, so
+    the writer skips its fsync (detectron2 does the same for files without one)."""
+
+    def __init__(self) -> None:
+        self._parts: List[str] = []
+
+    def write(self, text: str) -> None:
+        self._parts.append(text)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> str:
+        text, self._parts = "".join(self._parts), []
+        return text
+
+
+class _JSONWriterToLines(d2.JSONWriter):
+    """``compat.d2.JSONWriter`` holding a ``_Lines`` instead of an open file: tests never close
+    the oracle, and an unclosed file would warn."""
+
+    def __init__(self, window_size: int) -> None:
+        self._file_handle = _Lines()
+        self._window_size = window_size
+        self._last_write = -1
 
 
 class JSONWriterRef:
@@ -81,25 +114,35 @@ class JSONWriterRef:
 
     def __init__(self, json_file: str, window_size: int = 20) -> None:
         self._path = json_file
-        self._window_size = window_size
-        self._last_write = -1
+        self._writer = _JSONWriterToLines(window_size)
 
     def write(self, storage: Any) -> None:
-        to_save: Dict[Any, Dict[str, Any]] = defaultdict(dict)
-        for k, (v, itr) in latest_with_smoothing_hint(storage, self._window_size).items():
-            # keep scalars that have not been written
-            if itr <= self._last_write:
-                continue
-            to_save[itr][k] = v
-        if len(to_save):
-            self._last_write = max(sorted(to_save.keys()))
+        with snapshot(storage):
+            self._writer.write()
         with open(self._path, "a", encoding="utf-8") as f:
-            for itr, scalars_per_iter in to_save.items():
-                scalars_per_iter["iteration"] = itr
-                f.write(json.dumps(scalars_per_iter, sort_keys=True) + "\n")
+            f.write(self._writer._file_handle.take())
 
     def close(self) -> None:
         pass
+
+
+class _ScalarCalls:
+    """Stands in for torch's ``SummaryWriter``: records the ``add_scalar`` calls."""
+
+    def __init__(self, calls: List[Tuple[str, float, Any]]) -> None:
+        self._calls = calls
+
+    def add_scalar(self, tag: str, value: float, step: Any) -> None:
+        self._calls.append((tag, float(value), step))
+
+
+class _TensorboardXWriterToCalls(d2.TensorboardXWriter):
+    """``compat.d2.TensorboardXWriter`` with a ``_ScalarCalls`` instead of a ``SummaryWriter``."""
+
+    def __init__(self, window_size: int, calls: List[Tuple[str, float, Any]]) -> None:
+        self._window_size = window_size
+        self._writer = _ScalarCalls(calls)
+        self._last_write = -1
 
 
 class TensorboardScalarsRef:
@@ -107,113 +150,56 @@ class TensorboardScalarsRef:
     ``add_scalar(tag, value, step)`` calls it would make."""
 
     def __init__(self, window_size: int = 20) -> None:
-        self._window_size = window_size
-        self._last_write = -1
         self.calls: List[Tuple[str, float, Any]] = []
+        self._writer = _TensorboardXWriterToCalls(window_size, self.calls)
 
     def write(self, storage: Any) -> None:
-        new_last_write = self._last_write
-        for k, (v, itr) in latest_with_smoothing_hint(storage, self._window_size).items():
-            if itr > self._last_write:
-                self.calls.append((k, v, itr))
-                new_last_write = max(new_last_write, itr)
-        self._last_write = new_last_write
+        with snapshot(storage):
+            self._writer.write()
+
+
+class _EpochPrinter(d2.CommonMetricPrinter):
+    """``compat.d2.CommonMetricPrinter`` plus hookloop's ``epoch`` (not in detectron2): with
+    ``max_iter``, the line gets ``epoch: e/E`` after the iteration, the iterations split evenly
+    (``ceil(max_iter / E)`` per epoch)."""
+
+    def __init__(self, max_iter: Optional[int], window_size: int, epoch: Optional[int]) -> None:
+        super().__init__(max_iter, window_size)
+        self._epoch = epoch
+
+    def format_line(self, storage: d2.EventStorage, max_mem_mb: Optional[float]) -> str:
+        line = super().format_line(storage, max_mem_mb)
+        if self._epoch is None or self._max_iter is None:
+            return line
+        per_epoch = max(1, -(-self._max_iter // self._epoch))
+        e = min(max(storage.iter // per_epoch + 1, 1), self._epoch)
+        # The first "iter: N  " is the iteration field: only the ETA ("eta: 1 day, 0:00:03  ")
+        # comes before it.
+        field = f"iter: {storage.iter}  "
+        return line.replace(field, f"{field}epoch: {e}/{self._epoch}  ", 1)
 
 
 class CommonMetricPrinterRef:
     """detectron2's ``CommonMetricPrinter``. ``line(storage)`` returns the logged line (None
     at ``max_iter``) and the ETA seconds it would put; ``write(storage)`` also puts them.
 
-    ``epoch`` is hookloop's addition: with ``max_iter`` the line gets ``epoch: e/E`` after the
-    iteration, the iterations split evenly (``ceil(max_iter / E)`` per epoch).
+    ``epoch`` is hookloop's addition (see ``_EpochPrinter``).
     """
 
     def __init__(
         self, max_iter: Optional[int] = None, window_size: int = 20, epoch: Optional[int] = None
     ) -> None:
-        self._max_iter = max_iter
-        self._window_size = window_size
-        self._epoch = epoch
-        self._last_write: Optional[Tuple[int, float]] = None
-
-    def _get_eta(self, storage: Any) -> Tuple[Optional[str], Optional[float]]:
-        if self._max_iter is None:
-            return "", None
-        iteration = storage.iter
-        if "time" in storage.histories():
-            data = _values(storage, "time")
-            eta_seconds = _median(data, 1000) * (self._max_iter - iteration - 1)
-            return str(datetime.timedelta(seconds=int(eta_seconds))), eta_seconds
-        # estimate eta on our own - more noisy
-        eta_string = None
-        if self._last_write is not None:
-            estimate_iter_time = (time.perf_counter() - self._last_write[1]) / (
-                iteration - self._last_write[0]
-            )
-            eta_seconds = estimate_iter_time * (self._max_iter - iteration - 1)
-            eta_string = str(datetime.timedelta(seconds=int(eta_seconds)))
-        self._last_write = (iteration, time.perf_counter())
-        return eta_string, None
+        self._printer = _EpochPrinter(max_iter, window_size, epoch)
 
     def line(
         self, storage: Any, max_mem_mb: Optional[float] = None
     ) -> Tuple[Optional[str], Optional[float]]:
-        iteration = storage.iter
-        if iteration == self._max_iter:
-            return None, None
-        histories = storage.histories()
-        ws = self._window_size
-
-        def samples(name: str) -> List[Tuple[float, Any]]:
-            return _values(storage, name)
-
-        if "data_time" in histories:
-            data = samples("data_time")
-            avg_data_time: Optional[float] = _avg(data, count_samples(storage, "data_time", ws))
-            last_data_time: Optional[float] = data[-1][0]
-        else:
-            avg_data_time = last_data_time = None
-        if "time" in histories:
-            data = samples("time")
-            avg_iter_time: Optional[float] = _global_avg(data)
-            last_iter_time: Optional[float] = data[-1][0]
-        else:
-            avg_iter_time = last_iter_time = None
-        lr = "{:.5g}".format(samples("lr")[-1][0]) if "lr" in histories else "N/A"
-
-        eta_string, eta_seconds = self._get_eta(storage)
-
-        def smoothed(k: str) -> str:
-            return "{}: {:.4g}".format(k, _median(samples(k), count_samples(storage, k, ws)))
-
-        epoch = ""
-        if self._epoch is not None and self._max_iter is not None:
-            per_epoch = max(1, -(-self._max_iter // self._epoch))
-            e = min(max(iteration // per_epoch + 1, 1), self._epoch)
-            epoch = f"epoch: {e}/{self._epoch}  "
-
-        line = str.format(
-            " {eta}iter: {iter}  {epoch}{losses}  {non_losses}  {avg_time}{last_time}"
-            + "{avg_data_time}{last_data_time} lr: {lr}  {memory}",
-            eta=f"eta: {eta_string}  " if eta_string else "",
-            iter=iteration,
-            epoch=epoch,
-            losses="  ".join([smoothed(k) for k in histories if "loss" in k]),
-            non_losses="  ".join([smoothed(k) for k in histories if "[metric]" in k]),
-            avg_time="time: {:.4f}  ".format(avg_iter_time) if avg_iter_time is not None else "",
-            last_time="last_time: {:.4f}  ".format(last_iter_time)
-            if last_iter_time is not None
-            else "",
-            avg_data_time="data_time: {:.4f}  ".format(avg_data_time)
-            if avg_data_time is not None
-            else "",
-            last_data_time="last_data_time: {:.4f}  ".format(last_data_time)
-            if last_data_time is not None
-            else "",
-            lr=lr,
-            memory="max_mem: {:.0f}M".format(max_mem_mb) if max_mem_mb is not None else "",
-        )
-        return line, eta_seconds
+        if storage.iter == self._printer._max_iter:
+            return None, None  # as write() does: nothing once training has finished
+        snap = snapshot(storage)
+        line = self._printer.format_line(snap, max_mem_mb)
+        eta = [v for name, v in snap.puts if name == "eta_seconds"]
+        return line, eta[-1] if eta else None
 
     def write(self, storage: Any, max_mem_mb: Optional[float] = None) -> Optional[str]:
         line, eta_seconds = self.line(storage, max_mem_mb)

@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from compat import d2
 from hookloop.engine import AMPTrainer, HookBase, LRScheduler, SimpleTrainer, TrainerBase
 from hookloop.utils.events import EventStorage, get_event_storage
 from torch import nn
@@ -87,56 +88,12 @@ def expected_calls(names, start, stop):
     return out
 
 
-class RefTrainerBase:
-    """detectron2's TrainerBase loop in plain Python (with hookloop's ``iter == max_iter`` at the
-    end), used as the reference for subclass overrides."""
+class RefTrainerBase(d2.TrainerBase):
+    """detectron2's TrainerBase loop (``compat.d2``) running hookloop hooks, with hookloop's
+    ``iter == max_iter`` at the end; the reference for subclass overrides."""
 
-    def __init__(self):
-        self._hooks = []
-        self.iter = 0
-        self.start_iter = 0
-
-    def register_hooks(self, hooks):
-        hooks = [h for h in hooks if h is not None]
-        for h in hooks:
-            h.trainer = weakref.proxy(self)
-        self._hooks.extend(hooks)
-
-    def train(self, start_iter, max_iter):
-        self.iter = self.start_iter = start_iter
-        self.max_iter = max_iter
-        with EventStorage(start_iter) as self.storage:
-            try:
-                self.before_train()
-                for self.iter in range(start_iter, max_iter):
-                    self.before_step()
-                    self.run_step()
-                    self.after_step()
-                self.iter = max_iter
-            finally:
-                self.after_train()
-
-    def before_train(self):
-        for h in self._hooks:
-            h.before_train()
-
-    def after_train(self):
-        self.storage.iter = self.iter
-        for h in self._hooks:
-            h.after_train()
-
-    def before_step(self):
-        self.storage.iter = self.iter
-        for h in self._hooks:
-            h.before_step()
-
-    def after_backward(self):
-        for h in self._hooks:
-            h.after_backward()
-
-    def after_step(self):
-        for h in self._hooks:
-            h.after_step()
+    hook_types = (HookBase,)
+    iter_ends_at_max_iter = True
 
 
 class LinearModel(nn.Module):
@@ -797,7 +754,8 @@ def test_state_dict_without_stateful_hooks():
     trainer = LoopTrainer()
     trainer.register_hooks([RecordingHook([])])
     trainer.train(0, 3)
-    assert trainer.state_dict() == {"iteration": 3}
+    state = trainer.state_dict()
+    assert set(state) == {"iteration", "rng"} and state["iteration"] == 3
 
 
 def test_state_dict_with_stateful_hooks_and_duplicates():
@@ -805,13 +763,18 @@ def test_state_dict_with_stateful_hooks_and_duplicates():
     first, second = CounterHook(0), CounterHook(100)
     trainer.register_hooks([RecordingHook([]), first, OtherStateHook(), second])
     trainer.train(0, 4)
-    assert trainer.state_dict() == {
-        "iteration": 4,
-        "hooks": {"CounterHook": {"n": 4}, "OtherStateHook": {"x": [1, 2]}},
+    state = trainer.state_dict()
+    # Both hooks of one class are saved (detectron2 keeps only the first): the second under
+    # "CounterHook.1".
+    assert state["iteration"] == 4
+    assert state["hooks"] == {
+        "CounterHook": {"n": 4},
+        "OtherStateHook": {"x": [1, 2]},
+        "CounterHook.1": {"n": 104},
     }
 
 
-def test_load_state_dict_restores_iteration_and_first_hook_of_a_type():
+def test_load_state_dict_of_detectron2_keys_restores_the_first_hook_of_a_type():
     trainer = LoopTrainer()
     first, second, other = CounterHook(), CounterHook(), OtherStateHook()
     trainer.register_hooks([first, other, second])
@@ -854,7 +817,7 @@ def test_simple_trainer_resume_matches_straight_run():
     first.train(0, 10)
     state = copy.deepcopy(first.state_dict())
     weights = copy.deepcopy(first.model.state_dict())
-    assert set(state) == {"iteration", "optimizer", "hooks"}
+    assert set(state) == {"iteration", "optimizer", "hooks", "rng"}
     assert state["iteration"] == 10
     assert set(state["hooks"]) == {"LRScheduler"}
     assert state["hooks"]["LRScheduler"]["last_epoch"] == 10
@@ -1211,7 +1174,7 @@ def test_simple_trainer_state_dict_has_optimizer():
     trainer = simple_trainer(momentum=0.9)
     trainer.train(0, 2)
     sd = trainer.state_dict()
-    assert set(sd) == {"iteration", "optimizer"}
+    assert set(sd) == {"iteration", "optimizer", "rng"}
     assert sd["iteration"] == 2
     assert sd["optimizer"]["param_groups"] == trainer.optimizer.state_dict()["param_groups"]
     other = simple_trainer(momentum=0.9)
@@ -1285,7 +1248,7 @@ def test_amp_trainer_state_dict_has_grad_scaler():
     trainer = amp_trainer()
     trainer.train(0, 2)
     sd = trainer.state_dict()
-    assert set(sd) == {"iteration", "optimizer", "grad_scaler"}
+    assert set(sd) == {"iteration", "optimizer", "grad_scaler", "rng"}
     assert sd["grad_scaler"] == trainer.grad_scaler.state_dict()
     other = amp_trainer()
     other.load_state_dict(sd)

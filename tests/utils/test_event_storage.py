@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import warnings
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
 import torch
+from compat.d2 import EventStorage as RefStorage
 from hookloop.utils.events import (
     EventStorage,
     HistoryBuffer,
@@ -23,93 +23,12 @@ from hypothesis import strategies as st
 LOGGER = "hookloop.utils.events"
 
 
-# --- reference: fvcore's HistoryBuffer and detectron2's EventStorage (scalar part) ---------------
-
-
-class RefHistoryBuffer:
-    def __init__(self, max_length: int = 1000000) -> None:
-        self._max_length = max_length
-        self._data: List[Tuple[float, Any]] = []
-
-    def update(self, value: float, iteration: Any) -> None:
-        if len(self._data) == self._max_length:
-            self._data.pop(0)
-        self._data.append((value, iteration))
-
-    def median(self, window_size: int) -> float:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return float(np.median([x[0] for x in self._data[-window_size:]]))
-
-    def values(self) -> List[Tuple[float, Any]]:
-        return self._data
-
-
-class RefStorage:
-    """detectron2's ``EventStorage`` scalar logic (``put_scalar``, ``latest_with_smoothing_hint``,
-    ``count_samples``), with a plain dict instead of a defaultdict."""
-
-    def __init__(self, start_iter: int = 0, max_length: int = 1000000) -> None:
-        self._history: Dict[str, RefHistoryBuffer] = {}
-        self._smoothing_hints: Dict[str, bool] = {}
-        self._latest_scalars: Dict[str, Tuple[float, Any]] = {}
-        self._iter = start_iter
-        self._max_length = max_length
-
-    def put_scalar(self, name, value, smoothing_hint=True, cur_iter=None):
-        cur_iter = self._iter if cur_iter is None else cur_iter
-        history = self._history.setdefault(name, RefHistoryBuffer(self._max_length))
-        value = float(value)
-        history.update(value, cur_iter)
-        self._latest_scalars[name] = (value, cur_iter)
-        existing_hint = self._smoothing_hints.get(name)
-        if existing_hint is not None:
-            assert existing_hint == smoothing_hint
-        else:
-            self._smoothing_hints[name] = smoothing_hint
-
-    def put_scalars(self, *, smoothing_hint=True, cur_iter=None, **kwargs):
-        for k, v in kwargs.items():
-            self.put_scalar(k, v, smoothing_hint=smoothing_hint, cur_iter=cur_iter)
-
-    def latest_with_smoothing_hint(self, window_size=20):
-        result = {}
-        for k, (v, itr) in self._latest_scalars.items():
-            result[k] = (
-                self._history[k].median(self.count_samples(k, window_size))
-                if self._smoothing_hints[k]
-                else v,
-                itr,
-            )
-        return result
-
-    def count_samples(self, name, window_size=20):
-        samples = 0
-        data = self._history[name].values()
-        for _, iter_ in reversed(data):
-            if iter_ > data[-1][1] - window_size:
-                samples += 1
-            else:
-                break
-        return samples
-
-
 def detectron2_histogram(name: str, t: torch.Tensor, bins: int, it: int) -> Dict[str, Any]:
-    """detectron2's ``EventStorage.put_histogram`` parameters, as it computes them."""
-    ht_min, ht_max = t.min().item(), t.max().item()
-    hist_counts = torch.histc(t, bins=bins)
-    hist_edges = torch.linspace(start=ht_min, end=ht_max, steps=bins + 1, dtype=torch.float32)
-    return dict(
-        tag=name,
-        min=ht_min,
-        max=ht_max,
-        num=len(t),
-        sum=float(t.sum()),
-        sum_squares=float(torch.sum(t**2)),
-        bucket_limits=hist_edges[1:].tolist(),
-        bucket_counts=hist_counts.tolist(),
-        global_step=it,
-    )
+    """detectron2's ``EventStorage.put_histogram`` parameters (``compat.d2``'s model)."""
+    ref = RefStorage(it)
+    ref.put_histogram(name, t, bins=bins)
+    (params,) = ref._histograms
+    return params
 
 
 def same(a: float, b: float) -> bool:
@@ -399,10 +318,10 @@ def test_smoothing_matches_detectron2(ops, max_length, windows, start_iter):
     for op in ops:
         if op[0] == "step":
             s.step()
-            ref._iter += 1
+            ref.step()
         elif op[0] == "set_iter":
             s.iter = op[1]
-            ref._iter = op[1]
+            ref.iter = op[1]
         elif op[0] == "put":
             _, name, v, it = op
             s.put_scalar(name, v, smoothing_hint=NAMES[name], cur_iter=it)
@@ -413,17 +332,17 @@ def test_smoothing_matches_detectron2(ops, max_length, windows, start_iter):
             kwargs = {k: v for k, v in kwargs.items() if NAMES[k] == hint}
             s.put_scalars(smoothing_hint=hint, cur_iter=it, **kwargs)
             ref.put_scalars(smoothing_hint=hint, cur_iter=it, **kwargs)
-    assert s.iter == ref._iter
-    assert_same_pairs(s.latest(), ref._latest_scalars)
-    assert s.smoothing_hints() == ref._smoothing_hints
+    assert s.iter == ref.iter
+    assert_same_pairs(s.latest(), ref.latest())
+    assert s.smoothing_hints() == ref.smoothing_hints()
     for name, h in s.histories().items():
         got = h.values()
-        want = ref._history[name].values()
+        want = ref.history(name).values()
         assert len(got) == len(want)
         assert all(same(g[0], w[0]) and g[1] == w[1] for g, w in zip(got, want))
     for w in windows:
         assert_same_pairs(s.latest_with_smoothing_hint(w), ref.latest_with_smoothing_hint(w))
-        for name in ref._history:
+        for name in ref.histories():
             assert s.count_samples(name, w) == ref.count_samples(name, w)
 
 

@@ -106,6 +106,20 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
     def before_train(self) -> None:
         self._start(self.trainer.storage, self.trainer.start_iter)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The time spent so far (total and inside steps) and the iterations it covers, so a
+        resumed run's end-of-training summary covers the whole run."""
+        total, in_steps = self._elapsed()
+        trainer = self.trainer
+        timed = trainer.iter + 1 - trainer.start_iter - self._warmup_iter + self._carried_iters
+        return {"total_s": total, "steps_s": in_steps, "timed_iters": max(timed, 0)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._set_carried(float(state_dict["total_s"]), float(state_dict["steps_s"]))
+        self._carried_iters = int(state_dict["timed_iters"])
+
+    _carried_iters = 0
+
     def __getstate__(self) -> Dict[str, Any]:
         return {**HookBase.__getstate__(self), "_warmup_iter": self._warmup_iter}
 
@@ -118,7 +132,9 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         total_time, total_time_minus_hooks = self._elapsed()
         hook_time = total_time - total_time_minus_hooks
 
-        num_iter = self.trainer.storage.iter + 1 - self.trainer.start_iter - self._warmup_iter
+        num_iter = (
+            self.trainer.storage.iter + 1 - self.trainer.start_iter - self._warmup_iter
+        ) + self._carried_iters
 
         if num_iter > 0 and total_time_minus_hooks > 0:
             # Speed is meaningful only after warmup
@@ -163,6 +179,16 @@ class PeriodicWriter(HookBase):
             raise ValueError(f"PeriodicWriter period must be a positive int, got {period}")
         self._writers = writers
         self._period = period
+
+    def before_train(self) -> None:
+        start_iter = self.trainer.start_iter
+        if start_iter > 0:
+            # A resumed run: drop what a killed run wrote for iterations >= start_iter, so the
+            # outputs have no duplicates (TensorBoard: its purge marker).
+            for writer in self._writers:
+                resume = getattr(writer, "_resume_from", None)
+                if resume is not None:
+                    resume(start_iter)
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
         # Only this class's own after_step follows the period; a subclass's may not.

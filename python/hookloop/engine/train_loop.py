@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hookloop import _core
+from hookloop.checkpoint.rng import get_rng_state, set_rng_state
 from hookloop.utils import comm
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
@@ -215,6 +216,11 @@ class TrainerBase:
         self.max_iter = max_iter
 
         with EventStorage(start_iter) as self.storage:
+            if self._resume_storage is not None:
+                # The recent history of a resumed checkpoint: smoothing and the ETA continue.
+                self.storage._load_state(dict(self._resume_storage))
+                self.storage.iter = start_iter
+                self._resume_storage = None
             # The hook list is re-read (it may have been rebound) and the table rebuilt.
             self._dispatcher.begin(self._hooks, self.storage, max_iter)
             try:
@@ -271,35 +277,61 @@ class TrainerBase:
         raise NotImplementedError
 
     def state_dict(self) -> Dict[str, Any]:
+        """The iteration, every stateful hook's state, the RNG states (Python, numpy, torch,
+        CUDA), and during training the storage's recent scalar history (what smoothing and the
+        ETA need), so that a resumed run continues as if it was never stopped.
+
+        Two stateful hooks of one class are both saved: the first under the class's name (as
+        detectron2 keys it), the next ones under ``Name.1``, ``Name.2``, ..."""
         ret: Dict[str, Any] = {"iteration": self.iter}
         hooks_state = {}
-        for h in self._hooks:
+        for key, h in _hook_keys(self._hooks):
             sd = h.state_dict()
             if sd:
-                name = type(h).__qualname__
-                if name in hooks_state:
-                    # detectron2 keeps the first of several stateful hooks of one type.
-                    continue
-                hooks_state[name] = sd
+                hooks_state[key] = sd
         if hooks_state:
             ret["hooks"] = hooks_state
+        ret["rng"] = get_rng_state()
+        storage = getattr(self, "storage", None)
+        if storage is not None and storage in _CURRENT_STORAGE_STACK:
+            ret["storage"] = storage._state(keep=_RESUME_HISTORY)
         return ret
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping) or "iteration" not in state_dict:
             raise ValueError("load_state_dict() needs a dict with an 'iteration' key")
         self.iter = state_dict["iteration"]
+        hooks = dict(_hook_keys(self._hooks))
         for key, value in state_dict.get("hooks", {}).items():
-            for h in self._hooks:
-                try:
-                    name = type(h).__qualname__
-                except AttributeError:
-                    continue
-                if name == key:
-                    h.load_state_dict(value)
-                    break
-            else:
+            h = hooks.get(key)
+            if h is None:
                 logger.warning(f"Cannot find the hook '{key}', its state_dict is ignored.")
+                continue
+            h.load_state_dict(value)
+        if "rng" in state_dict:
+            set_rng_state(state_dict["rng"])
+        # Applied to the storage that the next train() opens.
+        self._resume_storage = state_dict.get("storage")
+
+    _resume_storage: Optional[Mapping[str, Any]] = None
+
+
+# Entries kept per scalar in a checkpoint: the printer's ETA takes the median of the last 1000
+# `time` values, and writers smooth over windows of 20 by default.
+_RESUME_HISTORY = 1000
+
+
+def _hook_keys(hooks: Iterable[Any]) -> List[Tuple[str, Any]]:
+    """(key, hook) for the hooks' state in a checkpoint: the class's qualified name, then
+    ``Name.1``, ``Name.2`` for later hooks of the same class."""
+    seen: Dict[str, int] = {}
+    out = []
+    for h in hooks:
+        name = type(h).__qualname__
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out.append((name if n == 0 else f"{name}.{n}", h))
+    return out
 
 
 class SimpleTrainer(TrainerBase):
@@ -407,8 +439,50 @@ class SimpleTrainer(TrainerBase):
     def _data_loader_iter(self) -> Any:
         # only create the data loader iterator when it is used
         if self._data_loader_iter_obj is None:
+            # Where the sampler starts, before a prefetching loader moves it on: a checkpoint
+            # records the position of the batches actually consumed from here.
+            self._data_start = _sampler_state(self.data_loader)
+            self._data_start_iter = self.iter
             self._data_loader_iter_obj = iter(self.data_loader)
         return self._data_loader_iter_obj
+
+    _data_start: Optional[Dict[str, Any]] = None
+    _data_start_iter = 0
+
+    def _data_state(self) -> Dict[str, Any]:
+        """The data position for a checkpoint saved at the end of iteration ``self.iter``:
+        the loader's own ``state_dict()`` when it has one, else its sampler's state moved on
+        by the batches consumed since the iterator was created (one per iteration)."""
+        loader = self.data_loader
+        own = getattr(loader, "state_dict", None)
+        if callable(own):
+            return {"loader": own()}
+        if self._data_loader_iter_obj is None or self._data_start is None:
+            return {}
+        batches = self.iter + 1 - self._data_start_iter
+        batch_size = _batch_size(loader)
+        if batch_size is None or "position" not in self._data_start:
+            return {}
+        state = dict(self._data_start)
+        state["position"] = state["position"] + batches * batch_size * comm.get_world_size()
+        return {"sampler": state}
+
+    def _load_data_state(self, data: Mapping[str, Any]) -> None:
+        loader = self.data_loader
+        own = getattr(loader, "load_state_dict", None)
+        sampler = _sampler(loader)
+        if "loader" in data and callable(own):
+            own(data["loader"])
+        elif "sampler" in data and sampler is not None and hasattr(sampler, "load_state_dict"):
+            sampler.load_state_dict(data["sampler"])
+        else:
+            logger.warning(
+                f"The data loader ({type(loader).__name__}) cannot be resumed: it has no "
+                "state_dict() and no resumable sampler (hookloop.data.TrainingSampler); "
+                "training continues with its data from its current position."
+            )
+            return
+        self._data_loader_iter_obj = None
 
     def reset_data_loader(self, data_loader_builder: Any) -> None:
         """Delete and replace the current data loader with a new one, which will be created
@@ -480,11 +554,16 @@ class SimpleTrainer(TrainerBase):
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
         ret["optimizer"] = self.optimizer.state_dict()
+        data = self._data_state()
+        if data:
+            ret["data"] = data
         return ret
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        if "data" in state_dict:
+            self._load_data_state(state_dict["data"])
 
     def after_train(self) -> None:
         try:
@@ -500,6 +579,28 @@ class SimpleTrainer(TrainerBase):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
+
+
+def _sampler(loader: Any) -> Any:
+    """The sampler that orders a loader's data: a DataLoader's ``batch_sampler.sampler`` or
+    ``sampler``, or the loader itself when it is a sampler."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if sampler is None:
+        sampler = getattr(loader, "sampler", None)
+    return sampler
+
+
+def _sampler_state(loader: Any) -> Optional[Dict[str, Any]]:
+    sampler = _sampler(loader)
+    state_dict = getattr(sampler, "state_dict", None)
+    return dict(state_dict()) if callable(state_dict) else None
+
+
+def _batch_size(loader: Any) -> Optional[int]:
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _mean(values: List[float]) -> float:

@@ -227,6 +227,19 @@ class JSONWriter(EventWriter):
     def write(self) -> None:
         self._native.write(get_event_storage())
 
+    def _resume_from(self, start_iter: int) -> None:
+        """A resumed run restarts at ``start_iter``: the lines a killed run wrote for
+        iterations >= ``start_iter`` are removed from the file (an atomic rewrite), so the
+        resumed run's lines follow without duplicates. ``PeriodicWriter`` calls this."""
+        removed = self._native._purge_from(start_iter)
+        if removed:
+            logger.info(
+                "Removed %d line(s) of iterations >= %d from %s, left by an earlier run",
+                removed,
+                start_iter,
+                self._native.path,
+            )
+
     def flush(self) -> None:
         """Blocks until everything written so far is in the file."""
         self._native.flush()
@@ -263,8 +276,13 @@ class TensorboardXWriter(EventWriter):
             raise TypeError(
                 f"TensorboardXWriter got unexpected keyword arguments {sorted(unknown)}"
             )
-        if kwargs.get("purge_step") is not None:
-            raise ValueError("TensorboardXWriter does not support purge_step")
+        purge_step = kwargs.get("purge_step")
+        if purge_step is not None and (
+            isinstance(purge_step, bool) or not isinstance(purge_step, int) or purge_step < 0
+        ):
+            raise ValueError(
+                f"TensorboardXWriter purge_step must be an int >= 0, got {purge_step!r}"
+            )
         self._native = _core.TensorboardXWriter(
             _fspath("log_dir", log_dir),
             window_size,
@@ -273,6 +291,8 @@ class TensorboardXWriter(EventWriter):
             kwargs.get("fsync", _core.EVENTS_FSYNC_DEFAULT),
         )
         self._writer = _SummaryWriter(self._native, os.fspath(log_dir))
+        if purge_step is not None:
+            self._resume_from(purge_step)
 
     @property
     def _window_size(self) -> int:
@@ -285,6 +305,12 @@ class TensorboardXWriter(EventWriter):
     @_last_write.setter
     def _last_write(self, value: int) -> None:
         self._native._last_write = value
+
+    def _resume_from(self, start_iter: int) -> None:
+        """A resumed run restarts at ``start_iter``: writes TensorBoard's purge marker (a
+        ``SessionLog.START`` event at that step, what ``SummaryWriter(purge_step=...)`` writes),
+        so TensorBoard's reader discards the events a killed run left at steps >= it."""
+        self._native._purge_from(start_iter)
 
     def write(self) -> None:
         storage = get_event_storage()

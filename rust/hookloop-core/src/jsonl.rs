@@ -149,6 +149,82 @@ impl JsonSink {
     }
 }
 
+/// The `iteration` of a metrics.json line, if it is a JSON object with a numeric one.
+/// Python's `json.dumps` writes non-finite floats as `NaN`/`Infinity`, which strict JSON
+/// lacks: as values (after `": "`) they are read as null.
+pub fn line_iteration(line: &str) -> Option<f64> {
+    let value: serde_json::Value = match serde_json::from_str(line) {
+        Ok(v) => v,
+        Err(_) => {
+            let strict = line
+                .replace(": NaN", ": null")
+                .replace(": -Infinity", ": null")
+                .replace(": Infinity", ": null");
+            serde_json::from_str(&strict).ok()?
+        }
+    };
+    value.get("iteration")?.as_f64()
+}
+
+/// `text` (whole lines) without the lines whose iteration is `>= from`; lines without an
+/// iteration are kept. Returns the kept text and the number of lines removed.
+pub fn drop_iterations_from(text: &str, from: f64) -> (String, u64) {
+    let mut kept = String::with_capacity(text.len());
+    let mut removed = 0;
+    for line in text.split_inclusive('\n') {
+        if line_iteration(line.trim_end()).is_some_and(|it| it >= from) {
+            removed += 1;
+        } else {
+            kept.push_str(line);
+        }
+    }
+    (kept, removed)
+}
+
+impl JsonSink {
+    /// Rewrites the file without the lines of iterations `>= from`, atomically: a temporary
+    /// file in the same directory, fsynced, renamed over the file, the directory fsynced; then
+    /// appends continue on the new file. A kill at any moment leaves the old or the new file.
+    fn rewrite_without(&mut self, from: f64) -> Result<u64> {
+        let io = |e| Error::io(&self.path, e);
+        let mut text = String::new();
+        self.file.seek(SeekFrom::Start(0)).map_err(io)?;
+        self.file.read_to_string(&mut text).map_err(io)?;
+        let (kept, removed) = drop_iterations_from(&text, from);
+        if removed == 0 {
+            return Ok(0);
+        }
+        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let tmp = self.path.with_file_name(format!(
+            ".{}.purge-{}.tmp",
+            name.unwrap_or_default(),
+            std::process::id()
+        ));
+        let tmp_io = |e| Error::io(&tmp, e);
+        {
+            let mut f = File::create(&tmp).map_err(tmp_io)?;
+            f.write_all(kept.as_bytes()).map_err(tmp_io)?;
+            f.sync_all().map_err(tmp_io)?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, &self.path) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
+        }
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        self.file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(&self.path)
+            .map_err(io)?;
+        self.len = kept.len() as u64;
+        Ok(removed)
+    }
+}
+
 impl Sink for JsonSink {
     fn write(&mut self, payload: Payload) -> Result<()> {
         let Payload::Json(rows) = payload else {
@@ -170,6 +246,11 @@ impl Sink for JsonSink {
                 .map_err(|e| Error::io(&self.path, e))?;
         }
         Ok(())
+    }
+
+    fn purge(&mut self, _wall_time: f64, from: f64) -> Result<u64> {
+        self.write_pending()?;
+        self.rewrite_without(from)
     }
 
     fn close(&mut self) -> Result<()> {
@@ -302,5 +383,39 @@ mod tests {
         let again = st.smoothed_since(20, &mut last).unwrap();
         assert_eq!(again.iter().map(|s| &*s.name).collect::<Vec<_>>(), ["b"]);
         assert_eq!(last, 6.0);
+    }
+
+    #[test]
+    fn purge_drops_iterations_from_a_resume_point_atomically() {
+        let path = tmpdir("purge").join("metrics.json");
+        std::fs::write(
+            &path,
+            "{\"iteration\": 1, \"a\": 1.0}\n{\"iteration\": 5}\n{\"x\": 1}\n{\"iteration\": 9}\n",
+        )
+        .unwrap();
+        let sink = JsonSink::open(&path, FsyncPolicy::Never).unwrap();
+        let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
+        assert_eq!(h.purge(0.0, 5.0).unwrap(), 2);
+        h.send(Payload::Json(vec![row(5, &[("a", 2.0)])])).unwrap();
+        h.close().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"iteration\": 1, \"a\": 1.0}\n{\"x\": 1}\n{\"a\": 2.0, \"iteration\": 5}\n"
+        );
+        let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains("purge"))
+            .collect();
+        assert!(leftovers.is_empty());
+    }
+
+    #[test]
+    fn line_iteration_reads_ints_and_floats() {
+        assert_eq!(line_iteration("{\"iteration\": 7, \"loss\": NaN}"), Some(7.0));
+        assert_eq!(line_iteration("{\"a\": -Infinity, \"iteration\": 3}"), Some(3.0));
+        assert_eq!(line_iteration("{\"iteration\": 7, \"loss\": 1.5}"), Some(7.0));
+        assert_eq!(line_iteration("{\"iteration\": 2.5}"), Some(2.5));
+        assert_eq!(line_iteration("garbage"), None);
     }
 }

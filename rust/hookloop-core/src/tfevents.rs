@@ -32,9 +32,36 @@ pub struct Event {
     /// Global step (detectron2's iteration).
     #[prost(int64, tag = "2")]
     pub step: i64,
-    /// The payload: the file version (first record only) or a summary.
-    #[prost(oneof = "event::What", tags = "3, 5")]
+    /// The payload: the file version (first record only), a summary, or a session log.
+    #[prost(oneof = "event::What", tags = "3, 5, 7")]
     pub what: Option<event::What>,
+}
+
+/// Mirrors `tensorboard.SessionLog`: hookloop writes `START` only, TensorBoard's purge marker
+/// (`SummaryWriter(purge_step=N)`): a reader drops the events of steps >= N written before it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SessionLog {
+    /// `SessionStatus`: 1 is `START`.
+    #[prost(int32, tag = "1")]
+    pub status: i32,
+}
+
+/// `SessionLog.SessionStatus.START`.
+pub const SESSION_START: i32 = 1;
+
+/// The purge marker at `step`: what a resumed run writes so that TensorBoard discards the
+/// stale events a killed run left at steps >= `step`.
+pub fn purge_record(wall_time: f64, step: i64) -> Vec<u8> {
+    let event = Event {
+        wall_time,
+        step,
+        what: Some(event::What::SessionLog(SessionLog {
+            status: SESSION_START,
+        })),
+    };
+    let mut out = Vec::new();
+    append_event(&mut out, &event);
+    out
 }
 
 /// Nested types of [`Event`].
@@ -48,6 +75,9 @@ pub mod event {
         /// A set of tagged values.
         #[prost(message, tag = "5")]
         Summary(super::Summary),
+        /// A session event: the purge marker.
+        #[prost(message, tag = "7")]
+        SessionLog(super::SessionLog),
     }
 }
 
@@ -667,6 +697,12 @@ impl Sink for EventSink {
         self.file
             .flush(self.fsync == FsyncPolicy::Always)
             .map_err(|e| Error::io(self.file.path(), e))
+    }
+
+    fn purge(&mut self, wall_time: f64, from: f64) -> Result<u64> {
+        self.buf.extend(purge_record(wall_time, from as i64));
+        self.write_pending()?;
+        Ok(0)
     }
 
     fn close(&mut self) -> Result<()> {

@@ -84,6 +84,10 @@ pub trait Sink: Send {
     fn sync(&mut self) -> Result<()>;
     /// Appends the buffer, syncs per policy, and closes.
     fn close(&mut self) -> Result<()>;
+    /// A resumed run restarts at iteration `from`: removes (metrics.json) or marks as stale
+    /// (TensorBoard) what an earlier run wrote for iterations >= `from`. Returns how many
+    /// entries were removed, when the format can tell.
+    fn purge(&mut self, wall_time: f64, from: f64) -> Result<u64>;
 }
 
 /// A writer's error slot, shared with the thread.
@@ -109,6 +113,7 @@ impl Status {
 enum Msg {
     Open(u64, Box<dyn Sink>, Arc<Status>, PathBuf),
     Write(u64, Payload),
+    Purge(u64, f64, f64, SyncSender<Result<u64>>),
     Close(u64, Ack),
     Barrier(Ack),
 }
@@ -259,7 +264,9 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
 /// thread (every later flush would wait forever) nor pass silently.
 fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
     let id = match &msg {
-        Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) => Some(*id),
+        Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) | Msg::Purge(id, ..) => {
+            Some(*id)
+        }
         Msg::Barrier(_) => None,
     };
     let result =
@@ -304,6 +311,14 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
                     Err(e) => open.status.set(e),
                 }
             }
+        }
+        Msg::Purge(id, wall_time, from, reply) => {
+            let result = match sinks.get_mut(&id) {
+                Some(open) => open.sink.sync().and_then(|()| open.sink.purge(wall_time, from)),
+                None => Ok(0),
+            };
+            dirty.remove(&id);
+            let _ = reply.send(result);
         }
         Msg::Close(id, ack) => {
             dirty.remove(&id);
@@ -401,6 +416,16 @@ impl SinkHandle {
         Ok(())
     }
 
+    /// A resumed run restarts at iteration `from`: the sink drops (or marks as stale) what
+    /// was written for iterations >= `from`, after writing what is queued. Waits for it and
+    /// returns how many entries were removed.
+    pub fn purge(&self, wall_time: f64, from: f64) -> Result<u64> {
+        self.check()?;
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.queue.push(Msg::Purge(self.id, wall_time, from, tx), true);
+        rx.recv().unwrap_or(Ok(0))
+    }
+
     /// Waits until everything this process queued is written.
     pub fn flush(&self) -> Result<()> {
         self.check()?;
@@ -459,6 +484,10 @@ mod tests {
         fn close(&mut self) -> Result<()> {
             self.log.lock().unwrap().push("close".into());
             Ok(())
+        }
+        fn purge(&mut self, _wall_time: f64, from: f64) -> Result<u64> {
+            self.log.lock().unwrap().push(format!("purge {from}"));
+            Ok(0)
         }
     }
 

@@ -115,6 +115,19 @@ impl PyNativeWriter {
         lock(&self.inner).last_write
     }
 
+    /// A resumed run restarts at iteration `start`: drops (metrics.json) or marks as stale
+    /// (TensorBoard's purge marker) what was written for iterations >= `start`, and makes
+    /// the next `write()` write only what is newer than `start - 1`. Returns the number of
+    /// lines removed (0 for TensorBoard, whose reader does the removing).
+    fn _purge_from(&self, py: Python<'_>, start: i64) -> PyResult<u64> {
+        let from = start as f64;
+        let removed = py
+            .detach(|| lock(&self.inner).handle.purge(wall_time(), from))
+            .py_err()?;
+        lock(&self.inner).last_write = from - 1.0;
+        Ok(removed)
+    }
+
     /// Sets the last iteration written: the next `write()` writes only what is newer.
     #[setter(_last_write)]
     fn set_last_write(&self, value: f64) {

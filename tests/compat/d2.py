@@ -1,8 +1,12 @@
-"""A pure-Python training-loop engine with detectron2's semantics: the benchmarks' baseline.
+"""A pure-Python training-loop engine with detectron2's semantics: the one model of detectron2
+and fvcore behaviour that hookloop is checked and measured against.
 
-Written for hookloop's benchmarks (not copied from detectron2 or fvcore), it does the same work
-per call as ``detectron2.engine`` / ``detectron2.utils.events`` and fvcore's ``HistoryBuffer``
-and ``Timer``, so that "reference / hookloop" ratios measure what a detectron2 user would save:
+Written for hookloop (not copied from detectron2 or fvcore), it does the same work per call as
+``detectron2.engine`` / ``detectron2.utils.events`` and fvcore's ``HistoryBuffer`` and
+``Timer``. The benchmarks (``benches/bench_overhead.py``) run it as their baseline, so that
+"reference / hookloop" ratios measure what a detectron2 user would save; the tests use it as
+their oracle (directly, or through ``compat.reference`` for the writers). It never imports
+hookloop, so it shares none of hookloop's code.
 
 - ``HistoryBuffer`` is fvcore's: a list of ``(value, iteration)`` tuples that evicts with
   ``list.pop(0)`` once ``max_length`` (1e6) entries are held, ``np.median`` / ``np.mean`` over
@@ -17,10 +21,13 @@ and ``Timer``, so that "reference / hookloop" ratios measure what a detectron2 u
   write), ``TensorboardXWriter`` (torch's ``SummaryWriter``, one ``add_scalar`` per scalar),
   ``CommonMetricPrinter`` (detectron2's format string, ``logging.info``).
 
-Differences, all for the benchmarks: ``EventStorage`` takes ``max_length`` (the length of its
+Differences, for the benchmarks: ``EventStorage`` takes ``max_length`` (the length of its
 histories; fvcore's default when omitted), and ``TensorboardXWriter`` creates its
 ``SummaryWriter`` in ``__init__`` (detectron2 <= 0.6; newer versions create it at the first
-write), so that creating the event file is not timed as part of a write.
+write), so that creating the event file is not timed as part of a write. For the tests:
+``CommonMetricPrinter.format_line`` is ``write()``'s line on a given storage, and two
+``TrainerBase`` class attributes (``hook_types``, ``iter_ends_at_max_iter``) default to
+detectron2's behaviour and let a test run hookloop's hooks and end state under this loop.
 """
 
 from __future__ import annotations
@@ -57,9 +64,9 @@ __all__ = [
 ]
 
 # CommonMetricPrinter logs here (detectron2 uses "detectron2.utils.events").
-EVENTS_LOGGER = "d2_reference.events"
+EVENTS_LOGGER = "compat.d2.events"
 
-logger = logging.getLogger("d2_reference.engine")
+logger = logging.getLogger("compat.d2.engine")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +225,26 @@ class EventStorage:
     ) -> None:
         for k, v in kwargs.items():
             self.put_scalar(k, v, smoothing_hint=smoothing_hint, cur_iter=cur_iter)
+
+    def put_histogram(self, hist_name: str, hist_tensor: torch.Tensor, bins: int = 1000) -> None:
+        """detectron2's histogram parameters for ``add_histogram_raw``: ``num`` is ``len`` (the
+        first dimension), the edges are float32 ``linspace(min, max)``, counts from ``histc``."""
+        ht_min, ht_max = hist_tensor.min().item(), hist_tensor.max().item()
+        hist_counts = torch.histc(hist_tensor, bins=bins)
+        hist_edges = torch.linspace(start=ht_min, end=ht_max, steps=bins + 1, dtype=torch.float32)
+        self._histograms.append(
+            dict(
+                tag=hist_name,
+                min=ht_min,
+                max=ht_max,
+                num=len(hist_tensor),
+                sum=float(hist_tensor.sum()),
+                sum_squares=float(torch.sum(hist_tensor**2)),
+                bucket_limits=hist_edges[1:].tolist(),
+                bucket_counts=hist_counts.tolist(),
+                global_step=self._iter,
+            )
+        )
 
     def history(self, name: str) -> HistoryBuffer:
         ret = self._history.get(name, None)
@@ -398,13 +425,21 @@ class CommonMetricPrinter(EventWriter):
 
     def write(self) -> None:
         storage = get_event_storage()
-        iteration = storage.iter
-        if iteration == self._max_iter:
+        if storage.iter == self._max_iter:
             # This hook only reports training progress (loss, ETA, etc) but not other data,
             # therefore do not write anything after training succeeds, even if this method
             # is called.
             return
+        if torch.cuda.is_available():
+            max_mem_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
+        else:
+            max_mem_mb = None
+        self.logger.info(self.format_line(storage, max_mem_mb))
 
+    def format_line(self, storage: EventStorage, max_mem_mb: Optional[float]) -> str:
+        """The line ``write()`` logs for ``storage`` (which gets ``eta_seconds`` when the ETA
+        comes from the ``time`` history), before ``max_iter`` is reached."""
+        iteration = storage.iter
         try:
             avg_data_time = storage.history("data_time").avg(
                 storage.count_samples("data_time", self._window_size)
@@ -428,51 +463,38 @@ class CommonMetricPrinter(EventWriter):
 
         eta_string = self._get_eta(storage)
 
-        if torch.cuda.is_available():
-            max_mem_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
-        else:
-            max_mem_mb = None
-
         # NOTE: max_mem is parsed by grep in "dev/parse_results.sh"
-        self.logger.info(
-            str.format(
-                " {eta}iter: {iter}  {losses}  {non_losses}  {avg_time}{last_time}"
-                + "{avg_data_time}{last_data_time} lr: {lr}  {memory}",
-                eta=f"eta: {eta_string}  " if eta_string else "",
-                iter=iteration,
-                losses="  ".join(
-                    [
-                        "{}: {:.4g}".format(
-                            k, v.median(storage.count_samples(k, self._window_size))
-                        )
-                        for k, v in storage.histories().items()
-                        if "loss" in k
-                    ]
-                ),
-                non_losses="  ".join(
-                    [
-                        "{}: {:.4g}".format(
-                            k, v.median(storage.count_samples(k, self._window_size))
-                        )
-                        for k, v in storage.histories().items()
-                        if "[metric]" in k
-                    ]
-                ),
-                avg_time="time: {:.4f}  ".format(avg_iter_time)
-                if avg_iter_time is not None
-                else "",
-                last_time="last_time: {:.4f}  ".format(last_iter_time)
-                if last_iter_time is not None
-                else "",
-                avg_data_time="data_time: {:.4f}  ".format(avg_data_time)
-                if avg_data_time is not None
-                else "",
-                last_data_time="last_data_time: {:.4f}  ".format(last_data_time)
-                if last_data_time is not None
-                else "",
-                lr=lr,
-                memory="max_mem: {:.0f}M".format(max_mem_mb) if max_mem_mb is not None else "",
-            )
+        return str.format(
+            " {eta}iter: {iter}  {losses}  {non_losses}  {avg_time}{last_time}"
+            + "{avg_data_time}{last_data_time} lr: {lr}  {memory}",
+            eta=f"eta: {eta_string}  " if eta_string else "",
+            iter=iteration,
+            losses="  ".join(
+                [
+                    "{}: {:.4g}".format(k, v.median(storage.count_samples(k, self._window_size)))
+                    for k, v in storage.histories().items()
+                    if "loss" in k
+                ]
+            ),
+            non_losses="  ".join(
+                [
+                    "{}: {:.4g}".format(k, v.median(storage.count_samples(k, self._window_size)))
+                    for k, v in storage.histories().items()
+                    if "[metric]" in k
+                ]
+            ),
+            avg_time="time: {:.4f}  ".format(avg_iter_time) if avg_iter_time is not None else "",
+            last_time="last_time: {:.4f}  ".format(last_iter_time)
+            if last_iter_time is not None
+            else "",
+            avg_data_time="data_time: {:.4f}  ".format(avg_data_time)
+            if avg_data_time is not None
+            else "",
+            last_data_time="last_data_time: {:.4f}  ".format(last_data_time)
+            if last_data_time is not None
+            else "",
+            lr=lr,
+            memory="max_mem: {:.0f}M".format(max_mem_mb) if max_mem_mb is not None else "",
         )
 
 
@@ -503,6 +525,13 @@ class HookBase:
 
 
 class TrainerBase:
+    # What register_hooks accepts: detectron2 asserts its own HookBase. A test widens it to run
+    # hookloop's hooks under this loop.
+    hook_types: Tuple[type, ...] = (HookBase,)
+    # detectron2 ends a finished train() with ``self.iter += 1``: max_iter, except that
+    # train(n, n) leaves n + 1. True gives hookloop's ``self.iter = max_iter``.
+    iter_ends_at_max_iter = False
+
     def __init__(self) -> None:
         self._hooks: List[HookBase] = []
         self.iter: int = 0
@@ -515,7 +544,7 @@ class TrainerBase:
 
         hooks = [h for h in hooks if h is not None]
         for h in hooks:
-            assert isinstance(h, HookBase)
+            assert isinstance(h, self.hook_types)
             h.trainer = weakref.proxy(self)
         self._hooks.extend(hooks)
 
@@ -534,7 +563,10 @@ class TrainerBase:
                     self.after_step()
                 # self.iter == max_iter can be used by `after_train` to tell whether the
                 # training successfully finished or failed due to exceptions.
-                self.iter += 1
+                if self.iter_ends_at_max_iter:
+                    self.iter = max_iter
+                else:
+                    self.iter += 1
             except Exception:
                 logger.exception("Exception during training:")
                 raise

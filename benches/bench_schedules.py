@@ -10,9 +10,11 @@ Measures, side by side in this one process, the cost of one scheduler step per i
 - ``LRMultiplier(Warmup(MultiStep)).step()``: hookloop, native schedule (one call into Rust);
 - ``LRMultiplier._native_step()``: the same step without torch's call-order bookkeeping, what
   the ``LRScheduler`` hook calls;
-- ``LRMultiplier(Python schedule).step()``: the same schedule written as a Python
-  ``ParamScheduler`` subclass, i.e. what detectron2 + fvcore cost (torch's step, a Python
-  ``get_lr`` and a Python schedule).
+- ``LRMultiplier(Python schedule).step()``: hookloop's LRMultiplier over the same schedule as
+  a Python ``ParamScheduler`` subclass (the fallback: torch's step, ``get_lr``, Python schedule);
+- ``detectron2 LRMultiplier+fvcore .step()``: the baseline, detectron2's ``LRMultiplier`` over
+  fvcore's ``WarmupParamScheduler(MultiStepParamScheduler(...))`` as modelled in
+  ``tests/compat/d2.py`` (the tests' model of detectron2).
 
 Each repeat runs every variant once, in a rotating order, so all see the same machine noise;
 the table gives the median and minimum over repeats (ns per iteration) and the ratio of torch's
@@ -23,45 +25,35 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
-from bisect import bisect_right
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
-import hookloop
-import torch
-from hookloop.solver import LRMultiplier, WarmupParamScheduler
-from hookloop.solver.param_scheduler import MultiStepParamScheduler, ParamScheduler
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The baseline is the tests' model of detectron2, tests/compat/d2.py.
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+import hookloop  # noqa: E402
+import torch  # noqa: E402
+from compat import d2  # noqa: E402
+from hookloop.solver import LRMultiplier, WarmupParamScheduler  # noqa: E402
+from hookloop.solver.param_scheduler import MultiStepParamScheduler, ParamScheduler  # noqa: E402
 
 perf_ns = time.perf_counter_ns
 
 
-class PyWarmupMultiStep(ParamScheduler):
-    """fvcore's WarmupParamScheduler(MultiStepParamScheduler(...)) arithmetic, in Python."""
+class PythonSchedule(ParamScheduler):
+    """A Python ParamScheduler subclass (hookloop evaluates it at Python cost)."""
 
-    def __init__(
-        self,
-        values: List[float],
-        milestones: List[int],
-        num_updates: int,
-        factor: float,
-        length: float,
-    ):
-        self.values, self.milestones, self.num_updates = values, milestones, num_updates
-        self.length = length
-        self.start = factor * self._inner(0.0)
-        self.end = self._inner(length)
-
-    def _inner(self, where: float) -> float:
-        epoch = int((where + self.WHERE_EPSILON) * self.num_updates)
-        return self.values[bisect_right(self.milestones, epoch)]
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
 
     def __call__(self, where: float) -> float:
-        if where + self.WHERE_EPSILON > self.length:
-            return self._inner(where)
-        w = where / self.length
-        return self.end * w + self.start * (1 - w)
+        return self.inner(where)
 
 
 def make_optimizer(groups: int) -> torch.optim.Optimizer:
@@ -90,8 +82,19 @@ def build(variant: str, groups: int, iters: int) -> Callable[[], None]:
         opt.step()  # torch warns once if the scheduler steps before the optimizer ever did
         sched.step()
         return sched.step
+    if variant.startswith("detectron2"):
+        d2_multiplier = d2.WarmupParamScheduler(
+            d2.MultiStepParamScheduler(values, milestones=milestones, num_updates=n), factor, length
+        )
+        sched = d2.LRMultiplier(opt, d2_multiplier, n)
+        opt.step()
+        sched.step()
+        return sched.step
     if variant.startswith("LRMultiplier(Python"):
-        sched = LRMultiplier(opt, PyWarmupMultiStep(values, milestones, n, factor, length), n)
+        d2_multiplier = d2.WarmupParamScheduler(
+            d2.MultiStepParamScheduler(values, milestones=milestones, num_updates=n), factor, length
+        )
+        sched = LRMultiplier(opt, PythonSchedule(d2_multiplier), n)
         opt.step()
         sched.step()
         return sched.step
@@ -111,6 +114,7 @@ VARIANTS = [
     "LRMultiplier(Warmup(MultiStep)).step()",
     "LRMultiplier._native_step()",
     "LRMultiplier(Python schedule).step()",
+    "detectron2 LRMultiplier+fvcore .step()",
 ]
 
 

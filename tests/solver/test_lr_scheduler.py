@@ -10,7 +10,7 @@ from bisect import bisect_right
 
 import pytest
 import torch
-from compat.fvcore_reference import RefMultiStep, ref_warmup
+from compat import d2
 from hookloop.solver import LRMultiplier, WarmupCosineLR, WarmupMultiStepLR, WarmupParamScheduler
 from hookloop.solver.param_scheduler import (
     CosineParamScheduler,
@@ -39,8 +39,8 @@ def multiplier():
 
 
 def reference_multiplier():
-    inner = RefMultiStep([1, 0.1, 0.01], milestones=[600, 800], num_updates=MAX_ITER)
-    return ref_warmup(inner, 0.001, 100 / MAX_ITER)
+    inner = d2.MultiStepParamScheduler([1, 0.1, 0.01], milestones=[600, 800], num_updates=MAX_ITER)
+    return d2.WarmupParamScheduler(inner, 0.001, 100 / MAX_ITER)
 
 
 def expected_lrs(ref, it, base_lrs=BASE_LRS):
@@ -65,21 +65,27 @@ class Halving(ParamScheduler):
 
 
 @pytest.mark.parametrize("python_multiplier", [False, True])
-def test_full_run_equals_plain_python(python_multiplier):
+def test_full_run_equals_detectron2(python_multiplier):
     opt = make_optimizer()
     mult = Halving() if python_multiplier else multiplier()
     ref = Halving() if python_multiplier else reference_multiplier()
     sched = LRMultiplier(opt, mult, max_iter=MAX_ITER)
+    # detectron2's LRMultiplier (compat.d2) on its own optimizer, side by side.
+    d2_opt = make_optimizer()
+    d2_sched = d2.LRMultiplier(d2_opt, ref, max_iter=MAX_ITER)
     assert (sched._native is None) == python_multiplier
     assert sched._fast == (not python_multiplier)
-    assert bits(lrs(opt)) == bits(expected_lrs(ref, 0))
+    assert bits(lrs(opt)) == bits(expected_lrs(ref, 0)) == bits(lrs(d2_opt))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no torch call-order warning on the usual loop
         for it in range(MAX_ITER):
             opt.step()
             sched.step()
+            d2_opt.step()
+            d2_sched.step()
             assert sched.last_epoch == it + 1
             assert bits(lrs(opt)) == bits(expected_lrs(ref, it + 1)), it
+            assert bits(lrs(opt)) == bits(lrs(d2_opt)), it
             assert bits(sched.get_last_lr()) == bits(lrs(opt))
             assert all(type(lr) is float for lr in lrs(opt))
     # The loop's last step is at where == 1.0; one more is past the schedule.

@@ -1,5 +1,5 @@
 """hookloop.solver.param_scheduler against fvcore's formulas, written out in plain Python in
-tests/compat/fvcore_reference.py: values must match bit for bit."""
+tests/compat/d2.py: values must match bit for bit."""
 
 from __future__ import annotations
 
@@ -8,19 +8,7 @@ import pickle
 import random
 
 import pytest
-from compat.fvcore_reference import (
-    EPS,
-    RefComposite,
-    RefConstant,
-    RefCosine,
-    RefExponential,
-    RefLinear,
-    RefMultiStep,
-    RefPolynomialDecay,
-    RefStep,
-    ref_fixed_gamma,
-    ref_warmup,
-)
+from compat import d2
 from hookloop import _core
 from hookloop.solver import WarmupParamScheduler
 from hookloop.solver.param_scheduler import (
@@ -45,7 +33,7 @@ WHERES = (
     + [i / 90000 for i in range(0, 90000, 331)]
     + [i / 37 for i in range(37)]
     + [_rng.random() for _ in range(500)]
-    + [0.3 - EPS, 0.3 - EPS / 2, 0.3, 0.5 - 1e-7, 0.999999, 0.9999995]
+    + [0.3 - d2.WHERE_EPSILON, 0.3 - d2.WHERE_EPSILON / 2, 0.3, 0.5 - 1e-7, 0.999999, 0.9999995]
 )
 
 
@@ -71,16 +59,20 @@ def assert_same_everywhere(ours, ref, wheres=WHERES):
 # --- values -------------------------------------------------------------------------------
 
 SIMPLE = [
-    (ConstantParamScheduler, RefConstant, (0.42,)),
-    (CosineParamScheduler, RefCosine, (0.1, 0.0001)),
-    (CosineParamScheduler, RefCosine, (0.0, 1.0)),
-    (ExponentialParamScheduler, RefExponential, (2.0, 0.02)),
-    (LinearParamScheduler, RefLinear, (0.0001, 0.01)),
-    (LinearParamScheduler, RefLinear, (1, 0)),
-    (PolynomialDecayParamScheduler, RefPolynomialDecay, (0.1, 0.9)),
-    (PolynomialDecayParamScheduler, RefPolynomialDecay, (1.0, 2)),
-    (StepParamScheduler, RefStep, (120, [0.1, 0.01, 0.001, 0.0001])),
-    (StepParamScheduler, RefStep, (3, [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])),
+    (ConstantParamScheduler, d2.ConstantParamScheduler, (0.42,)),
+    (CosineParamScheduler, d2.CosineParamScheduler, (0.1, 0.0001)),
+    (CosineParamScheduler, d2.CosineParamScheduler, (0.0, 1.0)),
+    (ExponentialParamScheduler, d2.ExponentialParamScheduler, (2.0, 0.02)),
+    (LinearParamScheduler, d2.LinearParamScheduler, (0.0001, 0.01)),
+    (LinearParamScheduler, d2.LinearParamScheduler, (1, 0)),
+    (PolynomialDecayParamScheduler, d2.PolynomialDecayParamScheduler, (0.1, 0.9)),
+    (PolynomialDecayParamScheduler, d2.PolynomialDecayParamScheduler, (1.0, 2)),
+    (StepParamScheduler, d2.StepParamScheduler, (120, [0.1, 0.01, 0.001, 0.0001])),
+    (
+        StepParamScheduler,
+        d2.StepParamScheduler,
+        (3, [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625]),
+    ),
 ]
 
 
@@ -105,11 +97,11 @@ def test_simple_schedules_match_formulas(cls, ref, args):
 )
 def test_multi_step_matches_formula(kwargs):
     sched = MultiStepParamScheduler(**kwargs)
-    ref = RefMultiStep(**kwargs)
+    ref = d2.MultiStepParamScheduler(**kwargs)
     assert_same_everywhere(sched, ref, WHERES + [1.0])
     # fvcore's attributes, normalized the same way.
-    assert sched._num_updates == ref.num_updates
-    assert sched._milestones == list(ref.milestones)
+    assert sched._num_updates == ref._num_updates
+    assert sched._milestones == list(ref._milestones)
     assert sched._param_schedule == kwargs["values"]
 
 
@@ -124,7 +116,7 @@ def test_multi_step_forms_are_equal():
 @pytest.mark.parametrize("num_decays,gamma", [(3, 0.1), (1, 0.5), (7, 0.3)])
 def test_step_with_fixed_gamma_matches_formula(num_decays, gamma):
     sched = StepWithFixedGammaParamScheduler(0.1, num_decays, gamma, 120)
-    assert_same_everywhere(sched, ref_fixed_gamma(0.1, num_decays, gamma, 120))
+    assert_same_everywhere(sched, d2.StepWithFixedGammaParamScheduler(0.1, num_decays, gamma, 120))
     assert (sched.base_value, sched.num_decays, sched.gamma, sched.num_updates) == (
         0.1,
         num_decays,
@@ -152,11 +144,15 @@ def test_composite_matches_formula(lengths, scaling):
             LinearParamScheduler(1e-4, 0.0),
         ][: len(lengths)]
 
-    refs = [RefConstant(0.42), RefCosine(0.42, 1e-4), RefLinear(1e-4, 0.0)][: len(lengths)]
+    refs = [
+        d2.ConstantParamScheduler(0.42),
+        d2.CosineParamScheduler(0.42, 1e-4),
+        d2.LinearParamScheduler(1e-4, 0.0),
+    ][: len(lengths)]
     sched = CompositeParamScheduler(parts(), lengths=list(lengths), interval_scaling=scaling)
     assert native_schedule(sched) is not None
-    ref = RefComposite(refs, lengths, scaling)
-    assert sched._lengths == ref.lengths
+    ref = d2.CompositeParamScheduler(refs, lengths, scaling)
+    assert sched._lengths == ref._lengths
     assert_same_everywhere(sched, ref)
 
 
@@ -175,17 +171,22 @@ def test_composite_does_not_modify_lengths():
             lambda: MultiStepParamScheduler(
                 [1, 0.1, 0.01], milestones=[60000, 80000], num_updates=90000
             ),
-            lambda: RefMultiStep([1, 0.1, 0.01], milestones=[60000, 80000], num_updates=90000),
+            lambda: d2.MultiStepParamScheduler(
+                [1, 0.1, 0.01], milestones=[60000, 80000], num_updates=90000
+            ),
         ),
-        (lambda: CosineParamScheduler(1, 0), lambda: RefCosine(1, 0)),
-        (lambda: ExponentialParamScheduler(1.0, 0.01), lambda: RefExponential(1.0, 0.01)),
+        (lambda: CosineParamScheduler(1, 0), lambda: d2.CosineParamScheduler(1, 0)),
+        (
+            lambda: ExponentialParamScheduler(1.0, 0.01),
+            lambda: d2.ExponentialParamScheduler(1.0, 0.01),
+        ),
     ],
 )
 def test_warmup_matches_formula(method, rescale, inner, ref_inner):
     length = 100 / 90000
     sched = WarmupParamScheduler(inner(), 0.001, length, method, rescale)
     assert native_schedule(sched) is not None
-    ref = ref_warmup(ref_inner(), 0.001, length, method, rescale)
+    ref = d2.WarmupParamScheduler(ref_inner(), 0.001, length, method, rescale)
     iters = [i / 90000 for i in list(range(0, 300)) + list(range(300, 90001, 97))]
     assert_same_everywhere(sched, ref, WHERES + iters)
     assert isinstance(sched, CompositeParamScheduler)
@@ -195,8 +196,10 @@ def test_warmup_matches_formula(method, rescale, inner, ref_inner):
 def test_warmup_edge_lengths():
     inner = CosineParamScheduler(1.0, 0.0)
     no_warmup = WarmupParamScheduler(inner, 0.001, 0.0)
-    assert_same_everywhere(no_warmup, RefCosine(1.0, 0.0))
-    assert_same_everywhere(no_warmup, ref_warmup(RefCosine(1.0, 0.0), 0.001, 0.0))
+    assert_same_everywhere(no_warmup, d2.CosineParamScheduler(1.0, 0.0))
+    assert_same_everywhere(
+        no_warmup, d2.WarmupParamScheduler(d2.CosineParamScheduler(1.0, 0.0), 0.001, 0.0)
+    )
     all_warmup = WarmupParamScheduler(inner, 0.5, 1.0, "constant")
     assert all_warmup(0.0) == all_warmup(0.99) == 0.5
     # Past the (empty) last interval: the wrapped schedule, unscaled.
@@ -211,8 +214,13 @@ def test_nested_composite():
     sched = CompositeParamScheduler(
         [inner, LinearParamScheduler(0.5, 0.0)], [0.5, 0.5], ["rescaled", "fixed"]
     )
-    ref = RefComposite(
-        [ref_warmup(RefCosine(1, 0), 0.01, 0.05, rescale=True), RefLinear(0.5, 0.0)],
+    ref = d2.CompositeParamScheduler(
+        [
+            d2.WarmupParamScheduler(
+                d2.CosineParamScheduler(1, 0), 0.01, 0.05, rescale_interval=True
+            ),
+            d2.LinearParamScheduler(0.5, 0.0),
+        ],
         [0.5, 0.5],
         ["rescaled", "fixed"],
     )
@@ -352,8 +360,10 @@ def test_composite_with_python_part_falls_back_to_python():
         [ConstantParamScheduler(0.5), q], [0.25, 0.75], ["rescaled", "fixed"]
     )
     assert native_schedule(sched) is None
-    ref = RefComposite(
-        [RefConstant(0.5), lambda w: (1 - w) ** 2], [0.25, 0.75], ["rescaled", "fixed"]
+    ref = d2.CompositeParamScheduler(
+        [d2.ConstantParamScheduler(0.5), lambda w: (1 - w) ** 2],
+        [0.25, 0.75],
+        ["rescaled", "fixed"],
     )
     assert_same_everywhere(sched, ref)
     assert q.calls > 0
@@ -361,7 +371,9 @@ def test_composite_with_python_part_falls_back_to_python():
     outer = CompositeParamScheduler(
         [sched, CosineParamScheduler(1, 0)], [0.5, 0.5], ["rescaled"] * 2
     )
-    outer_ref = RefComposite([ref, RefCosine(1, 0)], [0.5, 0.5], ["rescaled"] * 2)
+    outer_ref = d2.CompositeParamScheduler(
+        [ref, d2.CosineParamScheduler(1, 0)], [0.5, 0.5], ["rescaled"] * 2
+    )
     assert_same_everywhere(outer, outer_ref)
 
 
@@ -371,7 +383,7 @@ def test_warmup_over_python_scheduler():
         for rescale in (False, True):
             sched = WarmupParamScheduler(q, 0.01, 0.1, method, rescale)
             assert native_schedule(sched) is None
-            ref = ref_warmup(lambda w: (1 - w) ** 2, 0.01, 0.1, method, rescale)
+            ref = d2.WarmupParamScheduler(lambda w: (1 - w) ** 2, 0.01, 0.1, method, rescale)
             assert_same_everywhere(sched, ref)
 
 

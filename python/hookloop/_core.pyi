@@ -9,6 +9,7 @@ from typing_extensions import disjoint_base
 __all__ = [
     "BUILD_PROFILE",
     "CommonMetricPrinter",
+    "CompositeSpans",
     "DEFAULT_MAX_LENGTH",
     "Dispatcher",
     "EVENTS_FSYNC_DEFAULT",
@@ -16,6 +17,7 @@ __all__ = [
     "HistoryBuffer",
     "JSONWriter",
     "JSON_FSYNC_DEFAULT",
+    "NativeSchedule",
     "TensorboardXWriter",
     "_IterationTimerBase",
     "_LRSchedulerBase",
@@ -24,6 +26,7 @@ __all__ = [
     "check_chw",
     "flush_writers",
     "periodic_due",
+    "warmup_parts",
 ]
 
 __version__: str
@@ -36,7 +39,9 @@ EVENTS_FSYNC_DEFAULT: str
 # What Rust reads from Python objects, by name (the whole list):
 #   trainer.iter (set by Dispatcher.run_loop); optimizer.param_groups[i]["lr"] and
 #   scheduler.step() (_LRSchedulerBase.after_step); tensor/array .ndim, .shape, .numel(),
-#   .size and .item() (scalar conversion); image .shape (EventStorage._put_image).
+#   .size and .item() (scalar conversion); image .shape (EventStorage._put_image);
+#   param_groups[i]["lr"], written (NativeSchedule.step_lrs); a Python schedule's __call__
+#   (warmup_parts).
 
 _Iter = Union[int, float]
 
@@ -260,3 +265,71 @@ class CommonMetricPrinter:
 def flush_writers() -> None: ...
 def periodic_due(iter: int, period: int, max_iter: int) -> bool: ...
 def check_chw(tag: str, shape: Sequence[int]) -> None: ...
+
+# Parameter schedules (rust/hookloop-core/src/schedule.rs). `step_lrs` reads and writes the
+# "lr" key of each param group dict; it reads no attribute.
+
+@final
+class CompositeSpans:
+    def __new__(
+        cls, lengths: Sequence[float], interval_scaling: Sequence[str]
+    ) -> CompositeSpans: ...
+    def locate(self, where: float) -> Tuple[int, float]: ...
+    @property
+    def lengths(self) -> list[float]: ...
+    @property
+    def interval_scaling(self) -> list[str]: ...
+    def __len__(self) -> int: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]: ...
+
+@final
+class NativeSchedule:
+    @staticmethod
+    def constant(value: float) -> NativeSchedule: ...
+    @staticmethod
+    def cosine(start_value: float, end_value: float) -> NativeSchedule: ...
+    @staticmethod
+    def exponential(start_value: float, decay: float) -> NativeSchedule: ...
+    @staticmethod
+    def linear(start_value: float, end_value: float) -> NativeSchedule: ...
+    @staticmethod
+    def multi_step(
+        values: Sequence[float],
+        num_updates: Optional[float] = None,
+        milestones: Optional[Sequence[float]] = None,
+    ) -> NativeSchedule: ...
+    @staticmethod
+    def polynomial_decay(base_value: float, power: float) -> NativeSchedule: ...
+    @staticmethod
+    def step(num_updates: float, values: Sequence[float]) -> NativeSchedule: ...
+    @staticmethod
+    def step_with_fixed_gamma(
+        base_value: float, num_decays: int, gamma: float, num_updates: int
+    ) -> NativeSchedule: ...
+    @staticmethod
+    def composite(schedules: Sequence[NativeSchedule], spans: CompositeSpans) -> NativeSchedule: ...
+    @staticmethod
+    def _from_params(params: dict[str, Any]) -> NativeSchedule: ...
+    def __call__(self, where: float) -> float: ...
+    def value(self, where: float) -> float: ...
+    def multiplier(self, iter: int, max_iter: int) -> float: ...
+    @staticmethod
+    def progress(iter: int, max_iter: int) -> float: ...
+    @staticmethod
+    def check_resume(saved_max_iter: int, max_iter: int, iter: int) -> None: ...
+    def step_lrs(
+        self, param_groups: list[dict[str, Any]], base_lrs: list[Any], last_iter: int, max_iter: int
+    ) -> list[float]: ...
+    @property
+    def params(self) -> dict[str, Any]: ...
+    def __eq__(self, value: object, /) -> bool: ...
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]: ...
+
+def warmup_parts(
+    scheduler: Any,
+    warmup_factor: float,
+    warmup_length: float,
+    warmup_method: str = "linear",
+    rescale_interval: Any = None,
+) -> Tuple[float, float, CompositeSpans]: ...

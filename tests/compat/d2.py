@@ -20,6 +20,13 @@ hookloop, so it shares none of hookloop's code.
 - The writers: ``JSONWriter`` (``json.dumps(sort_keys=True)``, flush and ``os.fsync`` on every
   write), ``TensorboardXWriter`` (torch's ``SummaryWriter``, one ``add_scalar`` per scalar),
   ``CommonMetricPrinter`` (detectron2's format string, ``logging.info``).
+- fvcore's parameter schedules and detectron2's ``WarmupParamScheduler`` / ``LRMultiplier``:
+  the formulas with the same float operations in the same order (``sum()``, ``**``,
+  ``math.cos``, ``int()``, ``bisect_right``), so hookloop's native schedules must match them bit
+  for bit; ``LRMultiplier`` is a torch ``LRScheduler`` whose ``get_lr`` calls the Python
+  schedule, i.e. what a detectron2 step costs. Constructors do not validate (the tests check
+  hookloop's validation on their own); ``CompositeParamScheduler`` copies ``lengths`` where
+  fvcore rewrites the caller's list.
 
 Differences, for the benchmarks: ``EventStorage`` takes ``max_length`` (the length of its
 histories; fvcore's default when omitted), and ``TensorboardXWriter`` creates its
@@ -32,10 +39,12 @@ detectron2's behaviour and let a test run hookloop's hooks and end state under t
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import datetime
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -61,6 +70,18 @@ __all__ = [
     "LRScheduler",
     "PeriodicWriter",
     "comm",
+    "ParamScheduler",
+    "ConstantParamScheduler",
+    "CosineParamScheduler",
+    "ExponentialParamScheduler",
+    "LinearParamScheduler",
+    "MultiStepParamScheduler",
+    "PolynomialDecayParamScheduler",
+    "StepParamScheduler",
+    "StepWithFixedGammaParamScheduler",
+    "CompositeParamScheduler",
+    "WarmupParamScheduler",
+    "LRMultiplier",
 ]
 
 # CommonMetricPrinter logs here (detectron2 uses "detectron2.utils.events").
@@ -833,3 +854,164 @@ class LRScheduler(HookBase):
     @property
     def scheduler(self) -> Any:
         return self._scheduler or self.trainer.scheduler
+
+
+# ---------------------------------------------------------------------------------------------
+# fvcore.common.param_scheduler / detectron2.solver.lr_scheduler
+
+WHERE_EPSILON = 1e-6
+
+
+class ParamScheduler:
+    WHERE_EPSILON = WHERE_EPSILON
+
+    def __call__(self, where: float) -> float:
+        raise NotImplementedError
+
+
+class ConstantParamScheduler(ParamScheduler):
+    def __init__(self, value: float) -> None:
+        self._value = value
+
+    def __call__(self, where: float) -> float:
+        if where >= 1.0:
+            raise RuntimeError(f"where in ParamScheduler must be in [0, 1]: got {where}")
+        return self._value
+
+
+class CosineParamScheduler(ParamScheduler):
+    def __init__(self, start_value: float, end_value: float) -> None:
+        self._start_value, self._end_value = start_value, end_value
+
+    def __call__(self, where: float) -> float:
+        start, end = self._start_value, self._end_value
+        return end + 0.5 * (start - end) * (1 + math.cos(math.pi * where))
+
+
+class ExponentialParamScheduler(ParamScheduler):
+    def __init__(self, start_value: float, decay: float) -> None:
+        self._start_value, self._decay = start_value, decay
+
+    def __call__(self, where: float) -> float:
+        return self._start_value * (self._decay**where)
+
+
+class LinearParamScheduler(ParamScheduler):
+    def __init__(self, start_value: float, end_value: float) -> None:
+        self._start_value, self._end_value = start_value, end_value
+
+    def __call__(self, where: float) -> float:
+        return self._end_value * where + self._start_value * (1 - where)
+
+
+class MultiStepParamScheduler(ParamScheduler):
+    def __init__(
+        self,
+        values: List[float],
+        num_updates: Optional[int] = None,
+        milestones: Optional[List[int]] = None,
+    ) -> None:
+        if milestones is None:
+            assert num_updates is not None
+            width = math.ceil(num_updates / float(len(values)))
+            milestones = [width * (k + 1) for k in range(len(values) - 1)]
+        if num_updates is None:
+            num_updates, milestones = milestones[-1], milestones[:-1]
+        self._param_schedule = values
+        self._num_updates = num_updates
+        self._milestones = list(milestones)
+
+    def __call__(self, where: float) -> float:
+        if where > 1.0:
+            raise RuntimeError(f"where in ParamScheduler must be in [0, 1]: got {where}")
+        epoch_num = int((where + self.WHERE_EPSILON) * self._num_updates)
+        return self._param_schedule[bisect.bisect_right(self._milestones, epoch_num)]
+
+
+class PolynomialDecayParamScheduler(ParamScheduler):
+    def __init__(self, base_value: float, power: float) -> None:
+        self._base_value, self._power = base_value, power
+
+    def __call__(self, where: float) -> float:
+        return self._base_value * (1 - where) ** self._power
+
+
+class StepParamScheduler(ParamScheduler):
+    def __init__(self, num_updates: float, values: List[float]) -> None:
+        self._param_schedule = values
+
+    def __call__(self, where: float) -> float:
+        return self._param_schedule[int((where + self.WHERE_EPSILON) * len(self._param_schedule))]
+
+
+class StepWithFixedGammaParamScheduler(ParamScheduler):
+    def __init__(self, base_value: float, num_decays: int, gamma: float, num_updates: int) -> None:
+        values = [base_value]
+        for _ in range(num_decays):
+            values.append(values[-1] * gamma)
+        self._step_param_scheduler = StepParamScheduler(num_updates, values)
+
+    def __call__(self, where: float) -> float:
+        return self._step_param_scheduler(where)
+
+
+class CompositeParamScheduler(ParamScheduler):
+    def __init__(
+        self, schedulers: List[Any], lengths: List[float], interval_scaling: List[str]
+    ) -> None:
+        lengths = list(lengths)
+        if sum(lengths) != 1.0:
+            lengths[-1] = 1.0 - sum(lengths[:-1])
+        self._schedulers, self._lengths = schedulers, lengths
+        self._interval_scaling = interval_scaling
+
+    def __call__(self, where: float) -> float:
+        i = 0
+        running_total = self._lengths[i]
+        while (where + self.WHERE_EPSILON) > running_total and i < len(self._schedulers) - 1:
+            i += 1
+            running_total += self._lengths[i]
+        scheduler_where = where
+        if self._interval_scaling[i] == "rescaled":
+            scheduler_start = running_total - self._lengths[i]
+            scheduler_where = (where - scheduler_start) / self._lengths[i]
+        return self._schedulers[i](scheduler_where)
+
+
+class WarmupParamScheduler(CompositeParamScheduler):
+    def __init__(
+        self,
+        scheduler: Any,
+        warmup_factor: float,
+        warmup_length: float,
+        warmup_method: str = "linear",
+        rescale_interval: bool = False,
+    ) -> None:
+        end_value = scheduler(0.0) if rescale_interval else scheduler(warmup_length)
+        start_value = warmup_factor * scheduler(0.0)
+        warmup: ParamScheduler
+        if warmup_method == "constant":
+            warmup = ConstantParamScheduler(start_value)
+        else:
+            warmup = LinearParamScheduler(start_value, end_value)
+        super().__init__(
+            [warmup, scheduler],
+            [warmup_length, 1 - warmup_length],
+            ["rescaled", "rescaled" if rescale_interval else "fixed"],
+        )
+
+
+class LRMultiplier(torch.optim.lr_scheduler.LRScheduler):
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, multiplier: Any, max_iter: int, last_iter: int = -1
+    ) -> None:
+        self._multiplier = multiplier
+        self._max_iter = max_iter
+        super().__init__(optimizer, last_epoch=last_iter)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"base_lrs": self.base_lrs, "last_epoch": self.last_epoch}
+
+    def get_lr(self) -> List[Any]:
+        multiplier = self._multiplier(self.last_epoch / self._max_iter)
+        return [base_lr * multiplier for base_lr in self.base_lrs]

@@ -100,6 +100,40 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+
+    /// A parameter schedule built with a bad argument, or evaluated where Python would raise.
+    /// `reason` names the argument. Mapped to `ValueError`.
+    #[error("{what}: {reason}")]
+    BadSchedule { what: &'static str, reason: String },
+
+    /// A schedule evaluated outside the progress range it is defined on. Mapped to
+    /// `RuntimeError`, as fvcore raises.
+    #[error("where in {what} must be in {range}: got {}", crate::schedule::Repr(*.where_))]
+    WhereOutOfRange {
+        what: &'static str,
+        range: &'static str,
+        where_: f64,
+    },
+
+    /// `LRMultiplier` stepped past the end of its schedule (or before its start). Mapped to
+    /// `ValueError`.
+    #[error(
+        "LRMultiplier: iteration {iter} is outside the schedule's [0, max_iter={max_iter}] \
+         (where = {iter} / {max_iter} must be in [0, 1]). The schedule ends at max_iter; to \
+         train longer, build the LRMultiplier and its ParamScheduler for the new max_iter"
+    )]
+    IterOutOfRange { iter: i64, max_iter: i64 },
+
+    /// `LRMultiplier` state saved with another `max_iter`. Mapped to `ValueError`.
+    #[error(
+        "LRMultiplier: the checkpoint was saved with max_iter={saved}, but this scheduler has \
+         max_iter={current} (resuming at iteration {iter}). The schedule is a function of \
+         iter / max_iter, so resuming would change the LR at every remaining iteration. To \
+         extend the schedule, build the ParamScheduler for the new length (milestones, \
+         num_updates and warmup_length in units of the new max_iter), then drop the old \
+         length from the state before loading it: `state.pop(\"_max_iter\")`"
+    )]
+    MaxIterChanged { saved: i64, current: i64, iter: i64 },
 }
 
 /// Why an image cannot be encoded as PNG.

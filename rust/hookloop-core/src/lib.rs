@@ -9,6 +9,7 @@ pub mod jsonl;
 pub mod metrics;
 pub mod printer;
 pub mod pyfmt;
+pub mod schedule;
 pub mod storage;
 pub mod tfevents;
 pub mod writer;

@@ -2,8 +2,8 @@
 
 use hookloop_core::Error;
 use pyo3::exceptions::{
-    PyFloatingPointError, PyIndexError, PyKeyError, PyOSError, PyOverflowError, PyTypeError,
-    PyValueError,
+    PyFloatingPointError, PyIndexError, PyKeyError, PyOSError, PyOverflowError, PyRuntimeError,
+    PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -25,7 +25,12 @@ pub fn to_py(err: Error) -> PyErr {
         | Error::BadValue { .. }
         | Error::BadState { .. }
         | Error::Image { .. }
-        | Error::Closed { .. } => PyValueError::new_err(err.to_string()),
+        | Error::Closed { .. }
+        | Error::BadSchedule { .. }
+        | Error::IterOutOfRange { .. }
+        | Error::MaxIterChanged { .. } => PyValueError::new_err(err.to_string()),
+        // fvcore raises RuntimeError for a `where` outside a schedule's range.
+        Error::WhereOutOfRange { .. } => PyRuntimeError::new_err(err.to_string()),
         Error::NonFiniteLoss { ref losses, .. } => {
             // detectron2's message shows the losses as the Python dict they were.
             let dict = Python::attach(|py| -> PyResult<String> {

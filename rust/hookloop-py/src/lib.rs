@@ -8,6 +8,7 @@ mod dispatch;
 mod errors;
 mod history;
 mod hooks;
+mod schedule;
 mod state;
 mod storage;
 mod writers;
@@ -74,5 +75,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "EVENTS_FSYNC_DEFAULT",
         hookloop_core::writer::FsyncPolicy::EVENTS_DEFAULT.as_str(),
     )?;
+    m.add_class::<schedule::PyNativeSchedule>()?;
+    m.add_class::<schedule::PyCompositeSpans>()?;
+    m.add_function(wrap_pyfunction!(schedule::warmup_parts, m)?)?;
     Ok(())
 }

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
 from hookloop.utils.events import EventStorage, has_event_storage
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (a suite that can fail by chance blocks
+# every landing); HYPOTHESIS_PROFILE=explore draws new ones, for looking for bugs on purpose.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @pytest.fixture

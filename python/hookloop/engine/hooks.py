@@ -666,7 +666,7 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         _wait_for_saves(self.checkpointer, _training_finished(self.trainer))
 
 
-def _eval_period(hook: Any, cls: type, stage: str) -> Optional[int]:
+def _eval_period(hook: Any, cls: Any, stage: str) -> Optional[int]:
     """The dispatcher's period for an evaluation-style ``after_step`` (``cls``'s own, not a
     subclass's): ``eval_period``, or for 0 ("only after training") one that is never due
     before the last iteration, where the hook's own check skips it too."""

@@ -194,7 +194,10 @@ impl JsonSink {
         if removed == 0 {
             return Ok(0);
         }
-        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
         let tmp = self.path.with_file_name(format!(
             ".{}.purge-{}.tmp",
             name.unwrap_or_default(),
@@ -412,9 +415,18 @@ mod tests {
 
     #[test]
     fn line_iteration_reads_ints_and_floats() {
-        assert_eq!(line_iteration("{\"iteration\": 7, \"loss\": NaN}"), Some(7.0));
-        assert_eq!(line_iteration("{\"a\": -Infinity, \"iteration\": 3}"), Some(3.0));
-        assert_eq!(line_iteration("{\"iteration\": 7, \"loss\": 1.5}"), Some(7.0));
+        assert_eq!(
+            line_iteration("{\"iteration\": 7, \"loss\": NaN}"),
+            Some(7.0)
+        );
+        assert_eq!(
+            line_iteration("{\"a\": -Infinity, \"iteration\": 3}"),
+            Some(3.0)
+        );
+        assert_eq!(
+            line_iteration("{\"iteration\": 7, \"loss\": 1.5}"),
+            Some(7.0)
+        );
         assert_eq!(line_iteration("{\"iteration\": 2.5}"), Some(2.5));
         assert_eq!(line_iteration("garbage"), None);
     }

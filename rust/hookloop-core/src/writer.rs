@@ -264,9 +264,7 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
 /// thread (every later flush would wait forever) nor pass silently.
 fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
     let id = match &msg {
-        Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) | Msg::Purge(id, ..) => {
-            Some(*id)
-        }
+        Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) | Msg::Purge(id, ..) => Some(*id),
         Msg::Barrier(_) => None,
     };
     let result =
@@ -314,7 +312,10 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
         }
         Msg::Purge(id, wall_time, from, reply) => {
             let result = match sinks.get_mut(&id) {
-                Some(open) => open.sink.sync().and_then(|()| open.sink.purge(wall_time, from)),
+                Some(open) => open
+                    .sink
+                    .sync()
+                    .and_then(|()| open.sink.purge(wall_time, from)),
                 None => Ok(0),
             };
             dirty.remove(&id);
@@ -422,7 +423,8 @@ impl SinkHandle {
     pub fn purge(&self, wall_time: f64, from: f64) -> Result<u64> {
         self.check()?;
         let (tx, rx) = mpsc::sync_channel(1);
-        self.queue.push(Msg::Purge(self.id, wall_time, from, tx), true);
+        self.queue
+            .push(Msg::Purge(self.id, wall_time, from, tx), true);
         rx.recv().unwrap_or(Ok(0))
     }
 

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+
 from compat import d2
 
 __all__ = [

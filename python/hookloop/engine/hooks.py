@@ -234,6 +234,17 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
         self._optimizer = self._optimizer or trainer.optimizer
         if self._scheduler is None:
             self._scheduler = trainer.scheduler
+        from hookloop.solver.lr_scheduler import LRMultiplier, _is_param_scheduler
+
+        if _is_param_scheduler(self._scheduler):
+            # A ParamScheduler (fvcore's or hookloop's): wrapped over the run, as detectron2
+            # does for every LazyConfig training script.
+            self._scheduler = LRMultiplier(
+                self._optimizer,
+                self._scheduler,
+                trainer.max_iter,
+                last_iter=trainer.iter - 1,
+            )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
         self._start(trainer.storage)
 

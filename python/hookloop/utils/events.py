@@ -13,8 +13,9 @@ import logging
 import os
 import socket
 import sys
+import time
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from hookloop import _core
 
@@ -85,6 +86,27 @@ class EventStorage(_core.EventStorage):
         if not _CURRENT_STORAGE_STACK or _CURRENT_STORAGE_STACK[-1] is not self:
             raise RuntimeError("EventStorage contexts must be exited in the order entered")
         _CURRENT_STORAGE_STACK.pop()
+        # Every line written inside the block is in its file when the block ends (and so when
+        # train() returns), even from a writer that is never closed, as with detectron2's
+        # synchronous writers: code that reads metrics.json right after its loop sees it all.
+        _core.flush_writers()
+
+    def histories(self) -> Dict[str, HistoryBuffer]:  # type: ignore[override]
+        """``{name: HistoryBuffer}`` for every scalar, in first-put order. Like detectron2's
+        ``defaultdict(HistoryBuffer)``: reading a name never put gives an empty buffer (which
+        writers do not see), and assigning ``histories()[name] = buffer`` makes it that
+        scalar's history in this storage."""
+        return _HistoryMap(self, super().histories())
+
+    @property
+    def _history(self) -> Dict[str, HistoryBuffer]:
+        """detectron2's private name for :meth:`histories`."""
+        return self.histories()
+
+    @property
+    def _latest_scalars(self) -> Dict[str, Tuple[float, Any]]:
+        """detectron2's private ``{name: (value, iteration)}`` (a snapshot: read-only)."""
+        return self.latest()
 
     @contextmanager
     def name_scope(self, name: str) -> Iterator[None]:
@@ -165,6 +187,29 @@ class EventStorage(_core.EventStorage):
             )
 
 
+class _HistoryMap(dict):  # type: ignore[type-arg]
+    """What ``EventStorage.histories()`` returns: a dict that behaves like detectron2's
+    ``defaultdict(HistoryBuffer)`` for reads, and writes assignments through to the storage."""
+
+    def __init__(self, storage: EventStorage, histories: Dict[str, HistoryBuffer]) -> None:
+        super().__init__(histories)
+        self._storage = storage
+
+    def __missing__(self, name: str) -> HistoryBuffer:
+        # Kept in this dict only: a name that was only read appears in no writer's output.
+        buffer = HistoryBuffer()
+        dict.__setitem__(self, name, buffer)
+        return buffer
+
+    def __setitem__(self, name: str, buffer: HistoryBuffer) -> None:
+        if not isinstance(buffer, HistoryBuffer):
+            raise TypeError(
+                f"histories()[{name!r}] must be a HistoryBuffer, got {type(buffer).__name__}"
+            )
+        self._storage._set_history(name, buffer)
+        dict.__setitem__(self, name, self._storage.history(name))
+
+
 class EventWriter:
     """Base class for writers that obtain events from :class:`EventStorage` and process them.
 
@@ -227,6 +272,12 @@ class JSONWriter(EventWriter):
     def write(self) -> None:
         self._native.write(get_event_storage())
 
+    @property
+    def _file_handle(self) -> _JSONFileHandle:
+        """A file-like object whose writes land in metrics.json, in order with this writer's
+        own lines (detectron2's ``JSONWriter`` has an open file here; subclasses write to it)."""
+        return _JSONFileHandle(self._native)
+
     def _resume_from(self, start_iter: int) -> None:
         """A resumed run restarts at ``start_iter``: the lines a killed run wrote for
         iterations >= ``start_iter`` are removed from the file (an atomic rewrite), so the
@@ -246,6 +297,27 @@ class JSONWriter(EventWriter):
 
     def close(self) -> None:
         self._native.close()
+
+
+class _JSONFileHandle:
+    """``JSONWriter._file_handle``: text written here goes through the writer thread, after
+    the lines already queued."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        self._native._write_text(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._native.flush()
+
+    @property
+    def name(self) -> str:
+        return str(self._native.path)
 
 
 _SUMMARY_WRITER_KWARGS = {"comment", "purge_step", "max_queue", "flush_secs", "filename_suffix"}
@@ -412,7 +484,7 @@ class CommonMetricPrinter(EventWriter):
     def __init__(
         self, max_iter: Optional[int] = None, window_size: int = 20, *, epoch: Optional[int] = None
     ) -> None:
-        self.logger = logging.getLogger(__name__)
+        self.logger = self._default_logger = logging.getLogger(__name__)
         self._native = _core.CommonMetricPrinter(max_iter, window_size, epoch)
         self._cuda = _cuda_available()
 
@@ -428,6 +500,20 @@ class CommonMetricPrinter(EventWriter):
     def _window_size(self) -> int:
         return self._native._window_size
 
+    @property
+    def _last_write(self) -> Optional[Tuple[int, float]]:
+        """``(iteration, time.perf_counter())`` of the last wall-time ETA estimate."""
+        return self._native._last_write
+
+    @_last_write.setter
+    def _last_write(self, value: Optional[Tuple[int, float]]) -> None:
+        self._native._last_write = value
+
+    def _get_eta(self, storage: EventStorage) -> Optional[str]:
+        """detectron2's ETA string (None until it can be estimated, "" without max_iter);
+        puts ``eta_seconds`` when a ``time`` metric exists."""
+        return self._native._get_eta(storage, time.perf_counter())
+
     def write(self) -> None:
         storage = get_event_storage()
         max_mem_mb = None
@@ -435,16 +521,21 @@ class CommonMetricPrinter(EventWriter):
             import torch
 
             max_mem_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
-        line = self._native.format(storage, max_mem_mb)
-        if line is not None and self.logger.isEnabledFor(logging.INFO):
+        line = self._native.format(storage, max_mem_mb, time.perf_counter())
+        if line is None:
+            return
+        log = self.logger
+        if log is not self._default_logger:
+            log.info(line)  # a subclass's own or wrapped logger sees every line
+        elif log.isEnabledFor(logging.INFO):
             # logger.info(line), without the stack walk that finds the caller: the record
             # names this line as its origin, as logger.info would.
             frame = sys._getframe()
-            record = self.logger.makeRecord(
-                self.logger.name, logging.INFO, frame.f_code.co_filename, frame.f_lineno,
+            record = log.makeRecord(
+                log.name, logging.INFO, frame.f_code.co_filename, frame.f_lineno,
                 line, (), None, "write",
             )  # fmt: skip
-            self.logger.handle(record)
+            log.handle(record)
 
 
 def _cuda_available() -> bool:

@@ -230,8 +230,13 @@ impl JsonSink {
 
 impl Sink for JsonSink {
     fn write(&mut self, payload: Payload) -> Result<()> {
-        let Payload::Json(rows) = payload else {
-            return Ok(());
+        let rows = match payload {
+            Payload::Json(rows) => rows,
+            Payload::Text(text) => {
+                self.pending.push_str(&text);
+                return Ok(());
+            }
+            Payload::Events { .. } => return Ok(()),
         };
         for row in &rows {
             let scalars: Vec<(&str, f64)> = row.scalars.iter().map(|(k, v)| (&**k, *v)).collect();

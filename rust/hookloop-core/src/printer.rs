@@ -2,7 +2,6 @@
 //! the finished line to Python's logging.
 
 use std::fmt::Write as _;
-use std::time::Instant;
 
 use crate::pyfmt::{format_f, format_g, timedelta_str};
 use crate::storage::{windowed_median, Storage};
@@ -14,7 +13,9 @@ pub struct Printer {
     max_iter: Option<i64>,
     window_size: i64,
     epochs: Option<i64>,
-    last_write: Option<(i64, Instant)>,
+    /// (iteration, seconds on the caller's monotonic clock) of the last ETA estimate from
+    /// wall time: detectron2's `_last_write`, which subclasses read and set.
+    pub last_write: Option<(i64, f64)>,
 }
 
 impl Printer {
@@ -48,10 +49,14 @@ impl Printer {
 
     /// The log line for the storage's current iteration, or `None` once training reached
     /// `max_iter` (the printer reports progress only). May put `eta_seconds` into `storage`.
+    ///
+    /// `now` is the caller's monotonic clock in seconds (Python's `time.perf_counter()`), for
+    /// the ETA's wall-time fallback.
     pub fn format(
         &mut self,
         storage: &mut Storage,
         max_mem_mb: Option<f64>,
+        now: f64,
     ) -> Result<Option<String>> {
         let iteration = storage.iter();
         if Some(iteration) == self.max_iter {
@@ -73,7 +78,7 @@ impl Printer {
             Ok(s) => format_g(s.history.latest()?, 5),
             Err(_) => "N/A".to_owned(),
         };
-        let eta = self.eta(storage, iteration)?;
+        let eta = self.eta(storage, now)?;
 
         let mut losses = Vec::new();
         let mut metrics = Vec::new();
@@ -128,7 +133,8 @@ impl Printer {
     /// detectron2's `_get_eta`: from the median iteration time over the last 1000 samples when
     /// a `time` metric exists (and then stored as `eta_seconds`), else from wall time between
     /// writes. `None` when it cannot be estimated yet.
-    fn eta(&mut self, storage: &mut Storage, iteration: i64) -> Result<Option<String>> {
+    pub fn eta(&mut self, storage: &mut Storage, now: f64) -> Result<Option<String>> {
+        let iteration = storage.iter();
         let Some(max_iter) = self.max_iter else {
             return Ok(Some(String::new()));
         };
@@ -142,12 +148,11 @@ impl Printer {
                 .is_finite()
                 .then(|| timedelta_str(eta_seconds as i64)));
         }
-        let now = Instant::now();
         let mut eta = None;
         if let Some((last_iter, last_time)) = self.last_write {
             if iteration != last_iter {
-                let per_iter = now.duration_since(last_time).as_secs_f64()
-                    / (i128::from(iteration) - i128::from(last_iter)) as f64;
+                let per_iter =
+                    (now - last_time) / (i128::from(iteration) - i128::from(last_iter)) as f64;
                 let eta_seconds = per_iter * remaining;
                 if eta_seconds.is_finite() {
                     eta = Some(timedelta_str(eta_seconds as i64));
@@ -181,7 +186,7 @@ mod tests {
             s.put_scalar("lr", 0.02, false, None).unwrap();
         }
         let mut p = Printer::new(Some(100), 20, None).unwrap();
-        let line = p.format(&mut s, None).unwrap().unwrap();
+        let line = p.format(&mut s, None, 0.0).unwrap().unwrap();
         assert_eq!(
             line,
             " eta: 0:00:20  iter: 19  total_loss: 10.5  [metric]acc: 0.5  time: 0.2500  \
@@ -196,11 +201,11 @@ mod tests {
         s.set_iter(5);
         let mut p = Printer::new(None, 20, None).unwrap();
         assert_eq!(
-            p.format(&mut s, Some(1024.4)).unwrap().unwrap(),
+            p.format(&mut s, Some(1024.4), 0.0).unwrap().unwrap(),
             " iter: 5       lr: N/A  max_mem: 1024M"
         );
         let mut p = Printer::new(Some(5), 20, None).unwrap();
-        assert_eq!(p.format(&mut s, None).unwrap(), None);
+        assert_eq!(p.format(&mut s, None, 0.0).unwrap(), None);
     }
 
     #[test]
@@ -208,7 +213,7 @@ mod tests {
         let mut s = storage();
         s.set_iter(250);
         let mut p = Printer::new(Some(1000), 20, Some(4)).unwrap();
-        let line = p.format(&mut s, None).unwrap().unwrap();
+        let line = p.format(&mut s, None, 0.0).unwrap().unwrap();
         assert!(line.contains("iter: 250  epoch: 2/4  "), "{line}");
     }
 }

@@ -193,6 +193,35 @@ impl Storage {
         Ok(())
     }
 
+    /// Makes `history` the history of `name` (no prefix applied), its newest entry the latest
+    /// value; a new name is smoothed, a known one keeps its hint. An empty history is an error
+    /// (a scalar always has a latest value).
+    pub fn set_history(&mut self, name: &str, history: History) -> Result<()> {
+        let Some(latest) = history.latest_entry() else {
+            return Err(Error::bad_value(
+                format!("history '{name}'"),
+                "is empty: put a value into it before assigning it to a storage",
+            ));
+        };
+        match self.scalars.get_mut(name) {
+            Some(s) => {
+                s.history = history;
+                s.latest = latest;
+            }
+            None => {
+                self.scalars.insert(
+                    Arc::from(name),
+                    Scalar {
+                        history,
+                        smoothing_hint: true,
+                        latest,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The scalar called `name` (no prefix applied), or `UnknownMetric`.
     pub fn scalar(&self, name: &str) -> Result<&Scalar> {
         self.scalars

@@ -65,6 +65,8 @@ impl FsyncPolicy {
 /// What a writer hands to the thread.
 #[derive(Debug)]
 pub enum Payload {
+    /// Text for metrics.json as is (a `JSONWriter` subclass's own lines).
+    Text(String),
     Json(Vec<JsonRow>),
     Events {
         wall_time: f64,

@@ -42,6 +42,11 @@ impl PyHistoryBuffer {
         }
     }
 
+    /// The whole state (for `EventStorage._set_history`).
+    pub fn state(&self) -> PyResult<hookloop_core::history::HistoryState> {
+        self.with(|h| h.state(None))
+    }
+
     fn label(&self) -> &str {
         match &self.source {
             Source::Owned(_) => "HistoryBuffer",
@@ -129,6 +134,12 @@ impl PyHistoryBuffer {
             .map(|(v, it)| Ok((v, iter_to_py(py, it)?)))
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)
+    }
+
+    /// fvcore's `_data`: the (value, iteration) pairs held, oldest first (a copy).
+    #[getter]
+    fn _data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.values(py)
     }
 
     /// The maximum number of entries kept.

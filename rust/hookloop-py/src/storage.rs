@@ -336,6 +336,26 @@ impl PyEventStorage {
         self.get_iter()
     }
 
+    /// detectron2's private `_iter`, which real code reads and sets: the same as `iter`.
+    #[getter(_iter)]
+    fn get_private_iter(&self) -> i64 {
+        self.get_iter()
+    }
+
+    #[setter(_iter)]
+    fn set_private_iter(&self, val: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.set_iter_py(val)
+    }
+
+    /// Makes `buffer`'s contents the history of `name` (`storage.histories()[name] = buf`):
+    /// later reads and writers see it, with its latest entry as the latest value. A name seen
+    /// before keeps its smoothing hint; a new one is smoothed.
+    fn _set_history(&self, name: String, buffer: &Bound<'_, PyHistoryBuffer>) -> PyResult<()> {
+        let state = buffer.get().state()?;
+        let history = History::from_state(state).py_err()?;
+        self.with(move |s| s.set_history(&name, history)).py_err()
+    }
+
     /// The current name prefix ("" outside `name_scope`).
     #[getter]
     fn _current_prefix(&self) -> String {

@@ -177,6 +177,13 @@ impl PyJsonWriter {
         }
         inner.handle.send(Payload::Json(rows)).py_err()
     }
+
+    /// Appends `text` to metrics.json in order with the writer's own lines (what a subclass
+    /// writes through `_file_handle`).
+    fn _write_text(slf: &Bound<'_, Self>, text: String) -> PyResult<()> {
+        let base = slf.as_super().get();
+        lock(&base.inner).handle.send(Payload::Text(text)).py_err()
+    }
 }
 
 /// TensorBoard event-file writer (`hookloop.utils.events.TensorboardXWriter` wraps it).
@@ -340,18 +347,40 @@ impl PyMetricPrinter {
     }
 
     /// The line for the storage's current iteration, or None at `max_iter`.
-    #[pyo3(signature = (storage, max_mem_mb = None))]
+    #[pyo3(signature = (storage, max_mem_mb, now))]
     fn format(
         &self,
         storage: &Bound<'_, PyEventStorage>,
         max_mem_mb: Option<f64>,
+        now: f64,
     ) -> PyResult<Option<String>> {
         let mut guard = lock(&self.inner);
         let printer: &mut Printer = &mut guard;
         storage
             .get()
-            .with(|core| printer.format(core, max_mem_mb))
+            .with(|core| printer.format(core, max_mem_mb, now))
             .py_err()
+    }
+
+    /// detectron2's `_get_eta`: the ETA string (None when it cannot be estimated yet, "" when
+    /// there is no `max_iter`); puts `eta_seconds` when a `time` metric exists. `now` is
+    /// `time.perf_counter()`.
+    fn _get_eta(&self, storage: &Bound<'_, PyEventStorage>, now: f64) -> PyResult<Option<String>> {
+        let mut guard = lock(&self.inner);
+        let printer: &mut Printer = &mut guard;
+        storage.get().with(|core| printer.eta(core, now)).py_err()
+    }
+
+    /// detectron2's `_last_write`: `(iteration, time.perf_counter())` of the last wall-time ETA
+    /// estimate, or None.
+    #[getter]
+    fn _last_write(&self) -> Option<(i64, f64)> {
+        lock(&self.inner).last_write
+    }
+
+    #[setter(_last_write)]
+    fn set_last_write(&self, value: Option<(i64, f64)>) {
+        lock(&self.inner).last_write = value;
     }
 
     /// The run's last iteration, for the ETA (None: no ETA).

@@ -245,7 +245,8 @@ def test_non_finite_loss_error_formats_the_loss_dict_as_detectron2():
     with pytest.raises(FloatingPointError) as info:
         t.train(0, 1)
     assert str(info.value) == (
-        "Loss became infinite or NaN at iteration=0!\nloss_dict = {'loss_cls': nan, 'loss_box': 1.0}"
+        "Loss became infinite or NaN at iteration=0!\n"
+        "loss_dict = {'loss_cls': nan, 'loss_box': 1.0}"
     )
 
 

@@ -21,8 +21,12 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
+    from hookloop.checkpoint import Checkpointer
+    from hookloop.data import TrainingSampler
     from hookloop.engine import AMPTrainer, SimpleTrainer, hooks
     from hookloop.engine.train_loop import HookBase
+    from hookloop.solver import LRMultiplier, WarmupParamScheduler
+    from hookloop.solver.param_scheduler import CosineParamScheduler
     from hookloop.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
     torch.manual_seed(args.seed)
@@ -31,19 +35,37 @@ def _demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     # Generated data: points in 16-d space, a class from a hidden linear map, and a regression
-    # target; a fixed pool of batches cycled forever, so data time stays near zero.
+    # target. 4096 training points, drawn in batches through a seeded TrainingSampler (so a
+    # resumed run sees exactly the batches an uninterrupted one would), and 512 held out for
+    # the evaluation.
     dim, classes, batch = 16, 4, 64
-    w_true = torch.randn(dim, classes)
+    g = torch.Generator().manual_seed(args.seed)
+    w_true = torch.randn(dim, classes, generator=g)
     device = torch.device(args.device)
-    pool = []
-    for _ in range(64):
-        x = torch.randn(batch, dim)
-        y, t = (x @ w_true).argmax(1), (x @ w_true).sum(1, keepdim=True)
-        pool.append((x.to(device), y.to(device), t.to(device)))
+    xs = torch.randn(4096 + 512, dim, generator=g)
+    ys, ts = (xs @ w_true).argmax(1), (xs @ w_true).sum(1, keepdim=True)
+    xs, ys, ts = xs.to(device), ys.to(device), ts.to(device)
+    train_x, train_y, train_t = xs[:4096], ys[:4096], ts[:4096]
+    val_x, val_y = xs[4096:], ys[4096:]
 
-    def data() -> Iterator:
-        while True:
-            yield from pool
+    class Batches:
+        """Batches of the training points in the sampler's order; resumable through the
+        sampler's state."""
+
+        def __init__(self) -> None:
+            self.sampler = TrainingSampler(len(train_x), seed=args.seed)
+
+        def __iter__(self) -> Iterator:
+            indices = iter(self.sampler)
+            while True:
+                idx = torch.tensor([next(indices) for _ in range(batch)], device=device)
+                yield train_x[idx], train_y[idx], train_t[idx]
+
+        def state_dict(self) -> Any:
+            return self.sampler.state_dict()
+
+        def load_state_dict(self, state: Any) -> None:
+            self.sampler.load_state_dict(state)
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -66,6 +88,9 @@ def _demo(args: argparse.Namespace) -> int:
         def __init__(self, period: int) -> None:
             self.period = period
 
+        def _dispatch_period(self, stage: str) -> Optional[int]:
+            return self.period if stage == "after_step" else None
+
         def after_step(self) -> None:
             if (self.trainer.iter + 1) % self.period:
                 return
@@ -77,10 +102,25 @@ def _demo(args: argparse.Namespace) -> int:
             storage.put_image("weights/body", img[None].repeat(3, 1, 1))
 
     model = Model().to(device)
+
+    def evaluate() -> Any:
+        model.eval()
+        with torch.no_grad():
+            h = model.body(val_x)
+            accuracy = (model.cls(h).argmax(1) == val_y).float().mean().item()
+            loss = nn.functional.cross_entropy(model.cls(h), val_y).item()
+        model.train()
+        return {"val": {"accuracy": accuracy, "loss_cls": loss}}
+
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     trainer_cls = AMPTrainer if args.amp else SimpleTrainer
-    trainer = trainer_cls(model, data(), optimizer)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.iters)
+    trainer = trainer_cls(model, Batches(), optimizer)
+    warmup = max(1, min(100, args.iters // 10))
+    schedule = WarmupParamScheduler(
+        CosineParamScheduler(1.0, 0.0), 0.001, warmup / args.iters, rescale_interval=True
+    )
+    scheduler = LRMultiplier(optimizer, schedule, args.iters)
+    checkpointer = Checkpointer(model, str(out), trainer=trainer)
     writers = [
         CommonMetricPrinter(args.iters),
         JSONWriter(out / "metrics.json"),
@@ -91,21 +131,37 @@ def _demo(args: argparse.Namespace) -> int:
             hooks.IterationTimer(),
             hooks.LRScheduler(scheduler=scheduler),
             Visualize(max(args.iters // 10, 1)),
+            hooks.PeriodicCheckpointer(checkpointer, args.checkpoint_period, max_to_keep=3),
+            hooks.EvalHook(args.eval_period, evaluate),
+            hooks.BestCheckpointer(args.eval_period, checkpointer, "val/accuracy", mode="max"),
             hooks.PeriodicWriter(writers, period=args.period),
         ]
     )
+    checkpointer.resume_or_load("", resume=args.resume)
+    start_iter = trainer.iter + 1 if args.resume and checkpointer.has_checkpoint() else 0
+    if start_iter >= args.iters:
+        print(f"hookloop demo: {out} already holds a run of {args.iters} iterations")
+        return 0
+    if start_iter:
+        print(f"hookloop demo: resuming from {checkpointer.get_checkpoint_file()}")
     start = time.perf_counter()
-    trainer.train(0, args.iters)
+    trainer.train(start_iter, args.iters)
     elapsed = time.perf_counter() - start
+    done = args.iters - start_iter
     final = trainer.storage.history("total_loss").median(20)
     events = sorted(p.name for p in out.glob("events.out.tfevents.*"))
+    checkpoints = sorted(p.name for p in out.glob("*.pth"))
+    accuracy = trainer.storage.latest().get("val/accuracy", (float("nan"), 0))[0]
     print(
-        f"\nhookloop demo: {args.iters} iterations in {elapsed:.2f} s "
-        f"({args.iters / elapsed:,.0f} steps/s), final total_loss {final:.4f}"
+        f"\nhookloop demo: {done} iterations in {elapsed:.2f} s "
+        f"({done / elapsed:,.0f} steps/s), final total_loss {final:.4f}, "
+        f"held-out accuracy {accuracy:.3f}"
     )
     print(f"  metrics:     {out / 'metrics.json'}")
     print(f"  tensorboard: {out}/{events[-1] if events else '(none)'}")
+    print(f"  checkpoints: {out}/{{{', '.join(checkpoints)}}}")
     print(f"  view with:   tensorboard --logdir {out}")
+    print(f"  resume with: hookloop demo --output {out} --iters N --resume")
     return 0
 
 
@@ -120,9 +176,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     demo.add_argument("--amp", action="store_true", help="use AMPTrainer (bfloat16 on the CPU)")
+    demo.add_argument(
+        "--checkpoint-period", type=int, default=1000, help="save a checkpoint every N iterations"
+    )
+    demo.add_argument(
+        "--eval-period", type=int, default=500, help="evaluate on held-out data every N iterations"
+    )
+    demo.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in --output"
+    )
     args = parser.parse_args(argv)
-    if args.iters <= 0 or args.period <= 0:
-        parser.error("--iters and --period must be positive")
+    for name in ("iters", "period", "checkpoint_period", "eval_period"):
+        value = getattr(args, name)
+        if value <= 0 or value > 10**12:
+            parser.error(f"--{name.replace('_', '-')} must be between 1 and 10**12, got {value}")
+    try:
+        import torch
+
+        torch.device(args.device)
+    except (RuntimeError, ValueError) as e:
+        parser.error(f"--device {args.device!r}: {e}")
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--output {args.output!r} exists and is not a directory")
     logging.basicConfig(
         level=logging.INFO,
         format="[%(asctime)s %(name)s]: %(message)s",

@@ -436,12 +436,49 @@ class _RefNoOp(ref.TrainerBase):
         pass
 
 
-def bench_loop(cfg: Config) -> List[Row]:
+class _HLStepHook(hl_loop.HookBase):
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+
+class _RefStepHook(ref.HookBase):
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+
+def _checkpoint_hooks(tmpdir: str, period: int) -> List[Any]:
+    """PeriodicCheckpointer, EvalHook and BestCheckpointer, as every detectron2 hook list has
+    them, with periods no run of the benchmark reaches (their cost between periods). The
+    checkpointer does not write (save_to_disk=False): the final save at the last iteration
+    stays out of the figure."""
+    from hookloop.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(torch.nn.Linear(1, 1), tmpdir, save_to_disk=False)
+    return [
+        hl_hooks.PeriodicCheckpointer(ckpt, period),
+        hl_hooks.EvalHook(period, lambda: {"acc": 1.0}, eval_after_train=False),
+        hl_hooks.BestCheckpointer(period, ckpt, "acc"),
+    ]
+
+
+def bench_loop(cfg: Config, tmpdir: str) -> List[Row]:
     n = cfg.loop_n
     hl0, hl16 = _HLNoOp(), _HLNoOp()
     hl16.register_hooks([hl_loop.HookBase() for _ in range(16)])
     rf0, rf16 = _RefNoOp(), _RefNoOp()
     rf16.register_hooks([ref.HookBase() for _ in range(16)])
+    hl16s, rf16s = _HLNoOp(), _RefNoOp()
+    hl16s.register_hooks([_HLStepHook() for _ in range(16)])
+    rf16s.register_hooks([_RefStepHook() for _ in range(16)])
+    hlck = _HLNoOp()
+    # A period past the run's end (and so past its last iteration): the hooks stay idle.
+    hlck.register_hooks(_checkpoint_hooks(tmpdir, 10 * n))
 
     def bare() -> float:
         run_step = hl0.run_step
@@ -460,7 +497,8 @@ def bench_loop(cfg: Config) -> List[Row]:
 
     res = _interleaved(
         {"bare": bare, "hl0": train(hl0), "hl16": train(hl16), "rf0": train(rf0),
-         "rf16": train(rf16)},
+         "rf16": train(rf16), "hl16s": train(hl16s), "rf16s": train(rf16s),
+         "hlck": train(hlck)},
         cfg.repeats,
     )  # fmt: skip
 
@@ -477,6 +515,11 @@ def bench_loop(cfg: Config) -> List[Row]:
             diff("hl16", "bare"), diff("rf16", "bare"), nn),
         Row("3", "16 no-op hooks, extra over no hooks", "ns/iter",
             diff("hl16", "hl0"), diff("rf16", "rf0"), nn, "≤ 60 ns", 60.0),
+        Row("3", "16 hooks overriding before_step and after_step (empty), extra over no hooks",
+            "ns/iter", diff("hl16s", "hl0"), diff("rf16s", "rf0"), nn, "≤ 800 ns", 800.0),
+        Row("3", "PeriodicCheckpointer + EvalHook + BestCheckpointer between periods, extra "
+            "over no hooks (includes their last-iteration call)", "ns/iter",
+            diff("hlck", "hl0"), None, nn, "≤ 300 ns", 300.0),
     ]  # fmt: skip
 
 
@@ -940,7 +983,7 @@ def run_all(cfg: Config, tmpdir: str, log: Callable[[str], None] = lambda s: Non
     steps: List[Tuple[str, Callable[[], List[Row]]]] = [
         ("memory", lambda: bench_memory(cfg)),
         ("put_scalar", lambda: bench_put_scalar(cfg)),
-        ("loop", lambda: bench_loop(cfg)),
+        ("loop", lambda: bench_loop(cfg, tmpdir)),
         ("write_metrics", lambda: bench_write_metrics(cfg)),
         ("writers", lambda: bench_writers(cfg, tmpdir)),
         ("stack", lambda: bench_stack(cfg, tmpdir)),

@@ -152,7 +152,10 @@ _Entry = Tuple[int, int, Callable[..., Any], Any, int]
 @final
 class Dispatcher:
     def __new__(
-        cls, hooks: list[Any], build: Callable[[list[Any]], Iterable[_Entry]]
+        cls,
+        hooks: list[Any],
+        build: Callable[[list[Any]], Iterable[_Entry]],
+        fuse: Callable[[list[_Entry]], Sequence[Optional[Callable[[int, int], Any]]]],
     ) -> Dispatcher: ...
     def begin(self, hooks: list[Any], storage: EventStorage, max_iter: int) -> None: ...
     def hooks_for(self, stage: str) -> list[Any]: ...

@@ -264,3 +264,30 @@ def test_checkpoint_and_eval_hooks_are_skipped_between_periods(tmp_path):
     # due at (iter + 1) % period == 0 and at the last iteration (11)
     assert calls == {"PeriodicCheckpointer": 3, "EvalHook": 3, "BestCheckpointer": 3}
     assert len(evals) == 3  # at iterations 4 and 9, then after training
+
+
+@pytest.mark.parametrize("period", [1, 2, 3, 7])
+def test_generated_stage_runner_calls_exactly_what_the_core_rule_says(period):
+    """With timing off the dispatcher runs a generated Python function per stage; it must
+    call the same hooks at the same iterations as the per-hook path (the core's rule)."""
+
+    class Periodic(HookBase):
+        def __init__(self):
+            self.iters = []
+
+        def _dispatch_period(self, stage):
+            return period if stage == "after_step" else None
+
+        def after_step(self):
+            self.iters.append(self.trainer.iter)
+
+    seen = {}
+    for timing in (False, True):
+        h, plain = Periodic(), Counting()
+        t = NoopTrainer()
+        t.register_hooks([plain, h])
+        t._dispatcher.timing = timing
+        t.train(3, 20)
+        seen[timing] = (h.iters, plain.calls)
+    assert seen[False] == seen[True]
+    assert seen[False][0] == [i for i in range(3, 20) if _core.periodic_due(i, period, 20)]

@@ -40,21 +40,62 @@ def test_demo_trains_and_writes_metrics_and_events(tmp_path):
     assert "hookloop demo: 300 iterations in" in proc.stdout
 
     lines = [json.loads(x) for x in (out / "metrics.json").read_text().splitlines()]
-    assert [x["iteration"] for x in lines] == list(range(19, 300, 20))  # 299 is the last
-    assert lines[-1]["total_loss"] < lines[0]["total_loss"]  # it learns
+    # 299 is the last iteration; the evaluation after training is put at 300 (detectron2's).
+    assert [x["iteration"] for x in lines] == [*range(19, 300, 20), 300]
+    assert set(lines[-1]) == {"iteration", "val/accuracy", "val/loss_cls"}
+    assert lines[-2]["total_loss"] < lines[0]["total_loss"]  # it learns
+    assert lines[-1]["val/accuracy"] > 0.5
+    assert "checkpoints:" in proc.stdout and (out / "model_final.pth").exists()
+    assert (out / "last_checkpoint").read_text().strip() == "model_final.pth"
 
     (event_file,) = out.glob("events.out.tfevents.*")
     acc = EventAccumulator(str(event_file), size_guidance={"scalars": 0, "images": 0})
     acc.Reload()
     steps = [e.step for e in acc.Scalars("total_loss")]
-    assert steps == [x["iteration"] for x in lines]
+    assert steps == [x["iteration"] for x in lines[:-1]]
     assert acc.Tags()["images"] == ["weights/body"]
     assert acc.Tags()["histograms"] == ["weights/body"]
 
 
-def test_demo_rejects_bad_arguments():
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--iters", "0"], "--iters must be between 1 and 10**12, got 0"),
+        (["--period", str(10**20)], "--period must be between 1 and 10**12"),
+        (["--device", "nope"], "--device 'nope'"),
+    ],
+)
+def test_demo_rejects_bad_arguments_with_one_usage_line(args, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "hookloop", "demo", "--iters", "0"], capture_output=True, text=True
+        [sys.executable, "-m", "hookloop", "demo", *args], capture_output=True, text=True
     )
     assert proc.returncode == 2
-    assert "--iters and --period must be positive" in proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_resumes_where_it_stopped(tmp_path):
+    """Interrupted (Ctrl-C) after its checkpoint at 199, then resumed to 300: the metrics
+    equal a run that went to 300 at once, apart from wall-clock times."""
+    common = ["--checkpoint-period", "100", "--eval-period", "100"]
+
+    def demo(out, iters, *extra, rc=0):
+        cmd = [sys.executable, "-m", "hookloop", "demo", "--output", str(out), "--iters"]
+        proc = subprocess.run(
+            [*cmd, str(iters), *common, *extra], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == rc, proc.stderr
+        return proc
+
+    demo(tmp_path / "straight", 300)
+    stopped = demo(tmp_path / "resumed", 300, "--interrupt-at", "200", rc=130)
+    assert "interrupted at iteration 199" in stopped.stdout
+    proc = demo(tmp_path / "resumed", 300, "--resume")
+    assert "resuming from" in proc.stdout
+
+    def rows(out):
+        timing = {"time", "data_time", "rank_data_time", "eta_seconds"}
+        lines = (out / "metrics.json").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in timing} for x in lines]
+
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "straight")

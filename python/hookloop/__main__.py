@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,6 +103,13 @@ def _demo(args: argparse.Namespace) -> int:
             img = (weight - weight.min()) / (weight.max() - weight.min() + 1e-8)
             storage.put_image("weights/body", img[None].repeat(3, 1, 1))
 
+    class Interrupt(HookBase):
+        """--interrupt-at N: a Ctrl-C at the end of iteration N - 1, to try --resume."""
+
+        def after_step(self) -> None:
+            if self.trainer.iter == args.interrupt_at - 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
     model = Model().to(device)
 
     def evaluate() -> Any:
@@ -135,6 +144,7 @@ def _demo(args: argparse.Namespace) -> int:
             hooks.EvalHook(args.eval_period, evaluate),
             hooks.BestCheckpointer(args.eval_period, checkpointer, "val/accuracy", mode="max"),
             hooks.PeriodicWriter(writers, period=args.period),
+            *([Interrupt()] if args.interrupt_at else []),
         ]
     )
     checkpointer.resume_or_load("", resume=args.resume)
@@ -145,7 +155,15 @@ def _demo(args: argparse.Namespace) -> int:
     if start_iter:
         print(f"hookloop demo: resuming from {checkpointer.get_checkpoint_file()}")
     start = time.perf_counter()
-    trainer.train(start_iter, args.iters)
+    try:
+        trainer.train(start_iter, args.iters)
+    except KeyboardInterrupt:
+        print(
+            f"\nhookloop demo: interrupted at iteration {trainer.iter}; the last checkpoint is "
+            f"{checkpointer.get_checkpoint_file()}\n"
+            f"  continue with: hookloop demo --output {out} --iters {args.iters} --resume"
+        )
+        return 130
     elapsed = time.perf_counter() - start
     done = args.iters - start_iter
     final = trainer.storage.history("total_loss").median(20)
@@ -184,6 +202,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     demo.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in --output"
+    )
+    demo.add_argument(
+        "--interrupt-at",
+        type=int,
+        default=0,
+        metavar="N",
+        help="act as if Ctrl-C was pressed after iteration N - 1 (to try --resume)",
     )
     args = parser.parse_args(argv)
     for name in ("iters", "period", "checkpoint_period", "eval_period"):

@@ -910,9 +910,9 @@ def test_training_changes_parameters_and_reduces_loss():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_loss_raises(caplog, bad):
+def test_non_finite_loss_raises_at_its_step_with_the_per_step_check(caplog, bad):
     log = []
-    trainer = scalar_trainer([1, 1, 1, bad, 1, 1])
+    trainer = scalar_trainer([1, 1, 1, bad, 1, 1], check_finite_every_step=True)
     trainer.register_hooks([RecordingHook(log)])
     with pytest.raises(FloatingPointError, match=r"^Loss became infinite or NaN at iteration=3!"):
         trainer.train(0, 6)
@@ -920,6 +920,65 @@ def test_non_finite_loss_raises(caplog, bad):
     assert log[-1] == ("hook", "after_train", 3, 3)
     assert history_iters(trainer.storage, "total_loss") == [0, 1, 2]
     assert any("Exception in writing metrics" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_loss_deferred_names_its_iteration(caplog, bad):
+    """By default losses are read in batches: the error names the iteration where the
+    non-finite loss appeared, raised when the batch is read (here: at the end of training,
+    which then fails), and the iterations before it are stored."""
+    trainer = scalar_trainer([1, 1, 1, bad, 1, 1])
+    with pytest.raises(FloatingPointError, match=r"^Loss became infinite or NaN at iteration=3!"):
+        trainer.train(0, 6)
+    assert history_iters(trainer.storage, "total_loss") == [0, 1, 2]
+    assert any("Exception in writing metrics" in r.getMessage() for r in caplog.records)
+
+
+def test_non_finite_loss_deferred_surfaces_within_one_read_period():
+    n = SimpleTrainer.METRICS_READ_EVERY
+    trainer = scalar_trainer([1.0] * 3 + [float("nan")] + [1.0] * (3 * n))
+    with pytest.raises(FloatingPointError, match=r"iteration=3!"):
+        trainer.train(0, 3 * n)
+    assert trainer.iter < 3 + n
+
+
+def test_deferred_and_per_step_metrics_store_the_same_values():
+    runs = {}
+    for every_step in (False, True):
+        torch.manual_seed(0)
+        trainer = simple_trainer(momentum=0.9, check_finite_every_step=every_step)
+        trainer.train(0, 45)
+        st = trainer.storage
+        runs[every_step] = {k: st.history(k).values() for k in ("total_loss", "loss_a", "loss_b")}
+    assert runs[False] == runs[True]
+
+
+def test_a_hook_reading_the_storage_sees_this_steps_losses():
+    seen = []
+
+    class Reader(HookBase):
+        def after_step(self):
+            seen.append(self.trainer.storage.latest()["total_loss"][1])
+
+    trainer = simple_trainer()
+    trainer.register_hooks([Reader()])
+    trainer.train(0, 5)
+    assert seen == [0, 1, 2, 3, 4]
+
+
+def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):
+    """Between batched reads the trainer keeps the losses as they are: no item(), no copy."""
+    calls = []
+    real_item = torch.Tensor.item
+
+    def item(self):
+        calls.append(1)
+        return real_item(self)
+
+    trainer = simple_trainer()
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    trainer.train(0, 10)
+    assert calls == []  # one batched read (tolist) at the end, no item() per loss
 
 
 class RecordingExecutor(concurrent.futures.ThreadPoolExecutor):

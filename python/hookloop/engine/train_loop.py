@@ -406,7 +406,17 @@ class SimpleTrainer(TrainerBase):
         async_write_metrics: bool. If True, then write metrics asynchronously to improve
             training speed. A ``FloatingPointError`` found there stops training on the
             training thread at the next step (detectron2 only logs it).
+        check_finite_every_step: bool. By default (False) the losses are kept as tensors and
+            read in one batch, without a device synchronization per step: before anything
+            reads the storage (a writer, a hook's ``latest()``) and at least every
+            ``METRICS_READ_EVERY`` recorded iterations. The values and iterations stored are
+            the same; a non-finite loss raises ``FloatingPointError`` naming the iteration
+            where it appeared, up to that many iterations later. True reads them at every
+            step, as detectron2 does.
     """
+
+    #: At most this many recorded iterations of losses wait, as tensors, for one batched read.
+    METRICS_READ_EVERY = 20
 
     def __init__(
         self,
@@ -416,6 +426,8 @@ class SimpleTrainer(TrainerBase):
         gather_metric_period: int = 1,
         zero_grad_before_forward: bool = False,
         async_write_metrics: bool = False,
+        *,
+        check_finite_every_step: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(gather_metric_period, bool) or not isinstance(gather_metric_period, int):
@@ -433,9 +445,31 @@ class SimpleTrainer(TrainerBase):
         self.gather_metric_period = gather_metric_period
         self.zero_grad_before_forward = zero_grad_before_forward
         self.async_write_metrics = async_write_metrics
+        self.check_finite_every_step = check_finite_every_step
         # One worker, so metric writes run in submission order.
         self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
+        # Losses recorded but not read yet: (iteration, data_time, loss_dict, prefix).
+        self._pending_metrics: List[Tuple[int, float, Mapping[str, Any], str]] = []
+        self._deferring = False
+        this = weakref.ref(self)  # the storage holds this function: no trainer <-> storage cycle
+
+        def settle() -> None:
+            trainer = this()
+            if trainer is not None:
+                trainer._settle_metrics()
+
+        self._settler = settle
+
+    def before_train(self) -> None:
+        # Deferred reads in one process; the per-step path when asked for, for asynchronous
+        # writes, and across processes (whose reduction is per write).
+        self._deferring = not (
+            self.check_finite_every_step
+            or self.async_write_metrics
+            or (comm._initialized() and comm.get_world_size() > 1)
+        )
+        super().before_train()
 
     def run_step(self) -> None:
         """Implement the standard training logic described above."""
@@ -559,11 +593,42 @@ class SimpleTrainer(TrainerBase):
     ) -> None:
         iter = self.iter if iter is None else iter
         if (iter + 1) % self.gather_metric_period == 0:
+            if self._deferring:
+                # Kept as tensors: no device synchronization, no torch call, this step.
+                pending = self._pending_metrics
+                pending.append((iter, data_time, loss_dict, prefix))
+                if len(pending) == 1:
+                    self.storage._defer(self._settler)
+                elif len(pending) >= self.METRICS_READ_EVERY:
+                    self.storage._settle()
+                return
             try:
                 SimpleTrainer.write_metrics(loss_dict, data_time, iter, prefix)
             except Exception:
                 logger.exception("Exception in writing metrics: ")
                 raise
+
+    def _settle_metrics(self) -> None:
+        """Reads the pending losses in one batch (one stack, one copy to the host) and puts
+        each iteration's metrics with the one write_metrics rule."""
+        pending, self._pending_metrics = self._pending_metrics, []
+        if not pending:
+            return
+        tensors = [
+            v for _, _, losses, _ in pending for v in losses.values() if isinstance(v, torch.Tensor)
+        ]
+        values = iter(_read_all(tensors))
+        storage = self.storage
+        try:
+            for it, data_time, losses, prefix in pending:
+                read = {
+                    k: (next(values) if isinstance(v, torch.Tensor) else v)
+                    for k, v in losses.items()
+                }
+                storage._write_metrics(read, data_time, data_time, it, prefix)
+        except Exception:
+            logger.exception("Exception in writing metrics: ")
+            raise
 
     @staticmethod
     def write_metrics(
@@ -625,12 +690,19 @@ class SimpleTrainer(TrainerBase):
         self._resumed_rng = "rng" in state_dict
 
     def after_train(self) -> None:
+        settle_error: Optional[BaseException] = None
+        try:
+            self.storage._settle()  # the last deferred losses, before the hooks read them
+        except Exception as error:
+            settle_error = error
         try:
             super().after_train()
         finally:
             self.concurrent_executor.shutdown(wait=True)
             self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         errors = [e for e in (f.exception() for f in self._pending_writes) if e is not None]
+        if settle_error is not None:
+            errors.insert(0, settle_error)
         self._pending_writes.clear()
         # A write that failed after the last step stops a run that otherwise succeeded; when
         # training already failed (maybe on an earlier such error), later ones are its echo.
@@ -638,6 +710,23 @@ class SimpleTrainer(TrainerBase):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
+
+
+def _read_all(tensors: List[torch.Tensor]) -> List[float]:
+    """The values of single-element tensors, read in one batch: one stack, one copy to the
+    host (one device synchronization for all of them)."""
+    if not tensors:
+        return []
+    with torch.no_grad():
+        try:
+            flat = torch.stack(tensors).reshape(len(tensors), -1)
+        except RuntimeError:  # different shapes or devices: one at a time
+            return [float(t.detach().reshape(-1)[0].item()) for t in tensors]
+        if flat.shape[1] != 1:
+            raise TypeError(
+                f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
+            )
+        return flat.to(torch.float64).cpu().reshape(-1).tolist()
 
 
 def _sampler(loader: Any) -> Any:
@@ -687,6 +776,8 @@ class AMPTrainer(SimpleTrainer):
         precision: torch.dtype = torch.float16,
         log_grad_scaler: bool = False,
         async_write_metrics: bool = False,
+        *,
+        check_finite_every_step: bool = False,
     ) -> None:
         unsupported = "AMPTrainer does not support single-process multi-device training!"
         if isinstance(model, DistributedDataParallel):
@@ -704,6 +795,7 @@ class AMPTrainer(SimpleTrainer):
             gather_metric_period,
             zero_grad_before_forward,
             async_write_metrics=async_write_metrics,
+            check_finite_every_step=check_finite_every_step,
         )
 
         self._device_type = "cuda" if torch.cuda.is_available() else "cpu"

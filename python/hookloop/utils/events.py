@@ -531,10 +531,11 @@ class CommonMetricPrinter(EventWriter):
             # logger.info(line), without the stack walk that finds the caller: the record
             # names this line as its origin, as logger.info would.
             frame = sys._getframe()
+            filename, lineno = frame.f_code.co_filename, frame.f_lineno
+            del frame  # a frame held in its own locals is a cycle: the trainer would wait for gc
             record = log.makeRecord(
-                log.name, logging.INFO, frame.f_code.co_filename, frame.f_lineno,
-                line, (), None, "write",
-            )  # fmt: skip
+                log.name, logging.INFO, filename, lineno, line, (), None, "write"
+            )
             log.handle(record)
 
 

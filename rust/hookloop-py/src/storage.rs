@@ -4,7 +4,8 @@
 //! Python call; values are converted before locking, and Python objects removed from the state
 //! are released after unlocking.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use hookloop_core::history::{HistoryState, Iter};
 use hookloop_core::metrics::{write_metrics, Reduced};
@@ -31,9 +32,32 @@ use crate::state::{PendingImage, Shared, SharedState, State};
 )]
 pub struct PyEventStorage {
     pub state: SharedState,
+    /// Values put but not read yet (losses kept as tensors, see `SimpleTrainer`): set by
+    /// `_defer`, cleared by `settle`, which every read of the scalars calls first.
+    pending: AtomicBool,
+    /// What `settle` calls to put the pending values (a Python function).
+    settler: Mutex<Option<Py<PyAny>>>,
 }
 
 impl PyEventStorage {
+    /// Puts the values deferred with `_defer` before anything reads the scalars: every read
+    /// (histories, latest values, writers) sees the same storage as without deferral.
+    pub fn settle(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.pending.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let settler = self
+            .settler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|s| s.clone_ref(py));
+        match settler {
+            Some(f) => f.bind(py).call0().map(drop),
+            None => Ok(()),
+        }
+    }
+
     /// Runs `f` on the core storage under the lock.
     pub fn with<R>(&self, f: impl FnOnce(&mut Storage) -> R + Send) -> R {
         self.state.with(|s| f(&mut s.core))
@@ -66,6 +90,8 @@ impl PyEventStorage {
         };
         Ok(PyEventStorage {
             state: Arc::new(Shared::new(state)),
+            pending: AtomicBool::new(false),
+            settler: Mutex::new(None),
         })
     }
 
@@ -116,6 +142,23 @@ impl PyEventStorage {
         })
         .py_err()?;
         failure.map_or(Ok(()), Err)
+    }
+
+    /// Marks values as pending: before the next read of the scalars, `settle()` is called
+    /// once (it puts them). One call per batch of deferred values, not per value.
+    fn _defer(&self, settle: Py<PyAny>) {
+        let old = self
+            .settler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(settle);
+        self.pending.store(true, Ordering::Release);
+        drop(old);
+    }
+
+    /// Puts what is pending now (what every read does first).
+    fn _settle(&self, py: Python<'_>) -> PyResult<()> {
+        self.settle(py)
     }
 
     /// `SimpleTrainer.write_metrics`'s rule (core `metrics::write_metrics`) in one crossing.
@@ -222,13 +265,15 @@ impl PyEventStorage {
     }
 
     /// The `HistoryBuffer` of `name` (a live view). `KeyError` if never put.
-    fn history(&self, name: &str) -> PyResult<PyHistoryBuffer> {
+    fn history(&self, py: Python<'_>, name: &str) -> PyResult<PyHistoryBuffer> {
+        self.settle(py)?;
         self.with(|s| s.scalar(name).map(|_| ())).py_err()?;
         Ok(PyHistoryBuffer::view(self.state.clone(), name.to_owned()))
     }
 
     /// `{name: HistoryBuffer}` for every scalar, in first-put order.
     fn histories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.settle(py)?;
         let names: Vec<String> = self.with(|s| s.scalars().map(|(k, _)| k.to_owned()).collect());
         let out = PyDict::new(py);
         for name in names {
@@ -240,6 +285,7 @@ impl PyEventStorage {
 
     /// `{name: (latest value, iteration)}` in first-put order (a snapshot).
     fn latest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.settle(py)?;
         let items: Vec<(String, f64, Iter)> = self.with(|s| {
             s.scalars()
                 .map(|(k, s)| (k.to_owned(), s.latest.0, s.latest.1))
@@ -260,6 +306,7 @@ impl PyEventStorage {
         py: Python<'py>,
         window_size: i64,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.settle(py)?;
         let items = self
             .with(|s| s.latest_with_smoothing_hint(window_size))
             .py_err()?;
@@ -273,12 +320,14 @@ impl PyEventStorage {
     /// How many recent values of `name` lie in the last `window_size` iterations. Unknown
     /// names raise `KeyError` and create nothing (detectron2 would create an empty history).
     #[pyo3(signature = (name, window_size = 20))]
-    fn count_samples(&self, name: &str, window_size: i64) -> PyResult<usize> {
+    fn count_samples(&self, py: Python<'_>, name: &str, window_size: i64) -> PyResult<usize> {
+        self.settle(py)?;
         self.with(|s| s.count_samples(name, window_size)).py_err()
     }
 
     /// `{name: smoothing_hint}` in first-put order.
     fn smoothing_hints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.settle(py)?;
         let items: Vec<(String, bool)> = self.with(|s| {
             s.scalars()
                 .map(|(k, s)| (k.to_owned(), s.smoothing_hint))
@@ -441,6 +490,7 @@ impl PyEventStorage {
     /// None); what pickling and checkpoints save. Images and histograms are not included.
     #[pyo3(signature = (keep = None))]
     fn _state<'py>(&self, py: Python<'py>, keep: Option<i64>) -> PyResult<Bound<'py, PyDict>> {
+        self.settle(py)?;
         let keep = keep.map(|k| positive("keep", k)).transpose().py_err()?;
         let state = self.with(|s| s.state(keep));
         storage_state_to_py(py, &state)
@@ -474,12 +524,19 @@ impl PyEventStorage {
         for image in &images {
             visit.call(&**image)?;
         }
+        if let Ok(settler) = self.settler.try_lock() {
+            if let Some(s) = settler.as_ref() {
+                visit.call(s)?;
+            }
+        }
         Ok(())
     }
 
     fn __clear__(&self) {
         let taken = self.state.try_with(|s| s.images.take()).unwrap_or_default();
         drop(taken);
+        let settler = self.settler.try_lock().ok().and_then(|mut s| s.take());
+        drop(settler);
     }
 }
 

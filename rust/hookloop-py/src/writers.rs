@@ -161,6 +161,7 @@ impl PyJsonWriter {
 
     /// Queues one line per iteration with scalars not yet written.
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
+        storage.get().settle(slf.py())?;
         let base = slf.as_super().get();
         let mut inner = lock(&base.inner);
         inner.handle.check().py_err()?;
@@ -214,6 +215,7 @@ impl PyTensorboardWriter {
     /// Queues new smoothed scalars and the storage's histograms; returns how many images wait
     /// in the storage (the Python layer converts those tensors and calls `add_points`).
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
+        storage.get().settle(slf.py())?;
         let base = slf.as_super().get();
         let mut inner = lock(&base.inner);
         inner.handle.check().py_err()?;
@@ -354,6 +356,7 @@ impl PyMetricPrinter {
         max_mem_mb: Option<f64>,
         now: f64,
     ) -> PyResult<Option<String>> {
+        storage.get().settle(storage.py())?;
         let mut guard = lock(&self.inner);
         let printer: &mut Printer = &mut guard;
         storage
@@ -366,6 +369,7 @@ impl PyMetricPrinter {
     /// there is no `max_iter`); puts `eta_seconds` when a `time` metric exists. `now` is
     /// `time.perf_counter()`.
     fn _get_eta(&self, storage: &Bound<'_, PyEventStorage>, now: f64) -> PyResult<Option<String>> {
+        storage.get().settle(storage.py())?;
         let mut guard = lock(&self.inner);
         let printer: &mut Printer = &mut guard;
         storage.get().with(|core| printer.eta(core, now)).py_err()

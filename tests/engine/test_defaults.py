@@ -555,11 +555,37 @@ def test_default_test_evaluates_nothing(tmp_path):
 def test_precise_bn_runs_on_a_second_loader(tmp_path):
     cfg = config(tmp_path, max_iter=4, precise_bn=True, precise_bn_iters=3)
     trainer = BNTrainer(cfg)
-    bn = trainer.model.body[1]
     trainer.train()
-    # After training, PreciseBN set the running statistics from 3 batches of its own loader.
-    assert int(bn.num_batches_tracked) > 0
-    assert trainer._hooks[2]._data_iter is not None
+    # After the last step, PreciseBN set the running mean to the true mean over 3 batches of
+    # its own loader (a fresh one: the same first batches as the training loader's).
+    linear, bn = trainer.model.body
+    batches = iter(make_loader())
+    with torch.no_grad():
+        want = torch.stack([linear(next(batches)[0]).mean(0) for _ in range(3)]).mean(0)
+    torch.testing.assert_close(bn.running_mean, want, rtol=1e-5, atol=1e-6)
+
+
+def test_steps_past_max_iter_are_ignored(tmp_path):
+    cfg = config(tmp_path, max_iter=20, lr_steps=[10, 20, 30], warmup_iters=0, base_lr=0.5)
+    got = lrs(ToyTrainer(cfg), 20)
+    assert got == pytest.approx([0.5] * 10 + [0.05] * 10, rel=1e-12)
+
+
+def test_a_subclass_after_backward_runs(tmp_path):
+    seen = []
+
+    class Own(ToyTrainer):
+        def after_backward(self):
+            seen.append(self.iter)
+            super().after_backward()
+
+    trainer = Own(config(tmp_path, max_iter=3))
+    trainer.train()
+    assert seen == [0, 1, 2]
+    ref = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert ref() is None
 
 
 def test_trainer_is_freed_without_the_cycle_collector(tmp_path):

@@ -443,6 +443,23 @@ def _optimizer_params(model: torch.nn.Module, cfg: TrainConfig) -> List[Dict[str
 # The trainer
 
 
+def _weak_after_backward(trainer: TrainerBase) -> Any:
+    """``trainer.after_backward`` for another object to call, holding no strong reference to
+    ``trainer``: the dispatcher's stage itself when TrainerBase bound it on the instance (no
+    extra frame per step), else a call through a weak reference to a subclass's method."""
+    own = vars(trainer).get("after_backward")
+    if own is not None:
+        return own
+    method = weakref.WeakMethod(trainer.after_backward)
+
+    def after_backward() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    return after_backward
+
+
 class DefaultTrainer(TrainerBase):
     """A trainer with default training logic. It does the following:
 
@@ -510,9 +527,10 @@ class DefaultTrainer(TrainerBase):
         self._trainer = (AMPTrainer if cfg.amp else SimpleTrainer)(
             model, data_loader, optimizer, gather_metric_period=cfg.gather_metric_period
         )
-        # The wrapped trainer runs the backward pass: it calls this trainer's hooks'
-        # after_backward (detectron2's calls the wrapped trainer's, which has no hooks).
-        self._trainer.after_backward = self._dispatcher.after_backward  # type: ignore[method-assign]
+        # The wrapped trainer runs the backward pass: it calls this trainer's after_backward,
+        # so the hooks' after_backward runs (detectron2's calls the wrapped trainer's, which
+        # has no hooks). Without a strong reference back to this trainer.
+        self._trainer.after_backward = _weak_after_backward(self)  # type: ignore[method-assign]
 
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = Checkpointer(

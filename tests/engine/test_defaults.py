@@ -172,6 +172,14 @@ def test_config_from_yaml(tmp_path):
     cfg = TrainConfig.from_yaml(path)
     assert (cfg.max_iter, cfg.lr_steps, cfg.output_dir, cfg.amp) == (50, (10, 20), "out", True)
 
+    # YAML 1.1 reads 1e-3 as a string; a float field takes it as the number.
+    path.write_text("base_lr: 1e-3\nweight_decay: 5.0e-4\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.base_lr, cfg.weight_decay) == (1e-3, 5e-4)
+    path.write_text("base_lr: fast\n")
+    with pytest.raises(TypeError, match="base_lr"):
+        TrainConfig.from_yaml(path)
+
     path.write_text("max_iter: fifty\n")
     with pytest.raises(TypeError, match="max_iter"):
         TrainConfig.from_yaml(path)
@@ -194,14 +202,16 @@ def test_config_merge_overrides():
             "max_iter=100",
             "lr_steps=[10,20]",
             "output_dir=/tmp/run 1",
-            "amp=True",
+            "amp=true",
+            "nesterov=True",
             "best_metric=val/accuracy",
             "max_to_keep=None",
             "weights='w.pth'",
             "base_lr=2",
         ]
     )
-    assert cfg.max_iter == 100 and cfg.lr_steps == (10, 20) and cfg.amp is True
+    assert cfg.max_iter == 100 and cfg.lr_steps == (10, 20)
+    assert cfg.amp is True and cfg.nesterov is True
     assert cfg.output_dir == "/tmp/run 1" and cfg.best_metric == "val/accuracy"
     assert cfg.max_to_keep is None and cfg.weights == "w.pth" and cfg.base_lr == 2.0
     # The original is unchanged.
@@ -218,6 +228,8 @@ def test_config_merge_overrides():
         ("max_iter=1.5", TypeError, "max_iter"),
         ("lr_steps=[10,", ValueError, "lr_steps"),
         ("max_iter=0", ValueError, "max_iter"),
+        ("amp=yes", ValueError, "amp"),
+        ("amp=1", TypeError, "amp"),
     ],
 )
 def test_config_bad_override_names_the_key(override, error, match):
@@ -605,3 +617,17 @@ def test_trainer_is_freed_without_the_cycle_collector(tmp_path):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_one_process_trains_the_model_unwrapped(tmp_path):
+    model = Toy()
+    assert defaults.create_ddp_model(model, broadcast_buffers=False) is model
+    writers = defaults.default_writers(tmp_path / "w", max_iter=10, window_size=5)
+    assert [type(w).__name__ for w in writers] == [
+        "CommonMetricPrinter",
+        "JSONWriter",
+        "TensorboardXWriter",
+    ]
+    for w in writers:
+        w.close()
+    assert (tmp_path / "w" / "metrics.json").exists()

@@ -155,6 +155,15 @@ class TrainConfig:
             raise ValueError(
                 f"{path} must hold a mapping of {cls.__name__} fields, got {type(values).__name__}"
             )
+        values = dict(values)
+        types = _field_types(cls)
+        for key, value in values.items():
+            if isinstance(value, str) and types.get(key) in (float, Optional[float]):
+                # YAML 1.1 reads `1e-3` (no dot) as a string.
+                try:
+                    values[key] = float(value)
+                except ValueError:
+                    pass
         return cls.from_dict(values)
 
     def merge_overrides(self: _C, overrides: Iterable[str]) -> _C:
@@ -178,8 +187,13 @@ class TrainConfig:
             if not sep or not key:
                 raise ValueError(f"override {item!r} must be 'key=value'")
             tp = type(self)._field_type(key)
+            text = text.strip()
+            if tp is bool and text.lower() in ("true", "false"):
+                # As YAML and most command lines spell them.
+                changes[key] = text.lower() == "true"
+                continue
             try:
-                value = ast.literal_eval(text.strip())
+                value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 if not _accepts_str(tp):
                     raise ValueError(
@@ -189,7 +203,7 @@ class TrainConfig:
                 value = text
             if _accepts_str(tp) and not isinstance(value, str) and value is not None:
                 # `output_dir=123` or `best_metric=1e-3` names the text, not the number.
-                value = text.strip()
+                value = text
             changes[key] = value
         return dataclasses.replace(self, **changes)
 

@@ -414,14 +414,15 @@ def final_state(trainer: DefaultTrainer) -> Dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
-    straight = ToyTrainer(config(tmp_path / "straight", lr_steps=[12]))
+@pytest.mark.parametrize("amp", [False, True])
+def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, amp):
+    straight = ToyTrainer(config(tmp_path / "straight", lr_steps=[12], amp=amp))
     straight.resume_or_load()
     straight.train()
     want = final_state(straight)
 
     out = tmp_path / "resumed"
-    first = ToyTrainer(config(out, lr_steps=[12]))
+    first = ToyTrainer(config(out, lr_steps=[12], amp=amp))
     first.register_hooks([StopAt(13)])
     first.resume_or_load()
     with pytest.raises(RuntimeError, match="stopped at 13"):
@@ -431,7 +432,7 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
 
     # Anything to move the RNGs: the checkpoint restores them.
     torch.manual_seed(99)
-    second = ToyTrainer(config(out, lr_steps=[12]))
+    second = ToyTrainer(config(out, lr_steps=[12], amp=amp))
     second.resume_or_load(resume=True)
     assert second.start_iter == 10 and second.iter == 9
     second.train()

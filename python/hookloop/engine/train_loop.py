@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import operator
 import time
 import types
@@ -661,18 +662,26 @@ class SimpleTrainer(TrainerBase):
             # item() (what detectron2's v.detach().cpu().item() computes, without the copies).
             storage._write_metrics(loss_dict, data_time, data_time, cur_iter, prefix)
             return
-        metrics_dict: Dict[str, Any] = {k: v.detach().cpu().item() for k, v in loss_dict.items()}
-        metrics_dict["data_time"] = data_time
-        # Gather metrics among all workers for logging. This assumes DDP-style training.
-        all_metrics_dict = comm.gather(metrics_dict)
-        if not comm.is_main_process():
-            storage._write_metrics(None, data_time, None, cur_iter, prefix)
-            return
+        names = list(loss_dict)
+        # One packed collective: every rank's losses and data time in one float64 tensor,
+        # all-gathered once (detectron2 pickles a dict per rank through gather_object). Every
+        # rank gets every value, so a non-finite total fails on all ranks at this iteration,
+        # not on the main process alone while the others wait in their next collective.
+        packed = _read_all([v for v in loss_dict.values()]) + [float(data_time)]
+        gathered = _all_gather_floats(packed, len(names), cur_iter)
         # data_time among workers can have high variance. The actual latency caused by
         # data_time is the maximum among workers.
-        max_data_time = max(x.pop("data_time") for x in all_metrics_dict)
-        reduced = {k: _mean([x[k] for x in all_metrics_dict]) for k in all_metrics_dict[0]}
-        storage._write_metrics(reduced, data_time, max_data_time, cur_iter, prefix)
+        max_data_time = max(row[-1] for row in gathered)
+        reduced = {k: _mean([row[i] for row in gathered]) for i, k in enumerate(names)}
+        if comm.is_main_process():
+            storage._write_metrics(reduced, data_time, max_data_time, cur_iter, prefix)
+            return
+        storage._write_metrics(None, data_time, None, cur_iter, prefix)
+        total = sum(reduced.values())
+        if not math.isfinite(total):
+            raise FloatingPointError(
+                f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {reduced}"
+            )
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
@@ -710,6 +719,22 @@ class SimpleTrainer(TrainerBase):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
+
+
+def _all_gather_floats(values: List[float], n_losses: int, cur_iter: int) -> List[List[float]]:
+    """Every rank's ``values`` (losses, then data time), with one all_gather of one tensor."""
+    import torch.distributed as dist
+
+    world = comm.get_world_size()
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    chunks = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(chunks, mine)
+    rows = torch.stack(chunks).cpu().tolist()
+    if any(len(r) != n_losses + 1 for r in rows):  # pragma: no cover - shapes are fixed
+        raise ValueError(f"ranks reported different numbers of losses at iteration {cur_iter}")
+    return rows
 
 
 def _read_all(tensors: List[torch.Tensor]) -> List[float]:

@@ -223,7 +223,33 @@ class EventWriter:
         pass
 
 
-class JSONWriter(EventWriter):
+class _NativeFileWriter(EventWriter):
+    """What ``JSONWriter`` and ``TensorboardXWriter`` share: their state is the native
+    writer's (``self._native``), read and set through detectron2's attribute names."""
+
+    _native: Any
+
+    @property
+    def _window_size(self) -> int:
+        return int(self._native.window_size)
+
+    @property
+    def _last_write(self) -> int:
+        return int(self._native._last_write)
+
+    @_last_write.setter
+    def _last_write(self, value: int) -> None:
+        self._native._last_write = value
+
+    def flush(self) -> None:
+        """Blocks until everything written so far is in the file."""
+        self._native.flush()
+
+    def close(self) -> None:
+        self._native.close()
+
+
+class JSONWriter(_NativeFileWriter):
     """Write scalars to a json file.
 
     It saves scalars as one json per line (instead of a big json) for easy parsing. Each line
@@ -257,18 +283,6 @@ class JSONWriter(EventWriter):
     ) -> None:
         self._native = _core.JSONWriter(_fspath("json_file", json_file), window_size, fsync)
 
-    @property
-    def _window_size(self) -> int:
-        return self._native.window_size
-
-    @property
-    def _last_write(self) -> int:
-        return int(self._native._last_write)
-
-    @_last_write.setter
-    def _last_write(self, value: int) -> None:
-        self._native._last_write = value
-
     def write(self) -> None:
         self._native.write(get_event_storage())
 
@@ -290,13 +304,6 @@ class JSONWriter(EventWriter):
                 start_iter,
                 self._native.path,
             )
-
-    def flush(self) -> None:
-        """Blocks until everything written so far is in the file."""
-        self._native.flush()
-
-    def close(self) -> None:
-        self._native.close()
 
 
 class _JSONFileHandle:
@@ -323,7 +330,7 @@ class _JSONFileHandle:
 _SUMMARY_WRITER_KWARGS = {"comment", "purge_step", "max_queue", "flush_secs", "filename_suffix"}
 
 
-class TensorboardXWriter(EventWriter):
+class TensorboardXWriter(_NativeFileWriter):
     """Write all scalars, images and histograms to a TensorBoard event file.
 
     The event file is written natively (TFRecord framing with masked CRC32C, TensorBoard's
@@ -366,18 +373,6 @@ class TensorboardXWriter(EventWriter):
         if purge_step is not None:
             self._resume_from(purge_step)
 
-    @property
-    def _window_size(self) -> int:
-        return self._native.window_size
-
-    @property
-    def _last_write(self) -> int:
-        return int(self._native._last_write)
-
-    @_last_write.setter
-    def _last_write(self, value: int) -> None:
-        self._native._last_write = value
-
     def _resume_from(self, start_iter: int) -> None:
         """A resumed run restarts at ``start_iter``: writes TensorBoard's purge marker (a
         ``SessionLog.START`` event at that step, what ``SummaryWriter(purge_step=...)`` writes),
@@ -390,13 +385,6 @@ class TensorboardXWriter(EventWriter):
             # Images are the caller's tensors until now: convert them here, in one batch.
             images = storage._take_images()
             self._native.add_points(images=[_image_point(n, img, step) for n, img, step in images])
-
-    def flush(self) -> None:
-        """Blocks until everything written so far is in the event file."""
-        self._native.flush()
-
-    def close(self) -> None:
-        self._native.close()
 
 
 class _SummaryWriter:

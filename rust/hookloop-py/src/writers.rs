@@ -4,12 +4,13 @@
 //! which release the GIL while they wait.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use hookloop_core::error::positive;
 use hookloop_core::jsonl::{group_by_iteration, JsonSink};
 use hookloop_core::printer::Printer;
+use hookloop_core::storage::SmoothedScalar;
 use hookloop_core::tfevents::{
     check_image_shape, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
 };
@@ -20,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{to_py, IntoPyResult};
+use crate::state::State;
 use crate::storage::PyEventStorage;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -83,6 +85,30 @@ impl PyNativeWriter {
             window_size,
             path,
         })
+    }
+}
+
+impl PyNativeWriter {
+    /// The start of every write: settle the storage's deferred values, report an earlier
+    /// error, and take under one lock the smoothed scalars newer than `last_write` (advancing
+    /// it) and whatever else `take` takes from the state. Returns the writer still locked.
+    fn take_new<T: Send>(
+        &self,
+        storage: &Bound<'_, PyEventStorage>,
+        take: impl FnOnce(&mut State) -> T + Send,
+    ) -> PyResult<(MutexGuard<'_, Native>, Vec<SmoothedScalar>, T)> {
+        storage.get().settle(storage.py())?;
+        let mut inner = lock(&self.inner);
+        inner.handle.check().py_err()?;
+        let window = self.window_size;
+        let mut last_write = inner.last_write;
+        let (smoothed, taken) = storage.get().state.with(|state| {
+            let smoothed = state.core.smoothed_since(window, &mut last_write);
+            (smoothed, take(state))
+        });
+        let smoothed = smoothed.py_err()?;
+        inner.last_write = last_write;
+        Ok((inner, smoothed, taken))
     }
 }
 
@@ -161,17 +187,7 @@ impl PyJsonWriter {
 
     /// Queues one line per iteration with scalars not yet written.
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
-        storage.get().settle(slf.py())?;
-        let base = slf.as_super().get();
-        let mut inner = lock(&base.inner);
-        inner.handle.check().py_err()?;
-        let window = base.window_size;
-        let mut last_write = inner.last_write;
-        let smoothed = storage
-            .get()
-            .with(|s| s.smoothed_since(window, &mut last_write))
-            .py_err()?;
-        inner.last_write = last_write;
+        let (inner, smoothed, ()) = slf.as_super().get().take_new(storage, |_| ())?;
         let rows = group_by_iteration(smoothed);
         if rows.is_empty() {
             return Ok(());
@@ -215,18 +231,10 @@ impl PyTensorboardWriter {
     /// Queues new smoothed scalars and the storage's histograms; returns how many images wait
     /// in the storage (the Python layer converts those tensors and calls `add_points`).
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
-        storage.get().settle(slf.py())?;
-        let base = slf.as_super().get();
-        let mut inner = lock(&base.inner);
-        inner.handle.check().py_err()?;
-        let window = base.window_size;
-        let mut last_write = inner.last_write;
-        let (smoothed, histograms, n_images) = storage.get().state.with(|state| {
-            let smoothed = state.core.smoothed_since(window, &mut last_write);
-            (smoothed, state.core.take_histograms(), state.images.len())
-        });
-        let smoothed = smoothed.py_err()?;
-        inner.last_write = last_write;
+        let (inner, smoothed, (histograms, n_images)) =
+            slf.as_super().get().take_new(storage, |state| {
+                (state.core.take_histograms(), state.images.len())
+            })?;
         let scalars: Vec<ScalarPoint> = smoothed
             .into_iter()
             .map(|s| ScalarPoint {

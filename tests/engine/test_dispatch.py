@@ -291,3 +291,26 @@ def test_generated_stage_runner_calls_exactly_what_the_core_rule_says(period):
         seen[timing] = (h.iters, plain.calls)
     assert seen[False] == seen[True]
     assert seen[False][0] == [i for i in range(3, 20) if _core.periodic_due(i, period, 20)]
+
+
+def test_periodic_writer_subclass_without_super_init_gets_a_clear_error():
+    class Forgetful(hooks.PeriodicWriter):
+        def __init__(self):
+            pass
+
+    t = NoopTrainer()
+    t.register_hooks([Forgetful()])
+    with pytest.raises(TypeError, match=r"must call PeriodicWriter.__init__"):
+        t.train(0, 1)
+
+
+def test_iteration_timer_summary_lists_hook_times_when_timing(caplog):
+    import logging
+
+    t = NoopTrainer()
+    t.register_hooks([hooks.IterationTimer(), Counting()])
+    t._dispatcher.timing = True
+    with caplog.at_level(logging.INFO, logger="hookloop.engine.hooks"):
+        t.train(0, 5)
+    (table,) = [r.getMessage() for r in caplog.records if "Time in hooks" in r.getMessage()]
+    assert "Counting" in table and "after_step" in table and "IterationTimer" in table

@@ -153,6 +153,17 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
                 str(datetime.timedelta(seconds=int(hook_time))),
             )
         )
+        stats = [row for row in self.trainer.hook_stats() if row[2]]
+        if stats:
+            # Per-hook timing (when the trainer's dispatcher times hooks): one row per hook
+            # and stage, slowest total first.
+            lines = [f"{'hook':<32} {'stage':<14} {'calls':>9} {'total s':>9} {'max ms':>8}"]
+            for hook, stage, calls, total_s, max_s in sorted(stats, key=lambda r: -r[3]):
+                lines.append(
+                    f"{type(hook).__name__:<32} {stage:<14} {calls:>9} {total_s:>9.3f} "
+                    f"{max_s * 1e3:>8.3f}"
+                )
+            logger.info("Time in hooks:\n" + "\n".join(lines))
 
 
 class PeriodicWriter(HookBase):
@@ -191,6 +202,11 @@ class PeriodicWriter(HookBase):
                     resume(start_iter)
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
+        if "_period" not in self.__dict__:
+            raise TypeError(
+                f"{type(self).__name__} was not initialized: its __init__ must call "
+                "PeriodicWriter.__init__ (super().__init__(writers, period))"
+            )
         # Only this class's own after_step follows the period; a subclass's may not.
         if stage == "after_step" and type(self).after_step is PeriodicWriter.after_step:
             return self._period

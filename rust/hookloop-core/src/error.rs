@@ -75,6 +75,14 @@ pub enum Error {
         losses: Vec<(String, f64)>,
     },
 
+    /// An object that cannot be pickled or copied, and why. Mapped to `TypeError` (what
+    /// pickle raises for unpicklable objects).
+    #[error("a {what} cannot be pickled or copied: {why}")]
+    NotPicklable {
+        what: &'static str,
+        why: &'static str,
+    },
+
     /// A writer used after `close()`. Mapped to `ValueError` (as a closed Python file).
     #[error("{writer} for '{path}' is closed", path = path.display())]
     Closed { writer: &'static str, path: PathBuf },

@@ -264,7 +264,7 @@ impl History {
     /// How many of the most recent entries lie within the last `window_size` iterations,
     /// counted back from the newest entry's iteration (detectron2's `count_samples`: the window
     /// counts iterations, not samples).
-    pub fn count_recent(&self, window_size: i64) -> usize {
+    pub fn count_samples(&self, window_size: i64) -> usize {
         let Some(last) = self.runs.back().map(Run::last) else {
             return 0;
         };
@@ -507,7 +507,7 @@ mod tests {
         assert!(h.median(3).unwrap().is_nan());
         assert!(h.avg(3).unwrap().is_nan());
         assert!(matches!(h.latest(), Err(crate::Error::EmptyHistory)));
-        assert_eq!(h.count_recent(20), 0);
+        assert_eq!(h.count_samples(20), 0);
         assert!(h.values().is_empty());
     }
 
@@ -536,15 +536,15 @@ mod tests {
     }
 
     #[test]
-    fn count_recent_counts_iterations_not_samples() {
+    fn count_samples_counts_iterations_not_samples() {
         let mut h = History::new(100).unwrap();
         for it in (0..100).step_by(10) {
             h.update(1.0, Some(Iter::Int(it)));
         }
         // last = 90; within 20 iterations: 90, 80 (> 70).
-        assert_eq!(h.count_recent(20), 2);
-        assert_eq!(h.count_recent(1), 1);
-        assert_eq!(h.count_recent(1000), 10);
+        assert_eq!(h.count_samples(20), 2);
+        assert_eq!(h.count_samples(1), 1);
+        assert_eq!(h.count_samples(1000), 10);
     }
 
     #[test]

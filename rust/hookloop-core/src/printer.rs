@@ -65,7 +65,7 @@ impl Printer {
         let w = self.window_size;
         let (avg_data_time, last_data_time) = match storage.scalar("data_time") {
             Ok(s) => {
-                let n = s.history.count_recent(w).max(1) as i64;
+                let n = s.history.count_samples(w).max(1) as i64;
                 (Some(s.history.avg(n)?), Some(s.history.latest()?))
             }
             Err(_) => (None, None),

@@ -258,7 +258,7 @@ impl Storage {
         if window_size <= 0 {
             return Err(Error::BadWindow(window_size));
         }
-        Ok(self.scalar(name)?.history.count_recent(window_size))
+        Ok(self.scalar(name)?.history.count_samples(window_size))
     }
 
     /// detectron2's `latest_with_smoothing_hint`: per scalar, the median over the last
@@ -401,7 +401,7 @@ pub fn windowed_median(history: &History, window_size: i64) -> Result<f64> {
         return Err(Error::BadWindow(window_size));
     }
     // count_samples counts the newest entry itself, so it is >= 1 for a non-empty history.
-    let samples = history.count_recent(window_size).max(1);
+    let samples = history.count_samples(window_size).max(1);
     history.median(samples as i64)
 }
 

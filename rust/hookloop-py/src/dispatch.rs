@@ -13,7 +13,6 @@ use std::time::Instant;
 
 use hookloop_core::dispatch::{Stage, Table, STAGES};
 use hookloop_core::Error;
-use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -325,10 +324,10 @@ impl PyDispatcher {
     }
 
     fn __reduce__(&self) -> PyResult<()> {
-        Err(PyTypeError::new_err(
-            "a hookloop Dispatcher cannot be pickled or copied: it belongs to one trainer (save \
-             trainer.state_dict() instead)",
-        ))
+        Err(to_py(Error::NotPicklable {
+            what: "hookloop Dispatcher",
+            why: "it belongs to one trainer (save trainer.state_dict() instead)",
+        }))
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {

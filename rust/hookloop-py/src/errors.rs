@@ -17,7 +17,9 @@ pub fn to_py(err: Error) -> PyErr {
     match err {
         Error::UnknownMetric(_) => PyKeyError::new_err(err.to_string()),
         Error::EmptyHistory => PyIndexError::new_err(err.to_string()),
-        Error::WrongType { .. } => PyTypeError::new_err(err.to_string()),
+        Error::WrongType { .. } | Error::NotPicklable { .. } => {
+            PyTypeError::new_err(err.to_string())
+        }
         Error::OutOfRange { .. } => PyOverflowError::new_err(err.to_string()),
         Error::HintChanged { .. }
         | Error::BadWindow(_)

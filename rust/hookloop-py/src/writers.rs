@@ -16,7 +16,6 @@ use hookloop_core::tfevents::{
 };
 use hookloop_core::writer::{flush_all, FsyncPolicy, Payload, Sink, SinkHandle};
 use hookloop_core::Error;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -39,11 +38,12 @@ fn fsync_policy(s: Option<&str>, default: FsyncPolicy) -> PyResult<FsyncPolicy> 
     })
 }
 
-fn not_picklable(what: &str) -> PyErr {
-    PyTypeError::new_err(format!(
-        "a {what} cannot be pickled or copied: it owns an open file on hookloop's writer \
-         thread (create a new writer in the other process instead)"
-    ))
+fn not_picklable(what: &'static str) -> PyErr {
+    to_py(Error::NotPicklable {
+        what,
+        why: "it owns an open file on hookloop's writer thread (create a new writer in the \
+              other process instead)",
+    })
 }
 
 fn wall_time() -> f64 {

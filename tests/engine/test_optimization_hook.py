@@ -247,3 +247,22 @@ def test_errors():
     trainer.register_hooks([OptimizationHook()])
     with pytest.raises(TypeError, match="optimizer"):
         trainer.train(0, 2)
+
+
+def test_a_wrapped_simple_trainer_is_used_as_in_default_trainer():
+    class Wrapper(TrainerBase):
+        def __init__(self, inner):
+            super().__init__()
+            self._trainer = inner
+
+        def run_step(self):
+            self._trainer.iter = self.iter
+            self._trainer.run_step()
+
+    model = Model()
+    inner = SimpleTrainer(model, _data(12, B), _sgd(model))
+    trainer = Wrapper(inner)
+    trainer.register_hooks([OptimizationHook(accumulate_grad_steps=4)])
+    trainer.train(0, 12)
+    _assert_close(model, _reference(3, 4))
+    assert inner.step_optimizer

@@ -1191,9 +1191,10 @@ class OptimizationHook(HookBase):
 
     Two kinds of trainer:
 
-    * :class:`SimpleTrainer` / :class:`AMPTrainer`, which run the backward themselves: the
-      hook sets ``trainer.step_optimizer = False`` in ``before_train`` (the trainer then
-      neither zeroes nor steps) and, on a stepping iteration, unscales (AMP), divides the
+    * :class:`SimpleTrainer` / :class:`AMPTrainer` (also as a wrapper's ``trainer._trainer``,
+      as in ``DefaultTrainer``), which run the backward themselves: the hook sets their
+      ``step_optimizer = False`` in ``before_train`` (the trainer then neither zeroes nor
+      steps) and, on a stepping iteration, unscales (AMP), divides the
       accumulated gradients by N, clips and steps (through the trainer's ``grad_scaler``
       under AMP). Its ``after_step`` is not called at all on the other iterations.
     * A trainer whose ``run_step`` runs only the forward and leaves the loss in
@@ -1244,11 +1245,17 @@ class OptimizationHook(HookBase):
         self._restore_switch: Optional[bool] = None
         self._trainer_backward = False
 
-    def _runs_backward(self) -> bool:
-        return isinstance(self.trainer, SimpleTrainer)
+    def _inner(self) -> Optional[SimpleTrainer]:
+        """The SimpleTrainer that runs the backward: the trainer, or the one a
+        DefaultTrainer-style wrapper keeps as ``_trainer``; None for a forward-only one."""
+        trainer = self.trainer
+        for t in (trainer, getattr(trainer, "_trainer", None)):
+            if isinstance(t, SimpleTrainer):
+                return t
+        return None
 
     def _model_ddp(self) -> Optional[DistributedDataParallel]:
-        model = getattr(self.trainer, "model", None)
+        model = getattr(self._inner() or self.trainer, "model", None)
         return model if isinstance(model, DistributedDataParallel) else None
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
@@ -1258,7 +1265,7 @@ class OptimizationHook(HookBase):
             stage == "after_step"
             and type(self).after_step is OptimizationHook.after_step
             and self.trainer is not None
-            and self._runs_backward()
+            and self._inner() is not None
             and self._model_ddp() is None
         ):
             return self.accumulate_grad_steps
@@ -1266,17 +1273,18 @@ class OptimizationHook(HookBase):
 
     def before_train(self) -> None:
         trainer = self.trainer
-        optimizer = getattr(trainer, "optimizer", None)
+        inner = self._inner()
+        optimizer = getattr(inner or trainer, "optimizer", None)
         if optimizer is None or not hasattr(optimizer, "param_groups"):
             raise TypeError(
                 f"OptimizationHook needs trainer.optimizer (a torch optimizer); "
                 f"{type(trainer).__name__} has none"
             )
         self._optimizer = optimizer
-        self._trainer_backward = isinstance(trainer, SimpleTrainer)
-        if isinstance(trainer, SimpleTrainer):
-            if isinstance(trainer, AMPTrainer):
-                self.grad_scaler = trainer.grad_scaler
+        self._trainer_backward = inner is not None
+        if inner is not None:
+            if isinstance(inner, AMPTrainer):
+                self.grad_scaler = inner.grad_scaler
             elif self.mixed_precision:
                 raise ValueError(
                     "OptimizationHook(mixed_precision=True) with a SimpleTrainer: its backward "
@@ -1284,8 +1292,8 @@ class OptimizationHook(HookBase):
                 )
             else:
                 self.grad_scaler = None
-            self._restore_switch = trainer.step_optimizer
-            trainer.step_optimizer = False
+            self._restore_switch = inner.step_optimizer
+            inner.step_optimizer = False
         elif self.mixed_precision:
             if self._own_scaler is None:
                 device = _params_device(optimizer)
@@ -1360,7 +1368,9 @@ class OptimizationHook(HookBase):
     def after_train(self) -> None:
         self._exit_no_sync()
         if self._restore_switch is not None:
-            self.trainer.step_optimizer = self._restore_switch  # type: ignore[attr-defined]
+            inner = self._inner()
+            if inner is not None:
+                inner.step_optimizer = self._restore_switch
             self._restore_switch = None
 
     def state_dict(self) -> Dict[str, Any]:

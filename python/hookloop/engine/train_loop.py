@@ -302,7 +302,8 @@ class TrainerBase:
                 raise
             finally:
                 self._loop_hooks = None
-                hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
+                if self._stop_requested:
+                    hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
                 self.after_train()
         exc, self._raise_after_train = self._raise_after_train, None
         if exc is not None and self.stopped_early:

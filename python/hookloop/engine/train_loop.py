@@ -81,9 +81,10 @@ class HookBase:
 
     def on_exception(self, exc: BaseException) -> None:
         """Called once, before :meth:`after_train`, when ``before_train`` or a step raised
-        ``exc`` (for example to save a crash checkpoint or log). Only hooks that override it
-        are called, from Python and never per iteration. ``exc`` propagates unchanged after
-        it; an error raised here is logged and does not replace it."""
+        ``exc`` (any exception, ``KeyboardInterrupt`` included), for example to save a crash
+        checkpoint or log. Only hooks that override it are called, from Python and never per
+        iteration. ``exc`` propagates unchanged after it; an error raised here is logged and
+        does not replace it."""
 
     def state_dict(self) -> Dict[str, Any]:
         """Hooks are stateless by default, but can be made checkpointable by implementing
@@ -334,7 +335,10 @@ class TrainerBase:
         """
         hooks = self._loop_hooks
         if hooks is None:
-            raise RuntimeError("request_stop() is called during train(), from a hook")
+            raise RuntimeError(
+                "request_stop() stops a running train() (call it from a hook or run_step); "
+                "no training is running"
+            )
         if raise_after_train is not None and not isinstance(raise_after_train, BaseException):
             raise TypeError(
                 "request_stop() raise_after_train must be an exception, got "

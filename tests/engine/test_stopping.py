@@ -471,3 +471,17 @@ def test_early_stopping_bad_args(kwargs, error, name):
 def test_early_stopping_bad_state():
     with pytest.raises(ValueError, match="EarlyStopping"):
         EarlyStopping("a", 1).load_state_dict({"best": 1.0})
+
+
+def test_hook_stats_add_up_across_the_stop():
+    t = Loop()
+    rec = Recorder([], "a")
+    t.register_hooks([rec, StopAt(5)])
+    t._dispatcher.timing = True
+    t.train(0, 10)
+    calls = {(type(h).__name__, stage): n for h, stage, n, _, _ in t.hook_stats()}
+    assert calls[("Recorder", "before_step")] == 6
+    assert calls[("Recorder", "after_train")] == 1
+    # In the stage that asked for the stop, calls after the request are not counted.
+    assert calls[("StopAt", "after_step")] == 5
+    assert not any(name == "_StopBeforeNextStep" for name, _ in calls)

@@ -265,6 +265,7 @@ class TrainerBase:
         self._stop_requested = False
         self.stopped_early = False
         self._raise_after_train = None
+        self._stats_carried = []
 
         with EventStorage(start_iter) as self.storage:
             if self._resume_storage is not None:
@@ -304,6 +305,7 @@ class TrainerBase:
             finally:
                 self._loop_hooks = None
                 if self._stop_requested:
+                    self._stats_carried += self._dispatcher.hook_stats()
                     hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
                 self.after_train()
         exc, self._raise_after_train = self._raise_after_train, None
@@ -349,6 +351,7 @@ class TrainerBase:
         if self._stop_requested:
             return
         self._stop_requested = True
+        self._stats_carried = list(self._dispatcher.hook_stats())
         hooks.append(_StopBeforeNextStep())
 
     def _on_exception(self, exc: BaseException) -> None:
@@ -391,7 +394,22 @@ class TrainerBase:
     def hook_stats(self) -> List[Tuple[Any, str, int, float, float]]:
         """Per hook and stage: ``(hook, stage, calls, total_s, max_s)`` since ``train()``
         started, when ``self._dispatcher.timing`` is on (counts are zero otherwise)."""
-        return list(self._dispatcher.hook_stats())
+        current = list(self._dispatcher.hook_stats())
+        if not self._stats_carried:
+            return current
+        # A stop rebuilt the table (new counts): add up the tables' counts per hook and stage.
+        # The calls after request_stop() in the stage that asked for it are not counted.
+        merged: Dict[Tuple[int, str], List[Any]] = {}
+        for h, stage, calls, total, longest in [*self._stats_carried, *current]:
+            if isinstance(h, _StopBeforeNextStep):
+                continue
+            row = merged.setdefault((id(h), stage), [h, stage, 0, 0.0, 0.0])
+            row[2] += calls
+            row[3] += total
+            row[4] = max(row[4], longest)
+        return [tuple(row) for row in merged.values()]  # type: ignore[misc]
+
+    _stats_carried: List[Tuple[Any, str, int, float, float]] = []
 
     def run_step(self) -> None:
         raise NotImplementedError

@@ -332,7 +332,8 @@ class TrainerBase:
 
         Args:
             raise_after_train: an exception that ``train()`` raises after ``after_train``
-                when the run stopped cleanly (``PreemptionHandler`` passes
+                when the run stopped early (not when the stop came in the last iteration:
+                training then finished normally; ``PreemptionHandler`` passes
                 :class:`~hookloop.engine.hooks.Preempted` for the process's exit status).
         """
         hooks = self._loop_hooks

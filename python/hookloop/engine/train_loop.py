@@ -44,6 +44,9 @@ class HookBase:
         iter += 1
         hook.after_train()
 
+    When ``before_train`` or a step raises, :meth:`on_exception` runs first (only in hooks
+    that override it), then ``after_train``; the exception then propagates unchanged.
+
     Notes:
         1. In the hook method, users can access ``self.trainer`` to access more properties
            about the context (e.g., model, current iteration, or config if using
@@ -76,6 +79,13 @@ class HookBase:
 
     def after_step(self) -> None:
         """Called after each iteration."""
+
+    def on_exception(self, exc: BaseException) -> None:
+        """Called once, before :meth:`after_train`, when ``before_train`` or a step raised
+        ``exc`` (any exception, ``KeyboardInterrupt`` included), for example to save a crash
+        checkpoint or log. Only hooks that override it are called, from Python and never per
+        iteration. ``exc`` propagates unchanged after it; an error raised here is logged and
+        does not replace it."""
 
     def state_dict(self) -> Dict[str, Any]:
         """Hooks are stateless by default, but can be made checkpointable by implementing
@@ -203,6 +213,29 @@ def _check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
     return start_iter, max_iter
 
 
+class _StopTraining(BaseException):
+    """Control flow of :meth:`TrainerBase.request_stop`, caught in ``train()``. A
+    ``BaseException``, so that a hook's ``except Exception`` does not swallow it."""
+
+
+class _StopBeforeNextStep(HookBase):
+    """Added to the hook list by :meth:`TrainerBase.request_stop`: the list edit rebuilds the
+    dispatcher's table at its next stage, and this hook's ``before_step`` runs first in the
+    next iteration, before any other hook's. Until then the loop has no stop check at all."""
+
+    def before_step(self) -> None:
+        raise _StopTraining
+
+    def _dispatch_order(self, stage: str) -> int:
+        return -(2**62)
+
+
+def _overrides(hook: Any, stage: str) -> bool:
+    return stage in getattr(hook, "__dict__", {}) or getattr(type(hook), stage, None) is not (
+        getattr(HookBase, stage)
+    )
+
+
 class TrainerBase:
     """Base class for iterative trainer with hooks.
 
@@ -216,6 +249,9 @@ class TrainerBase:
             value is 0.
         max_iter (int): The iteration to end training.
         storage (EventStorage): An EventStorage that's opened during the course of training.
+        stop_requested (bool): whether :meth:`request_stop` was called in this ``train()``.
+        stopped_early (bool): whether this ``train()`` ended through :meth:`request_stop`
+            before ``max_iter`` (then ``iter`` is the last iteration that completed).
     """
 
     max_iter: int
@@ -263,6 +299,10 @@ class TrainerBase:
 
         self.iter = self.start_iter = start_iter
         self.max_iter = max_iter
+        self._stop_requested = False
+        self.stopped_early = False
+        self._raise_after_train = None
+        self._stats_carried = []
 
         with EventStorage(start_iter) as self.storage:
             if self._resume_storage is not None:
@@ -271,25 +311,97 @@ class TrainerBase:
                 self.storage.iter = start_iter
                 self._resume_storage = None
             # The hook list is re-read (it may have been rebound) and the table rebuilt.
-            self._dispatcher.begin(self._hooks, self.storage, max_iter)
+            self._loop_hooks = hooks = self._hooks
+            self._dispatcher.begin(hooks, self.storage, max_iter)
             try:
                 self.before_train()
-                self._dispatcher.run_loop(
-                    self,
-                    start_iter,
-                    max_iter,
-                    self.run_step,
-                    self._overridden("before_step"),
-                    self._overridden("after_step"),
-                )
-                # self.iter == max_iter can be used by `after_train` to tell whether the
-                # training successfully finished or failed due to exceptions.
-                self.iter = max_iter
-            except Exception:
-                logger.exception("Exception during training:")
+                try:
+                    self._dispatcher.run_loop(
+                        self,
+                        start_iter,
+                        max_iter,
+                        self.run_step,
+                        self._overridden("before_step"),
+                        self._overridden("after_step"),
+                    )
+                except _StopTraining:
+                    # Raised before any hook of the iteration after the stop: the last one
+                    # that completed (every after_step of it ran) is the one before.
+                    self.iter -= 1
+                    self.stopped_early = True
+                    logger.info(f"Training stopped on request after iteration {self.iter}")
+                else:
+                    # self.iter == max_iter can be used by `after_train` to tell whether the
+                    # training successfully finished or failed due to exceptions.
+                    self.iter = max_iter
+            except BaseException as e:
+                if isinstance(e, Exception):
+                    logger.exception("Exception during training:")
+                self._on_exception(e)
                 raise
             finally:
+                self._loop_hooks = None
+                if self._stop_requested:
+                    self._stats_carried += self._dispatcher.hook_stats()
+                    hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
                 self.after_train()
+        exc, self._raise_after_train = self._raise_after_train, None
+        if exc is not None and self.stopped_early:
+            raise exc
+
+    _loop_hooks: Optional[List[Any]] = None
+    _stop_requested = False
+    _raise_after_train: Optional[BaseException] = None
+    stopped_early = False
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
+        return self._stop_requested
+
+    def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
+        """Ends training cleanly after the current step: every hook's ``after_step`` of the
+        iteration in progress runs, then ``after_train``, with ``iter`` at that iteration
+        and :attr:`stopped_early` set (``PeriodicCheckpointer`` then saves a checkpoint of
+        it, from which a resume continues at the next iteration). Called before the first
+        step (in ``before_train``), no step runs. Costs nothing per iteration until called:
+        the stop is a hook added to the list, which the dispatcher sees at its next stage.
+
+        Args:
+            raise_after_train: an exception that ``train()`` raises after ``after_train``
+                when the run stopped early (not when the stop came in the last iteration:
+                training then finished normally; ``PreemptionHandler`` passes
+                :class:`~hookloop.engine.hooks.Preempted` for the process's exit status).
+        """
+        hooks = self._loop_hooks
+        if hooks is None:
+            raise RuntimeError(
+                "request_stop() stops a running train() (call it from a hook or run_step); "
+                "no training is running"
+            )
+        if raise_after_train is not None and not isinstance(raise_after_train, BaseException):
+            raise TypeError(
+                "request_stop() raise_after_train must be an exception, got "
+                f"{type(raise_after_train).__name__}"
+            )
+        if raise_after_train is not None and self._raise_after_train is None:
+            self._raise_after_train = raise_after_train
+        if self._stop_requested:
+            return
+        self._stop_requested = True
+        self._stats_carried = list(self._dispatcher.hook_stats())
+        hooks.append(_StopBeforeNextStep())
+
+    def _on_exception(self, exc: BaseException) -> None:
+        """Each hook's ``on_exception`` that overrides HookBase's, in registration order; their
+        own errors are logged so that ``exc`` propagates unchanged."""
+        for h in list(self._hooks):
+            if not _overrides(h, "on_exception"):
+                continue
+            try:
+                h.on_exception(exc)
+            except Exception:
+                logger.exception(f"{type(h).__name__}.on_exception raised; re-raising the original")
 
     def _overridden(self, stage: str) -> Any:
         """The bound stage method if this trainer replaces TrainerBase's, else None: then the
@@ -320,7 +432,22 @@ class TrainerBase:
     def hook_stats(self) -> List[Tuple[Any, str, int, float, float]]:
         """Per hook and stage: ``(hook, stage, calls, total_s, max_s)`` since ``train()``
         started, when ``self._dispatcher.timing`` is on (counts are zero otherwise)."""
-        return list(self._dispatcher.hook_stats())
+        current = list(self._dispatcher.hook_stats())
+        if not self._stats_carried:
+            return current
+        # A stop rebuilt the table (new counts): add up the tables' counts per hook and stage.
+        # The calls after request_stop() in the stage that asked for it are not counted.
+        merged: Dict[Tuple[int, str], List[Any]] = {}
+        for h, stage, calls, total, longest in [*self._stats_carried, *current]:
+            if isinstance(h, _StopBeforeNextStep):
+                continue
+            row = merged.setdefault((id(h), stage), [h, stage, 0, 0.0, 0.0])
+            row[2] += calls
+            row[3] += total
+            row[4] = max(row[4], longest)
+        return [tuple(row) for row in merged.values()]  # type: ignore[misc]
+
+    _stats_carried: List[Tuple[Any, str, int, float, float]] = []
 
     def run_step(self) -> None:
         raise NotImplementedError
@@ -414,10 +541,18 @@ class SimpleTrainer(TrainerBase):
             the same; a non-finite loss raises ``FloatingPointError`` naming the iteration
             where it appeared, up to that many iterations later. True reads them at every
             step, as detectron2 does.
+
+    Attributes:
+        step_optimizer (bool): whether :meth:`run_step` zeroes the gradients and steps the
+            optimizer (``AMPTrainer``: and its grad scaler). True by default;
+            :class:`~hookloop.engine.hooks.OptimizationHook` sets it to False in its
+            ``before_train`` and does both itself (every N iterations with accumulation).
     """
 
     #: At most this many recorded iterations of losses wait, as tensors, for one batched read.
     METRICS_READ_EVERY = 20
+
+    step_optimizer = True
 
     def __init__(
         self,
@@ -480,7 +615,7 @@ class SimpleTrainer(TrainerBase):
         data = next(self._data_loader_iter)
         data_time = time.perf_counter() - start
 
-        if self.zero_grad_before_forward:
+        if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
 
         loss_dict = self.model(data)
@@ -489,7 +624,7 @@ class SimpleTrainer(TrainerBase):
             loss_dict = {"total_loss": loss_dict}
         else:
             losses = sum(loss_dict.values())
-        if not self.zero_grad_before_forward:
+        if not self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
         losses.backward()
 
@@ -500,7 +635,8 @@ class SimpleTrainer(TrainerBase):
         else:
             self._write_metrics(loss_dict, data_time)
 
-        self.optimizer.step()
+        if self.step_optimizer:
+            self.optimizer.step()
 
     def _submit_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
         """Writes metrics on the executor thread, after re-raising any earlier write's error."""
@@ -715,7 +851,7 @@ class SimpleTrainer(TrainerBase):
         self._pending_writes.clear()
         # A write that failed after the last step stops a run that otherwise succeeded; when
         # training already failed (maybe on an earlier such error), later ones are its echo.
-        if errors and self.iter == self.max_iter:
+        if errors and (self.iter == self.max_iter or self.stopped_early):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
@@ -845,7 +981,7 @@ class AMPTrainer(SimpleTrainer):
         data = next(self._data_loader_iter)
         data_time = time.perf_counter() - start
 
-        if self.zero_grad_before_forward:
+        if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
         with torch.autocast(device_type=self._device_type, dtype=self.precision):
             loss_dict = self.model(data)
@@ -855,7 +991,7 @@ class AMPTrainer(SimpleTrainer):
             else:
                 losses = sum(loss_dict.values())
 
-        if not self.zero_grad_before_forward:
+        if not self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
 
         self.grad_scaler.scale(losses).backward()
@@ -871,8 +1007,9 @@ class AMPTrainer(SimpleTrainer):
         else:
             self._write_metrics(loss_dict, data_time)
 
-        self.grad_scaler.step(self.optimizer)
-        self.grad_scaler.update()
+        if self.step_optimizer:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()

@@ -314,3 +314,38 @@ def test_iteration_timer_summary_lists_hook_times_when_timing(caplog):
         t.train(0, 5)
     (table,) = [r.getMessage() for r in caplog.records if "Time in hooks" in r.getMessage()]
     assert "Counting" in table and "after_step" in table and "IterationTimer" in table
+
+
+def test_priority_places_a_hook_between_others_and_hooks_table_shows_it():
+    class Named(HookBase):
+        def __init__(self, name, priority=None):
+            self.name = name
+            if priority is not None:
+                self.priority = priority
+
+        def after_step(self):
+            order.append(self.name)
+
+    order = []
+    lr, ckpt = Named("lr", "HIGH"), Named("ckpt", "LOW")
+    mine = Named("mine", 60)
+    plain = Named("plain")  # NORMAL (50)
+    t = NoopTrainer()
+    t.register_hooks([ckpt, mine, plain, lr])
+    t.train(0, 1)
+    assert order == ["lr", "plain", "mine", "ckpt"]
+    assert t.hooks_table()["after_step"] == [lr, plain, mine, ckpt]
+    assert t.hooks_table()["before_step"] == []
+
+
+def test_bad_priority_names_the_hook():
+    class Bad(HookBase):
+        priority = "URGENT"
+
+        def after_step(self):
+            pass
+
+    t = NoopTrainer()
+    t.register_hooks([Bad()])
+    with pytest.raises(ValueError, match=r"Bad.priority must be"):
+        t.train(0, 1)

@@ -144,14 +144,50 @@ def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
             period_of = getattr(hook, "_dispatch_period", None)
             period = int((period_of(stage) if period_of is not None else None) or 0)
             order_of = getattr(hook, "_dispatch_order", None)
-            orders.append(int(order_of(stage)) if order_of is not None else 0)
+            order = int(order_of(stage)) if order_of is not None else 0
+            orders.append((_priority(hook), order))
             if isinstance(method, types.MethodType) and method.__self__ is hook:
                 entries.append((index, stage_index, method.__func__, hook, period))
             else:
                 entries.append((index, stage_index, method, None, period))
-    # Stable: equal orders keep registration order.
+    # By priority, then the hook's order within a stage; stable: registration order otherwise.
     ranked = sorted(range(len(entries)), key=orders.__getitem__)
     return [entries[k] for k in ranked]
+
+
+#: mmengine's priority names; a hook's ``priority`` may be one of them or an int (lower first).
+PRIORITIES = {
+    "HIGHEST": 0,
+    "VERY_HIGH": 10,
+    "HIGH": 30,
+    "ABOVE_NORMAL": 40,
+    "NORMAL": 50,
+    "BELOW_NORMAL": 60,
+    "LOW": 70,
+    "VERY_LOW": 90,
+    "LOWEST": 100,
+}
+
+
+def _priority(hook: Any) -> int:
+    """A hook's ``priority`` attribute as an int: NORMAL (50) when it has none, so that
+    without priorities hooks run in registration order, as detectron2's do."""
+    p = getattr(hook, "priority", None)
+    if p is None:
+        return PRIORITIES["NORMAL"]
+    if isinstance(p, str):
+        if p.upper() not in PRIORITIES:
+            raise ValueError(
+                f"{type(hook).__name__}.priority must be an int or one of {list(PRIORITIES)}, "
+                f"got {p!r}"
+            )
+        return PRIORITIES[p.upper()]
+    if isinstance(p, bool) or not isinstance(p, int):
+        raise TypeError(
+            f"{type(hook).__name__}.priority must be an int or a priority name, "
+            f"got {type(p).__name__}"
+        )
+    return p
 
 
 _PER_STEP = (2, 3, 4)  # before_step, after_step, after_backward
@@ -223,11 +259,10 @@ class _StopBeforeNextStep(HookBase):
     dispatcher's table at its next stage, and this hook's ``before_step`` runs first in the
     next iteration, before any other hook's. Until then the loop has no stop check at all."""
 
+    priority = -(2**62)  # before every other hook, whatever its priority
+
     def before_step(self) -> None:
         raise _StopTraining
-
-    def _dispatch_order(self, stage: str) -> int:
-        return -(2**62)
 
 
 def _overrides(hook: Any, stage: str) -> bool:
@@ -428,6 +463,11 @@ class TrainerBase:
 
     def after_step(self) -> None:
         self._dispatcher.after_step(self.iter)
+
+    def hooks_table(self) -> Dict[str, List[Any]]:
+        """The hooks each stage calls, in call order (registration order, unless hooks declare
+        a ``priority``): what the dispatcher runs, for checking where a hook lands."""
+        return {stage: list(self._dispatcher.hooks_for(stage)) for stage in _STAGES}
 
     def hook_stats(self) -> List[Tuple[Any, str, int, float, float]]:
         """Per hook and stage: ``(hook, stage, calls, total_s, max_s)`` since ``train()``

@@ -652,7 +652,10 @@ class SimpleTrainer(TrainerBase):
         if not self.model.training:
             raise RuntimeError("[SimpleTrainer] model was changed to eval mode!")
         start = time.perf_counter()
-        data = next(self._data_loader_iter)
+        try:
+            data = next(self._data_loader_iter)
+        except StopIteration:  # a finite loader: the next epoch (free while not raised)
+            data = self._next_epoch()
         data_time = time.perf_counter() - start
 
         if self.zero_grad_before_forward and self.step_optimizer:
@@ -714,9 +717,59 @@ class SimpleTrainer(TrainerBase):
                 self._data_loader_iter_obj = iter(self.data_loader)
         return self._data_loader_iter_obj
 
+    #: The epoch of a finite data loader (0 for the first pass; infinite loaders stay at 0).
+    epoch = 0
+    # Batches taken in the current epoch before this train() (from a resumed checkpoint).
+    _epoch_batches_before = 0
+    _epoch_start_iter = 0
+
+    @property
+    def iters_per_epoch(self) -> Optional[int]:
+        """``len(data_loader)`` when the loader has a length, else None."""
+        try:
+            return len(self.data_loader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    def _next_epoch(self) -> Any:
+        """The first batch of the next pass over a finite loader: ``epoch`` advances and the
+        sampler's ``set_epoch(epoch)`` is called when it has one (detectron2-style runners)."""
+        self.epoch += 1
+        self._epoch_start_iter = self.iter
+        self._epoch_batches_before = 0
+        set_epoch = getattr(_sampler(self.data_loader), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        self._data_loader_iter_obj = None
+        try:
+            return next(self._data_loader_iter)
+        except StopIteration:
+            raise ValueError(
+                f"the data loader ({type(self.data_loader).__name__}) yields no batches"
+            ) from None
+
     _data_start: Optional[Dict[str, Any]] = None
     _data_start_iter = 0
     _resumed_rng = False
+
+    def _resume_epoch(self, epoch: int, batches: int) -> None:
+        """Continues a finite loader at ``batches`` into ``epoch``: the sampler gets
+        ``set_epoch(epoch)`` (so a seeded sampler repeats that epoch's order) and the batches
+        already used are drawn and dropped (a finite loader has no position to seek to)."""
+        self.epoch = epoch
+        set_epoch = getattr(_sampler(self.data_loader), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        self._data_loader_iter_obj = None
+        rng = get_rng_state()  # drawing batches must not move the restored random streams
+        it = self._data_loader_iter
+        for _ in range(batches):
+            if next(it, _END) is _END:
+                break
+        set_rng_state(rng)
+        self._resumed_rng = False
+        self._epoch_batches_before = batches
+        self._epoch_start_iter = self.iter + 1  # the first iteration of the resumed run
 
     def _data_state(self) -> Dict[str, Any]:
         """The data position for a checkpoint saved at the end of iteration ``self.iter``:
@@ -737,6 +790,9 @@ class SimpleTrainer(TrainerBase):
         return {"sampler": state}
 
     def _load_data_state(self, data: Mapping[str, Any]) -> None:
+        if "epoch" in data:
+            self._resume_epoch(int(data["epoch"]), int(data["epoch_batches"]))
+            return
         loader = self.data_loader
         own = getattr(loader, "load_state_dict", None)
         sampler = _sampler(loader)
@@ -863,6 +919,12 @@ class SimpleTrainer(TrainerBase):
         ret = super().state_dict()
         ret["optimizer"] = self.optimizer.state_dict()
         data = self._data_state()
+        if self.iters_per_epoch is not None:
+            # A finite loader: the epoch and the batches taken in it (one per iteration).
+            data["epoch"] = self.epoch
+            data["epoch_batches"] = (
+                self._epoch_batches_before + self.iter + 1 - max(self._epoch_start_iter, 0)
+            )
         if data:
             ret["data"] = data
         return ret
@@ -928,6 +990,9 @@ def _read_all(tensors: List[torch.Tensor]) -> List[float]:
                 f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
             )
         return flat.to(torch.float64).cpu().reshape(-1).tolist()
+
+
+_END = object()
 
 
 def _sampler(loader: Any) -> Any:
@@ -1018,7 +1083,10 @@ class AMPTrainer(SimpleTrainer):
             raise RuntimeError("[AMPTrainer] model was changed to eval mode!")
 
         start = time.perf_counter()
-        data = next(self._data_loader_iter)
+        try:
+            data = next(self._data_loader_iter)
+        except StopIteration:  # a finite loader: the next epoch (free while not raised)
+            data = self._next_epoch()
         data_time = time.perf_counter() - start
 
         if self.zero_grad_before_forward and self.step_optimizer:

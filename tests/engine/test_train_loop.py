@@ -651,12 +651,18 @@ def test_base_exception_propagates_and_after_train_runs(caplog, exc_type):
     assert _error_records(caplog) == []
 
 
-def test_stop_iteration_from_data_loader_propagates(caplog):
-    trainer = simple_trainer(data=[batch(i) for i in range(3)])
+def test_stop_iteration_from_a_one_shot_iterator_propagates(caplog):
+    trainer = simple_trainer(data=iter([batch(i) for i in range(3)]))
     with pytest.raises(StopIteration):
         trainer.train(0, 5)
     assert trainer.iter == 3
     assert len(_error_records(caplog)) == 1
+
+
+def test_a_finite_list_of_batches_starts_its_next_epoch():
+    trainer = simple_trainer(data=[batch(i) for i in range(3)])
+    trainer.train(0, 5)
+    assert trainer.iter == 5 and trainer.epoch == 1
 
 
 def test_starting_training_is_logged(caplog):

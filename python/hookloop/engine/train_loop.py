@@ -733,7 +733,11 @@ class SimpleTrainer(TrainerBase):
 
     def _next_epoch(self) -> Any:
         """The first batch of the next pass over a finite loader: ``epoch`` advances and the
-        sampler's ``set_epoch(epoch)`` is called when it has one (detectron2-style runners)."""
+        sampler's ``set_epoch(epoch)`` is called when it has one (detectron2-style runners).
+        A one-shot iterator (a generator) has no next epoch: its ``StopIteration`` ends
+        training, as in detectron2."""
+        if iter(self.data_loader) is self.data_loader:
+            raise StopIteration
         self.epoch += 1
         self._epoch_start_iter = self.iter
         self._epoch_batches_before = 0

@@ -724,7 +724,7 @@ def detectron2_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def engine(impl: str) -> Any:
     """The classes of one engine, by the names detectron2 gives them: ``"hl"`` hookloop,
     ``"ref"`` the pure-Python reference, ``"d2"`` detectron2 itself (imported here, not

@@ -767,30 +767,26 @@ def engine(impl: str) -> Any:
 ALL_WRITERS = ("printer", "json", "tb")
 
 
-def make_stack_trainer(
-    impl: str,
+def stack_hooks(
+    e: Any,
+    opt: torch.optim.Optimizer,
+    sched: Any,
     period: int,
     n: int,
     d: str,
     writers: Sequence[str] = ALL_WRITERS,
     json_fsync: str = "always",
-    model_opt_sched: Optional[Tuple[torch.nn.Module, torch.optim.Optimizer, Any]] = None,
-    data: Optional[Any] = None,
-) -> Any:
-    """SimpleTrainer + IterationTimer, LRScheduler, PeriodicWriter([printer, JSON, TB]), as
-    detectron2's DefaultTrainer orders them, for engine ``impl`` (see :func:`engine`).
+) -> List[Any]:
+    """IterationTimer, LRScheduler, PeriodicWriter([printer, JSON, TB], period) of engine ``e``
+    (see :func:`engine`), as detectron2's DefaultTrainer orders them, writing into ``d``.
     ``writers`` picks a subset (none: no PeriodicWriter); ``json_fsync`` is hookloop's
-    JSONWriter option. The model, optimizer, scheduler and data default to the one-parameter
-    model's."""
-    model, opt, sched = model_opt_sched or _model_opt_sched()
-    e = engine(impl)
+    JSONWriter option."""
     json_path = os.path.join(d, "metrics.json")
-    t = e.StackTrainer(model, itertools.repeat(None) if data is None else data, opt)
     make: Dict[str, Callable[[], Any]] = {
         "printer": lambda: e.CommonMetricPrinter(n),
         "json": (
             (lambda: e.JSONWriter(json_path, fsync=json_fsync))
-            if impl == "hl"
+            if e.name == "hl"
             else (lambda: e.JSONWriter(json_path))
         ),
         "tb": lambda: e.TensorboardXWriter(d),
@@ -798,7 +794,23 @@ def make_stack_trainer(
     hooks: List[Any] = [e.IterationTimer(), e.LRScheduler(opt, sched)]
     if writers:
         hooks.append(e.PeriodicWriter([make[w]() for w in writers], period))
-    t.register_hooks(hooks)
+    return hooks
+
+
+def make_stack_trainer(
+    impl: str,
+    period: int,
+    n: int,
+    d: str,
+    writers: Sequence[str] = ALL_WRITERS,
+    json_fsync: str = "always",
+) -> Any:
+    """SimpleTrainer on the one-parameter model with :func:`stack_hooks`, for engine ``impl``
+    (see :func:`engine`)."""
+    model, opt, sched = _model_opt_sched()
+    e = engine(impl)
+    t = e.StackTrainer(model, itertools.repeat(None), opt)
+    t.register_hooks(stack_hooks(e, opt, sched, period, n, d, writers, json_fsync))
     return t
 
 

@@ -3,6 +3,10 @@
 ``hookloop demo`` trains a small model on generated data with ``SimpleTrainer`` and the
 default hooks, printing detectron2-style progress lines and writing ``metrics.json`` and
 TensorBoard event files into its output directory.
+
+``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop, the
+pure-Python detectron2-semantics reference and detectron2 (when importable) side by side over
+a bare loop; ``hookloop bench --help`` lists its options (see ``hookloop.bench.command``).
 """
 
 from __future__ import annotations
@@ -185,7 +189,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in --output"
     )
+    bench = sub.add_parser(
+        "bench",
+        help="measure the training loop's bookkeeping overhead on this machine",
+        description="Bookkeeping overhead per iteration: a bare loop, hookloop, the pure-Python "
+        "detectron2-semantics reference and detectron2 (when importable), side by side.",
+    )
+    from hookloop.bench import command as bench_command
+
+    bench_command.add_arguments(bench)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args.argv = raw[raw.index("bench") + 1 :] if "bench" in raw else []
+        return bench_command.run(args, bench)
     for name in ("iters", "period", "checkpoint_period", "eval_period"):
         value = getattr(args, name)
         if value <= 0 or value > 10**12:

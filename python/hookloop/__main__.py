@@ -173,6 +173,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="hookloop", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model on generated data")
+    bench = sub.add_parser(
+        "bench",
+        help="measure the training loop's bookkeeping overhead on this machine",
+        description="Bookkeeping overhead per iteration: a bare loop, hookloop, the pure-Python "
+        "detectron2-semantics reference and detectron2 (when importable), side by side.",
+    )
+    from hookloop.bench import command as bench_command
+
+    bench_command.add_arguments(bench)
     demo.add_argument("--output", default="output/demo", help="directory for metrics and events")
     demo.add_argument("--iters", type=int, default=5000, help="iterations to train")
     demo.add_argument("--period", type=int, default=20, help="write metrics every N iterations")
@@ -189,15 +198,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument(
         "--resume", action="store_true", help="continue from the last checkpoint in --output"
     )
-    bench = sub.add_parser(
-        "bench",
-        help="measure the training loop's bookkeeping overhead on this machine",
-        description="Bookkeeping overhead per iteration: a bare loop, hookloop, the pure-Python "
-        "detectron2-semantics reference and detectron2 (when importable), side by side.",
-    )
-    from hookloop.bench import command as bench_command
-
-    bench_command.add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "bench":
         raw = list(sys.argv[1:] if argv is None else argv)

@@ -613,8 +613,9 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     print()
     print(
         f"total: {info['seconds']} s. Medians over interleaved repetitions (best in "
-        "parentheses); costs and ratios are formed within each repetition. Figures from a "
-        "busy machine are noisy: rerun before quoting one."
+        "parentheses); costs over a floor and steps/s ratios are formed within each "
+        "repetition; ref/hookloop is the ratio of the two medians. Figures from a busy "
+        "machine are noisy: rerun before quoting one."
     )
     if "d2" not in engines:
         print("detectron2 is not importable here: its column is left out.")

@@ -228,8 +228,8 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     argv = ["--cpu-dry-run", "--iters", "45", "--n", "20", "--repeats", "1"]
     assert gpu_check.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| hookloop SimpleTrainer + default stack | 42 of 45 | 0 | finished |" in out
-    assert "| hookloop AMPTrainer + default stack | 42 of 45 | 0 | finished |" in out
+    assert "| hookloop SimpleTrainer + default stack | 42 of 45 | 0 | 0 | finished |" in out
+    assert "| hookloop AMPTrainer + default stack | 42 of 45 | 0 | 0 | finished |" in out
     assert "not checked (--cpu-dry-run" in out
     assert "| bfloat16 |" in out
     # armed on the 42 iterations of 45 where PeriodicWriter(period 20) writes nothing, in
@@ -244,3 +244,19 @@ def test_progress_is_a_plain_line_without_tqdm(monkeypatch: Any, capsys: Any) ->
     assert main(["bench", "--smoke", "--only", "dispatch"]) == 0
     err = capsys.readouterr().err
     assert "hookloop bench: dispatch" in err and "100%" in err
+
+
+def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:
+    def sync() -> None:
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    try:
+        try:
+            sync()
+        finally:
+            sync()  # after_train, still in "error" mode
+    except RuntimeError as e:
+        message, where = gpu_check._first_sync_error(e)
+    assert message == "called a synchronizing CUDA operation"
+    assert "tests/test_bench_command.py:" in where
+    assert gpu_check._inherent("torch/amp/grad_scaler.py:461")

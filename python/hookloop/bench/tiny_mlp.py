@@ -188,9 +188,11 @@ def _trainer_cls(impl: str, amp: bool) -> Any:
             loop_end: float = 0.0
 
             def after_train(self) -> None:
-                _sync(next(self.model.parameters()).device)
-                self.loop_end = time.perf_counter()
-                super().after_train()
+                try:
+                    _sync(next(self.model.parameters()).device)
+                    self.loop_end = time.perf_counter()
+                finally:  # the hooks' after_train (writers close) also when that raised
+                    super().after_train()
 
         _TIMED[key] = Timed
     return _TIMED[key]

@@ -260,3 +260,19 @@ def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> No
     assert message == "called a synchronizing CUDA operation"
     assert "tests/test_bench_command.py:" in where
     assert gpu_check._inherent("torch/amp/grad_scaler.py:461")
+
+
+def test_without_tensorboard_every_engine_drops_the_tensorboard_writer(
+    monkeypatch: Any, capsys: Any
+) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else
+        find_spec(name, *a)
+    )  # fmt: skip
+    assert main(["bench", "--smoke", "--no-progress", "--only", "stack"]) == 0
+    out = capsys.readouterr().out
+    assert "PeriodicWriter(printer, JSON; period 20)" in out
+    assert "tensorboard is not installed" in out

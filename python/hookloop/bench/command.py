@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -66,6 +67,9 @@ class Sizes:
     mem_iters_ref: int = 1_000_000
     hook_n: int = 2_000
     hook_repeats: int = 9
+    # the default stack's writers; without the tensorboard package (the reference's and
+    # detectron2's TensorBoard writer need it) every engine runs without TensorBoard
+    writers: Tuple[str, ...] = ("printer", "json", "tb")
 
     @classmethod
     def full(cls, hooks: int) -> Sizes:
@@ -224,6 +228,11 @@ def _measure(variants: Dict[str, Callable[[], float]], repeats: int) -> Dict[str
     return overhead._interleaved(variants, repeats)
 
 
+def _writer_names(s: Sizes) -> str:
+    names = {"printer": "printer", "json": "JSON", "tb": "TensorBoard"}
+    return ", ".join(names[w] for w in s.writers) or "no writers"
+
+
 def _diffs(a: Sequence[float], b: Sequence[float]) -> Figure:
     """A cost over a floor measured in the same repetitions."""
     return Figure.cost([x - y for x, y in zip(a, b)])
@@ -295,14 +304,14 @@ def _stack(s: Sizes, engines: Sequence[str], tmpdir: str) -> List[Row]:
     rows = []
     for period, n in sorted(s.stack_n.items(), reverse=True):
         variants: Dict[str, Tuple[Any, ...]] = {"bare": ("bare", period)}
-        variants.update({e: (e, period) for e in engines})
+        variants.update({e: (e, period, s.writers) for e in engines})
         cfg = overhead.Config(stack_repeats=s.stack_repeats)
         runs = overhead._stack_variants(cfg, n, variants, tmpdir)
         bare = [r.wall for r in runs["bare"]]
         rows.append(
             Row(
                 "stack",
-                f"IterationTimer + LRScheduler + PeriodicWriter(printer, JSON, TensorBoard; "
+                f"IterationTimer + LRScheduler + PeriodicWriter({_writer_names(s)}; "
                 f"period {period}) + SimpleTrainer metrics, over the bare model step",
                 "µs/iter",
                 f"{n:,} × {s.stack_repeats}",
@@ -326,7 +335,9 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any, tmpdir: str) -> List[Row
         for hooks in ("none", "stack"):
 
             def f(impl: str = impl, hooks: str = hooks) -> float:
-                t = tiny_mlp.make_trainer(impl, device, batches, n, tmpdir, hooks)
+                t = tiny_mlp.make_trainer(
+                    impl, device, batches, n, tmpdir, hooks, writers=s.writers
+                )
                 return tiny_mlp.time_trainer(t, n)
 
             variants[f"{impl}-{hooks}"] = f
@@ -344,7 +355,7 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any, tmpdir: str) -> List[Row
             {e: ratios(f"{e}-none") for e in engines}, True,
             note="bare loop column: the hand-written loop's steps/s"),
         Row("mlp", f"{what}: SimpleTrainer + IterationTimer + LRScheduler(MultiStepLR) + "
-            "PeriodicWriter(printer, JSON, TensorBoard; period 20)", "× hand loop's steps/s",
+            f"PeriodicWriter({_writer_names(s)}; period 20)", "× hand loop's steps/s",
             nn, None, {e: ratios(f"{e}-stack") for e in engines}, True),
     ]  # fmt: skip
 
@@ -575,6 +586,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         sizes = Sizes.smoke(args.hooks)
     else:
         sizes = Sizes.quick(args.hooks) if args.quick else Sizes.full(args.hooks)
+    if importlib.util.find_spec("tensorboard") is None:
+        sizes.writers = ("printer", "json")
     info = overhead.machine_info(["-m", "hookloop", "bench"] + list(args.argv))
     info["command"] = "hookloop bench " + " ".join(args.argv)
     info["device"] = str(device)
@@ -619,6 +632,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     )
     if "d2" not in engines:
         print("detectron2 is not importable here: its column is left out.")
+    if "tb" not in sizes.writers:
+        print("tensorboard is not installed: the default stack runs without TensorBoard.")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(

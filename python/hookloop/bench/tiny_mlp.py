@@ -208,18 +208,19 @@ def make_trainer(
     amp: bool = False,
     period: int = 20,
     extra: Sequence[Callable[[], Any]] = (),
+    writers: Sequence[str] = overhead.ALL_WRITERS,
 ) -> Any:
     """Engine ``impl``'s trainer on a fresh tiny model. ``hooks``: ``"stack"`` for
     IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
-    ``period``) in detectron2's order, ``"none"`` for none; ``extra`` makes more hooks
-    (registered after those)."""
+    ``period``) in detectron2's order (``writers`` picks a subset), ``"none"`` for none;
+    ``extra`` makes more hooks (registered after those)."""
     model, opt, sched = build(device)
     t = _trainer_cls(impl, amp)(model, itertools.cycle(batches), opt)
     hs: List[Any] = []
     if hooks == "stack":
         e = overhead.engine(impl)
         d = tempfile.mkdtemp(prefix=f"mlp-{impl}-", dir=tmpdir)
-        hs = overhead.stack_hooks(e, opt, sched, period, n, d)
+        hs = overhead.stack_hooks(e, opt, sched, period, n, d, writers)
     hs += [make() for make in extra]
     t.register_hooks(hs)
     return t

@@ -3,6 +3,10 @@
 ``hookloop demo`` trains a small model on generated data with ``SimpleTrainer`` and the
 default hooks, printing detectron2-style progress lines and writing ``metrics.json`` and
 TensorBoard event files into its output directory.
+
+``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop, the
+pure-Python detectron2-semantics reference and detectron2 (when importable) side by side over
+a bare loop; ``hookloop bench --help`` lists its options (see ``hookloop.bench.command``).
 """
 
 from __future__ import annotations
@@ -187,6 +191,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="hookloop", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model on generated data")
+    bench = sub.add_parser(
+        "bench",
+        help="measure the training loop's bookkeeping overhead on this machine",
+        description="Bookkeeping overhead per iteration: a bare loop, hookloop, the pure-Python "
+        "detectron2-semantics reference and detectron2 (when importable), side by side.",
+    )
+    from hookloop.bench import command as bench_command
+
+    bench_command.add_arguments(bench)
     demo.add_argument("--output", default="output/demo", help="directory for metrics and events")
     demo.add_argument("--iters", type=int, default=5000, help="iterations to train")
     demo.add_argument("--period", type=int, default=20, help="write metrics every N iterations")
@@ -211,6 +224,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="act as if Ctrl-C was pressed after iteration N - 1 (to try --resume)",
     )
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args.argv = raw[raw.index("bench") + 1 :] if "bench" in raw else []
+        return bench_command.run(args, bench)
     for name in ("iters", "period", "checkpoint_period", "eval_period"):
         value = getattr(args, name)
         if value <= 0 or value > 10**12:

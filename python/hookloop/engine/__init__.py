@@ -2,6 +2,15 @@
 
 from hookloop.engine.hooks import *  # noqa: F403
 from hookloop.engine.hooks import __all__ as _hooks_all
+from hookloop.engine.launch import DEFAULT_TIMEOUT, launch
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 
-__all__ = ["AMPTrainer", "HookBase", "SimpleTrainer", "TrainerBase", *_hooks_all]
+__all__ = [
+    "AMPTrainer",
+    "DEFAULT_TIMEOUT",
+    "HookBase",
+    "SimpleTrainer",
+    "TrainerBase",
+    "launch",
+    *_hooks_all,
+]

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import hookloop
 import launch_helpers
@@ -173,12 +175,52 @@ def test_torchrun_environment_runs_in_process(monkeypatch, tmp_path):
     assert not dist.is_initialized() and comm._LOCAL_PROCESS_GROUP is None
 
 
+def _record(error_dir: Path, rank: int, when: float, exc: BaseException) -> None:
+    try:
+        raise exc
+    except BaseException as e:
+        launch_module._record_error(str(error_dir), rank, e)
+    path = error_dir / f"rank{rank}.pickle"
+    record = pickle.loads(path.read_bytes())
+    record["time"] = when
+    path.write_bytes(pickle.dumps(record))
+
+
+def test_failure_reported_is_the_earliest_exception(tmp_path):
+    """Rank 1 raised first; rank 0 then failed in its next collective (a consequence)."""
+    procs = [SimpleNamespace(pid=100, exitcode=1), SimpleNamespace(pid=101, exitcode=1)]
+    _record(tmp_path, 2, 5.0, RuntimeError("Connection closed by peer"))
+    _record(tmp_path, 3, 4.0, ValueError("the cause"))
+    # Both were seen at the same wake-up, rank 0 (global rank 2) first.
+    error = launch_module._worker_error(procs, 0, 2, str(tmp_path))
+    assert (error.rank, error.local_rank, error.pid, error.exitcode) == (3, 1, 101, 1)
+    assert isinstance(error.__cause__, ValueError) and "ValueError: the cause" in str(error)
+    assert pickle.loads(pickle.dumps(error)).remote_traceback == error.remote_traceback
+
+
+def test_failure_without_exception_is_reported_by_exit_status(tmp_path):
+    """A worker killed by a signal writes nothing; the collective error it caused on its peer
+    is not the cause."""
+    procs = [SimpleNamespace(pid=100, exitcode=-9), SimpleNamespace(pid=101, exitcode=1)]
+    _record(tmp_path, 1, 5.0, RuntimeError("Connection closed by peer"))
+    error = launch_module._worker_error(procs, 0, 0, str(tmp_path))
+    assert str(error) == "worker rank 0 (pid 100) terminated with signal SIGKILL"
+    assert (error.rank, error.exitcode, error.remote_traceback, error.__cause__) == (
+        0,
+        -9,
+        None,
+        None,
+    )
+
+
 # --- spawned by launch ------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_two_ranks_spawned_with_auto_url(tmp_path):
-    launch(launch_helpers.report, 2, dist_url="auto", args=(str(tmp_path), "spawn"), timeout=TIMEOUT)
+    launch(
+        launch_helpers.report, 2, dist_url="auto", args=(str(tmp_path), "spawn"), timeout=TIMEOUT
+    )
     results = _results(tmp_path, "spawn", 2)
     _check_two_ranks(results, local_size=2)
     assert os.getpid() not in (results[0]["pid"], results[1]["pid"])
@@ -192,7 +234,9 @@ def test_rank_raising_stops_every_worker_and_is_reraised(tmp_path, monkeypatch):
     url = f"tcp://127.0.0.1:{_free_port()}"
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed on purpose") as info:
-        launch(launch_helpers.fail_on_rank1, 2, dist_url=url, args=(str(tmp_path),), timeout=TIMEOUT)
+        launch(
+            launch_helpers.fail_on_rank1, 2, dist_url=url, args=(str(tmp_path),), timeout=TIMEOUT
+        )
     # A bound, not a speed figure: without the kill the launcher would wait forever.
     assert time.monotonic() - start < TIMEOUT.total_seconds()
     error = info.value

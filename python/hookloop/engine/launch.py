@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -230,8 +231,9 @@ def _distributed_worker(
 
 def _record_error(error_dir: str, rank: int, exc: BaseException) -> None:
     """Write what the parent needs to re-raise this worker's exception."""
+    exc_bytes: Optional[bytes]
     try:
-        exc_bytes: Optional[bytes] = pickle.dumps(exc)
+        exc_bytes = pickle.dumps(exc)
         pickle.loads(exc_bytes)  # some exceptions pickle but do not unpickle
     except Exception:
         exc_bytes = None
@@ -254,6 +256,15 @@ def _supervise(context: Any, first_rank: int, timeout: timedelta, error_dir: str
     processes: List[Any] = context.processes
     sentinels = {p.sentinel: i for i, p in enumerate(processes)}
     first_failed: Optional[int] = None
+    # A SIGTERM to the launcher (a scheduler preempting the job) reaches the workers as
+    # SIGTERM, through the clean-up below, rather than killing the launcher alone. A handler
+    # the program installed is left alone.
+    forward_sigterm = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    )
+    if forward_sigterm:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         while sentinels and first_failed is None:
             for sentinel in multiprocessing.connection.wait(list(sentinels)):
@@ -262,13 +273,19 @@ def _supervise(context: Any, first_rank: int, timeout: timedelta, error_dir: str
                 if processes[index].exitcode != 0 and first_failed is None:
                     first_failed = index
     finally:
-        # Also on KeyboardInterrupt: no worker outlives the launcher.
+        # Also on KeyboardInterrupt or SIGTERM: no worker outlives the launcher.
         _stop(processes, min(_TERM_GRACE_S, timeout.total_seconds()))
+        if forward_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for path in context.error_files:
             if os.path.exists(path):
                 os.unlink(path)
     if first_failed is not None:
         raise _worker_error(processes, first_failed, first_rank, error_dir)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _stop(processes: List[Any], grace_s: float) -> None:

@@ -80,6 +80,7 @@ def _subprocess_env() -> dict:
     package_root = str(Path(hookloop.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU, also on a machine with GPUs
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -105,6 +106,12 @@ def _wait(proc: subprocess.Popen) -> None:
         output, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {TIMEOUT}:\n{output}")
     assert proc.returncode == 0, output
+
+
+@pytest.fixture
+def cpu_workers(monkeypatch):
+    """Workers spawned by launch() see no GPU (gloo), also on a machine with GPUs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 # --- without spawning -------------------------------------------------------------------------
@@ -167,6 +174,7 @@ def test_torchrun_environment_runs_in_process(monkeypatch, tmp_path):
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch_module, "_backend", lambda: "gloo")
     launch(launch_helpers.report, 8, args=(str(tmp_path), "env"))  # 8 is ignored under torchrun
     (res,) = _results(tmp_path, "env", 1)
     assert res["pid"] == os.getpid()
@@ -217,7 +225,7 @@ def test_failure_without_exception_is_reported_by_exit_status(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_spawned_with_auto_url(tmp_path):
+def test_two_ranks_spawned_with_auto_url(tmp_path, cpu_workers):
     launch(
         launch_helpers.report, 2, dist_url="auto", args=(str(tmp_path), "spawn"), timeout=TIMEOUT
     )
@@ -228,7 +236,7 @@ def test_two_ranks_spawned_with_auto_url(tmp_path):
 
 
 @pytest.mark.slow
-def test_rank_raising_stops_every_worker_and_is_reraised(tmp_path, monkeypatch):
+def test_rank_raising_stops_every_worker_and_is_reraised(tmp_path, monkeypatch, cpu_workers):
     # Rank 0 ignores SIGTERM: the launcher has to escalate to SIGKILL after the grace period.
     monkeypatch.setattr(launch_module, "_TERM_GRACE_S", 1.0)
     url = f"tcp://127.0.0.1:{_free_port()}"

@@ -154,11 +154,8 @@ def launch(
         )
     if num_machines > 1 and dist_url.startswith("file://"):
         logger.warning("file:// is not a reliable init_method in multi-machine jobs. Prefer tcp://")
-    if torch.cuda.is_available() and num_gpus_per_machine > torch.cuda.device_count():
-        raise ValueError(
-            f"num_gpus_per_machine={num_gpus_per_machine} but this machine has "
-            f"{torch.cuda.device_count()} GPUs"
-        )
+    # CUDA is first looked at in the workers: the launcher stays free of a CUDA context, and
+    # CUDA_VISIBLE_DEVICES="" set before launch() gives CPU workers (gloo) on a GPU machine.
 
     error_dir = tempfile.mkdtemp(prefix="hookloop-launch-")
     try:
@@ -203,6 +200,11 @@ def _distributed_worker(
     try:
         backend = _backend()
         if backend == "nccl":
+            if num_gpus_per_machine > torch.cuda.device_count():
+                raise ValueError(
+                    f"num_gpus_per_machine={num_gpus_per_machine} but this machine has "
+                    f"{torch.cuda.device_count()} GPUs"
+                )
             # Before the process group, so that NCCL and barriers use this worker's GPU.
             torch.cuda.set_device(local_rank)
         try:

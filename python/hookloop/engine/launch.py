@@ -275,7 +275,10 @@ def _supervise(context: Any, first_rank: int, timeout: timedelta, error_dir: str
                 if processes[index].exitcode != 0 and first_failed is None:
                     first_failed = index
     finally:
-        # Also on KeyboardInterrupt or SIGTERM: no worker outlives the launcher.
+        # Also on KeyboardInterrupt or SIGTERM: no worker outlives the launcher. A second
+        # SIGTERM must not cut the clean-up short (it takes at most the grace period).
+        if forward_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop(processes, min(_TERM_GRACE_S, timeout.total_seconds()))
         if forward_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

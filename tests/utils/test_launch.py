@@ -18,8 +18,7 @@ import hookloop
 import launch_helpers
 import pytest
 import torch.distributed as dist
-from hookloop.engine import DEFAULT_TIMEOUT, launch
-from hookloop.engine.launch import WorkerError
+from hookloop.engine import DEFAULT_TIMEOUT, WorkerError, launch
 from hookloop.utils import comm
 
 launch_module = sys.modules["hookloop.engine.launch"]
@@ -132,6 +131,7 @@ def test_exports_and_signature():
         "timeout",
     ]
     assert params["timeout"].default is DEFAULT_TIMEOUT
+    assert WorkerError is launch_module.WorkerError
 
 
 def test_world_size_one_runs_in_process():

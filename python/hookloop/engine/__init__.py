@@ -2,7 +2,7 @@
 
 from hookloop.engine.hooks import *  # noqa: F403
 from hookloop.engine.hooks import __all__ as _hooks_all
-from hookloop.engine.launch import DEFAULT_TIMEOUT, launch
+from hookloop.engine.launch import DEFAULT_TIMEOUT, WorkerError, launch
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "HookBase",
     "SimpleTrainer",
     "TrainerBase",
+    "WorkerError",
     "launch",
     *_hooks_all,
 ]

@@ -221,6 +221,16 @@ def test_failure_without_exception_is_reported_by_exit_status(tmp_path):
     )
 
 
+def test_failure_before_running_points_at_the_output(tmp_path):
+    procs = [SimpleNamespace(pid=100, exitcode=1), SimpleNamespace(pid=101, exitcode=-15)]
+    error = launch_module._worker_error(procs, 0, 0, str(tmp_path), str(tmp_path / "none"))
+    assert "exit code 1 (its traceback, if any, is in its output above)" in str(error)
+    (tmp_path / "torch").write_bytes(pickle.dumps("Traceback ...\nOSError: disk full\n"))
+    error = launch_module._worker_error(procs, 0, 0, str(tmp_path), str(tmp_path / "torch"))
+    assert str(error).endswith("exit code 1:\n\nTraceback ...\nOSError: disk full\n")
+    assert error.remote_traceback.endswith("OSError: disk full\n")
+
+
 # --- spawned by launch ------------------------------------------------------------------------
 
 

@@ -258,6 +258,7 @@ def _supervise(context: Any, first_rank: int, timeout: timedelta, error_dir: str
     processes: List[Any] = context.processes
     sentinels = {p.sentinel: i for i, p in enumerate(processes)}
     first_failed: Optional[int] = None
+    error: Optional[WorkerError] = None
     # A SIGTERM to the launcher (a scheduler preempting the job) reaches the workers as
     # SIGTERM, through the clean-up below, rather than killing the launcher alone. A handler
     # the program installed is left alone.
@@ -282,11 +283,16 @@ def _supervise(context: Any, first_rank: int, timeout: timedelta, error_dir: str
         _stop(processes, min(_TERM_GRACE_S, timeout.total_seconds()))
         if forward_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if first_failed is not None:
+            error = _worker_error(
+                processes, first_failed, first_rank, error_dir, context.error_files[first_failed]
+            )
+        # torch leaves the files of failed workers behind.
         for path in context.error_files:
             if os.path.exists(path):
                 os.unlink(path)
-    if first_failed is not None:
-        raise _worker_error(processes, first_failed, first_rank, error_dir)
+    if error is not None:
+        raise error
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -317,7 +323,11 @@ def _load_records(error_dir: str) -> List[Dict[str, Any]]:
 
 
 def _worker_error(
-    processes: List[Any], first_failed: int, first_rank: int, error_dir: str
+    processes: List[Any],
+    first_failed: int,
+    first_rank: int,
+    error_dir: str,
+    torch_error_file: Optional[str] = None,
 ) -> WorkerError:
     """The failure to report.
 
@@ -356,13 +366,17 @@ def _worker_error(
     else:
         how = f"exit code {code}"
     rank = first_rank + first_failed
-    return WorkerError(
-        f"worker rank {rank} (pid {process.pid}) terminated with {how}",
-        rank,
-        first_failed,
-        process.pid,
-        code,
-    )
+    msg = f"worker rank {rank} (pid {process.pid}) terminated with {how}"
+    # torch's own record, from an exception raised where ours could not be written.
+    remote_traceback: Optional[str] = None
+    if torch_error_file is not None and os.path.exists(torch_error_file):
+        with open(torch_error_file, "rb") as f:
+            remote_traceback = pickle.load(f)
+        msg += f":\n\n{remote_traceback}"
+    elif code > 0:
+        # Failed before running (e.g. main_func not importable in a fresh interpreter).
+        msg += " (its traceback, if any, is in its output above)"
+    return WorkerError(msg, rank, first_failed, process.pid, code, remote_traceback)
 
 
 def _run_from_env(main_func: Callable[..., Any], args: Tuple[Any, ...], timeout: timedelta) -> None:

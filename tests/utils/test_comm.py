@@ -40,6 +40,15 @@ def test_single_process_gather(data):
     assert comm.gather(data, dst=0) == [data]
 
 
+def test_single_process_local_group():
+    assert comm.create_local_process_group(4) is None  # nothing to create without a group
+    assert comm._LOCAL_PROCESS_GROUP is None
+    with pytest.raises(RuntimeError, match="create_local_process_group"):
+        comm.get_local_process_group()
+    with pytest.raises(ValueError, match="num_workers_per_machine"):
+        comm.create_local_process_group(0)
+
+
 def test_single_process_reduce_dict_and_seed():
     d = {"a": torch.tensor(2.0)}
     assert comm.reduce_dict(d) is d
@@ -62,7 +71,27 @@ def _worker(rank, world_size, port, out_dir):
         world_size=world_size,
     )
     try:
+        os.environ.pop("LOCAL_RANK", None)
+        try:
+            comm.get_local_rank()
+            local_rank_error = None
+        except RuntimeError as e:
+            local_rank_error = str(e)
+        no_group_local_size = comm.get_local_size()  # detectron2: the world size
+        comm.create_local_process_group(1)  # two "machines" of one process each
+        comm.create_local_process_group(1)  # again: a no-op
+        try:
+            comm.create_local_process_group(2)
+            second_group_error = None
+        except RuntimeError as e:
+            second_group_error = str(e)
         result = {
+            "local_rank_error": local_rank_error,
+            "no_group_local_size": no_group_local_size,
+            "second_group_error": second_group_error,
+            "local_rank": comm.get_local_rank(),
+            "local_size": comm.get_local_size(),
+            "local_gather": comm.gather(rank, group=comm.get_local_process_group()),
             "world_size": comm.get_world_size(),
             "rank": comm.get_rank(),
             "is_main": comm.is_main_process(),
@@ -98,6 +127,11 @@ def test_two_process_gloo(tmp_path):
         assert res["is_main"] is (rank == 0)
         assert res["all_gather"] == gathered
         assert res["seed"] == results[0]["seed"]
+        assert "create_local_process_group" in res["local_rank_error"]
+        assert res["no_group_local_size"] == 2
+        assert "already exists with 1 processes per machine, not 2" in res["second_group_error"]
+        assert res["local_rank"] == 0 and res["local_size"] == 1
+        assert res["local_gather"] == [rank]  # dst 0 of each machine's group is that rank
     assert results[0]["gather"] == [["r", 0], ["r", 1]]
     assert results[1]["gather"] == []
     assert results[0]["gather_dst1"] == []

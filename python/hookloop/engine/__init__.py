@@ -8,16 +8,20 @@ from hookloop.engine.defaults import (
 )
 from hookloop.engine.hooks import *  # noqa: F403
 from hookloop.engine.hooks import __all__ as _hooks_all
+from hookloop.engine.launch import DEFAULT_TIMEOUT, WorkerError, launch
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 
 __all__ = [
     "AMPTrainer",
+    "DEFAULT_TIMEOUT",
     "DefaultTrainer",
     "HookBase",
     "SimpleTrainer",
     "TrainConfig",
     "TrainerBase",
+    "WorkerError",
     "create_ddp_model",
     "default_writers",
+    "launch",
     *_hooks_all,
 ]

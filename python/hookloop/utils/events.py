@@ -187,10 +187,11 @@ class JSONWriter(EventWriter):
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
     Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
-    Each batch of lines reaches the file with one ``write`` call. A process killed with
-    SIGKILL can be stopped inside that call, so the last line may be torn; a reader that skips
-    an unterminated last line sees only whole lines, and opening the file again (the next
-    run's ``JSONWriter``) cuts the torn tail off.
+    Lines reach the file in write calls of whole lines and at most 4 KiB (a longer line gets
+    its own). A process killed with SIGKILL can still leave its last line torn at a 4 KiB
+    offset of the file (rarely: the kill must land while the line crossing that offset is
+    copied); a reader that skips an unterminated last line sees only whole lines, and opening
+    the file again (the next run's ``JSONWriter``) cuts the torn tail off.
 
     Args:
         json_file (str or os.PathLike): path to the json file. New data is appended if the

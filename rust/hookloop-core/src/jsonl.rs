@@ -7,6 +7,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::append;
 use crate::history::Iter;
 use crate::pyfmt::{write_json_str, write_repr_f64};
 use crate::storage::SmoothedScalar;
@@ -84,8 +85,6 @@ pub struct JsonSink {
     file: File,
     /// Whole lines formatted but not yet written.
     pending: String,
-    /// Length of the file after the last whole write: where a failed write is cut back to.
-    len: u64,
     fsync: FsyncPolicy,
 }
 
@@ -110,7 +109,6 @@ impl JsonSink {
             path: path.to_owned(),
             file,
             pending: String::new(),
-            len,
             fsync,
         })
     }
@@ -134,18 +132,17 @@ fn whole_lines_len(file: &mut File, len: u64) -> std::io::Result<u64> {
 }
 
 impl JsonSink {
+    /// Appends the pending lines in page-bounded write calls (see `append`), after checking
+    /// the file still exists at its path. On disk full the whole lines that fit stay.
     fn write_pending(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
         let text = std::mem::take(&mut self.pending);
-        // One write call; a failed one is cut back to what was there (a kill may tear it).
-        if let Err(e) = self.file.write_all(text.as_bytes()) {
-            let _ = self.file.set_len(self.len);
-            return Err(Error::io(&self.path, e));
-        }
-        self.len += text.len() as u64;
-        Ok(())
+        let start = append::live_len(&self.file, &self.path)?;
+        let ends = append::line_ends(text.as_bytes());
+        append::append_units(&mut self.file, text.as_bytes(), &ends, start)
+            .map_err(|f| f.into_error(&self.path, "lines"))
     }
 }
 
@@ -223,7 +220,6 @@ impl JsonSink {
             .append(true)
             .open(&self.path)
             .map_err(io)?;
-        self.len = kept.len() as u64;
         Ok(removed)
     }
 }
@@ -256,8 +252,13 @@ impl Sink for JsonSink {
         self.rewrite_without(from)
     }
 
+    fn verify(&mut self) -> Result<()> {
+        append::live_len(&self.file, &self.path).map(|_| ())
+    }
+
     fn close(&mut self) -> Result<()> {
         self.write_pending()?;
+        self.verify()?;
         if self.fsync != FsyncPolicy::Never {
             self.file
                 .sync_data()
@@ -346,7 +347,6 @@ mod tests {
             path: path.clone(),
             file,
             pending: String::new(),
-            len: 0,
             fsync: FsyncPolicy::Never,
         };
         let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();

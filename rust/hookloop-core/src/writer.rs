@@ -6,13 +6,12 @@
 //! most one fsync per file. An I/O error is kept in the writer's `Status` and handed back to the
 //! training thread at its next `write()`, `flush()` or `close()`.
 //!
-//! Durability: each batch reaches its file with one `write` call. A process killed with SIGKILL
-//! can be stopped inside a large `write`, so the last line (or record) may be torn; the JSON
-//! sink cuts a torn tail when the file is opened again, and a reader that skips a torn last
-//! line sees only whole lines.
+//! Durability: each batch reaches its file in page-bounded write calls that end on a line or
+//! record boundary (`crate::append`), so after SIGKILL a file holds only whole lines and
+//! records up to 4 KiB; the JSON sink cuts a torn longer line when the file is opened again.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::Thread;
@@ -88,6 +87,11 @@ pub trait Sink: Send {
     /// (TensorBoard) what an earlier run wrote for iterations >= `from`. Returns how many
     /// entries were removed, when the format can tell.
     fn purge(&mut self, wall_time: f64, from: f64) -> Result<u64>;
+    /// Checks that the file still exists at its path (a flush calls it on every sink, so a
+    /// deleted output directory is reported even when nothing new was written).
+    fn verify(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A writer's error slot, shared with the thread.
@@ -137,6 +141,10 @@ const IDLE_POLLS: u32 = 40;
 /// training down instead of growing memory without limit.
 const MAX_QUEUED: usize = 16_384;
 
+/// Messages handled before the thread writes what they formatted: a writer that queues faster
+/// than the thread drains still sees its lines reach the file in bounded batches.
+const MAX_DRAIN: usize = 256;
+
 /// The senders' side of the writer thread.
 struct Queue {
     tx: SyncSender<Msg>,
@@ -177,6 +185,10 @@ struct ThreadHandle {
 
 static THREAD: Mutex<Option<ThreadHandle>> = Mutex::new(None);
 
+/// The process whose writer thread `THREAD` holds (0: none yet), readable without the lock: a
+/// forked child may inherit `THREAD` locked, and must not wait on it in `flush_all`.
+static THREAD_PID: AtomicU32 = AtomicU32::new(0);
+
 /// The queue of this process's writer thread, started on first use (and again in a forked
 /// child, which inherits the handle but not the thread).
 fn queue() -> Result<Arc<Queue>> {
@@ -203,6 +215,7 @@ fn queue() -> Result<Arc<Queue>> {
         pid,
         queue: queue.clone(),
     });
+    THREAD_PID.store(pid, Ordering::Release);
     Ok(queue)
 }
 
@@ -218,11 +231,11 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
     let mut dirty: FxHashSet<u64> = FxHashSet::default();
     let mut empty_polls = 0u32;
     loop {
-        let mut got = false;
-        loop {
+        let mut got = 0usize;
+        while got < MAX_DRAIN {
             match rx.try_recv() {
                 Ok(msg) => {
-                    got = true;
+                    got += 1;
                     handle_guarded(msg, &mut sinks, &mut dirty);
                 }
                 Err(mpsc::TryRecvError::Empty) => break,
@@ -233,6 +246,10 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
             }
         }
         sync_dirty(&mut sinks, &mut dirty);
+        if got == MAX_DRAIN {
+            continue; // more is queued: write it without waiting for the next poll
+        }
+        let got = got > 0;
         empty_polls = if got {
             0
         } else {
@@ -332,6 +349,11 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
         }
         Msg::Barrier(ack) => {
             sync_dirty(sinks, dirty);
+            for open in sinks.values_mut() {
+                if let Err(e) = open.sink.verify() {
+                    open.status.set(e);
+                }
+            }
             let _ = ack.send(());
         }
     }
@@ -340,6 +362,9 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
 /// Waits until everything queued so far by any writer of this process is written (and
 /// synced per each writer's policy). Interpreter exit calls this.
 pub fn flush_all() -> Result<()> {
+    if THREAD_PID.load(Ordering::Acquire) != std::process::id() {
+        return Ok(()); // no writer thread in this process (none yet, or a forked child)
+    }
     let guard = THREAD.lock().unwrap_or_else(|e| e.into_inner());
     let Some(h) = guard.as_ref().filter(|h| h.pid == std::process::id()) else {
         return Ok(());

@@ -4,7 +4,8 @@
 //! which release the GIL while they wait.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use hookloop_core::error::positive;
@@ -51,19 +52,22 @@ fn wall_time() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// What both file writers share: the handle to their sink on the writer thread, the last
-/// iteration written, and their configuration.
-struct Native {
-    handle: SinkHandle,
-    last_write: f64,
-}
-
 /// Base of `JsonWriter` and `TensorboardWriter`: flush, close and the shared attributes.
+///
+/// A forked child inherits `handle` locked if another thread of the parent was inside
+/// `flush()`/`close()` (they wait with the lock held and the GIL released): every method checks
+/// the process id before taking it (`handle()`), so a child gets `OSError` and never waits.
+/// `last_write` is an atomic for the same reason.
 #[pyclass(name = "_NativeWriter", module = "hookloop._core", frozen, subclass)]
 pub struct PyNativeWriter {
-    inner: Mutex<Native>,
+    handle: Mutex<SinkHandle>,
+    /// The last iteration written, as `f64` bits.
+    last_write: AtomicU64,
     window_size: i64,
+    kind: &'static str,
     path: PathBuf,
+    /// The process that opened the writer.
+    owner: u32,
 }
 
 impl PyNativeWriter {
@@ -76,13 +80,39 @@ impl PyNativeWriter {
         positive("window_size", window_size).py_err()?;
         let handle = SinkHandle::open(sink, kind, path.clone()).py_err()?;
         Ok(PyNativeWriter {
-            inner: Mutex::new(Native {
-                handle,
-                last_write: -1.0,
-            }),
+            handle: Mutex::new(handle),
+            last_write: AtomicU64::new((-1.0f64).to_bits()),
             window_size,
+            kind,
             path,
+            owner: std::process::id(),
         })
+    }
+
+    /// Whether this is the process that opened the writer.
+    fn in_owner(&self) -> bool {
+        std::process::id() == self.owner
+    }
+
+    /// The sink handle, locked; in a forked child the `OSError` instead, before any lock.
+    fn handle(&self) -> hookloop_core::Result<MutexGuard<'_, SinkHandle>> {
+        if !self.in_owner() {
+            return Err(Error::ForkedChild {
+                writer: self.kind,
+                path: self.path.clone(),
+                owner: self.owner,
+                pid: std::process::id(),
+            });
+        }
+        Ok(lock(&self.handle))
+    }
+
+    fn last_write(&self) -> f64 {
+        f64::from_bits(self.last_write.load(Ordering::Relaxed))
+    }
+
+    fn store_last_write(&self, value: f64) {
+        self.last_write.store(value.to_bits(), Ordering::Relaxed);
     }
 }
 
@@ -90,12 +120,16 @@ impl PyNativeWriter {
 impl PyNativeWriter {
     /// Waits until everything queued is in the file (and fsynced per policy).
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| lock(&self.inner).handle.flush()).py_err()
+        py.detach(|| self.handle()?.flush()).py_err()
     }
 
     /// Writes what is queued, fsyncs per policy and closes the file; closing twice is a no-op.
+    /// In a forked child it does nothing: the file belongs to the parent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| lock(&self.inner).handle.close()).py_err()
+        if !self.in_owner() {
+            return Ok(());
+        }
+        py.detach(|| self.handle()?.close()).py_err()
     }
 
     /// The file (for TensorBoard: the event file, created at the first write).
@@ -112,7 +146,7 @@ impl PyNativeWriter {
     /// The last iteration written (-1 before the first write).
     #[getter]
     fn _last_write(&self) -> f64 {
-        lock(&self.inner).last_write
+        self.last_write()
     }
 
     /// A resumed run restarts at iteration `start`: drops (metrics.json) or marks as stale
@@ -122,16 +156,16 @@ impl PyNativeWriter {
     fn _purge_from(&self, py: Python<'_>, start: i64) -> PyResult<u64> {
         let from = start as f64;
         let removed = py
-            .detach(|| lock(&self.inner).handle.purge(wall_time(), from))
+            .detach(|| self.handle()?.purge(wall_time(), from))
             .py_err()?;
-        lock(&self.inner).last_write = from - 1.0;
+        self.store_last_write(from - 1.0);
         Ok(removed)
     }
 
     /// Sets the last iteration written: the next `write()` writes only what is newer.
     #[setter(_last_write)]
     fn set_last_write(&self, value: f64) {
-        lock(&self.inner).last_write = value;
+        self.store_last_write(value);
     }
 
     fn __reduce__(&self) -> PyResult<()> {
@@ -162,20 +196,20 @@ impl PyJsonWriter {
     /// Queues one line per iteration with scalars not yet written.
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
         let base = slf.as_super().get();
-        let mut inner = lock(&base.inner);
-        inner.handle.check().py_err()?;
+        let handle = base.handle().py_err()?;
+        handle.check().py_err()?;
         let window = base.window_size;
-        let mut last_write = inner.last_write;
+        let mut last_write = base.last_write();
         let smoothed = storage
             .get()
             .with(|s| s.smoothed_since(window, &mut last_write))
             .py_err()?;
-        inner.last_write = last_write;
+        base.store_last_write(last_write);
         let rows = group_by_iteration(smoothed);
         if rows.is_empty() {
             return Ok(());
         }
-        inner.handle.send(Payload::Json(rows)).py_err()
+        handle.send(Payload::Json(rows)).py_err()
     }
 }
 
@@ -208,16 +242,16 @@ impl PyTensorboardWriter {
     /// in the storage (the Python layer converts those tensors and calls `add_points`).
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
         let base = slf.as_super().get();
-        let mut inner = lock(&base.inner);
-        inner.handle.check().py_err()?;
+        let handle = base.handle().py_err()?;
+        handle.check().py_err()?;
         let window = base.window_size;
-        let mut last_write = inner.last_write;
+        let mut last_write = base.last_write();
         let (smoothed, histograms, n_images) = storage.get().state.with(|state| {
             let smoothed = state.core.smoothed_since(window, &mut last_write);
             (smoothed, state.core.take_histograms(), state.images.len())
         });
         let smoothed = smoothed.py_err()?;
-        inner.last_write = last_write;
+        base.store_last_write(last_write);
         let scalars: Vec<ScalarPoint> = smoothed
             .into_iter()
             .map(|s| ScalarPoint {
@@ -233,7 +267,7 @@ impl PyTensorboardWriter {
                 images: vec![],
                 histograms,
             };
-            inner.handle.send(payload).py_err()?;
+            handle.send(payload).py_err()?;
         }
         Ok(n_images)
     }
@@ -304,7 +338,7 @@ impl PyTensorboardWriter {
             histograms,
         };
         let base = slf.as_super().get();
-        lock(&base.inner).handle.send(payload).py_err()
+        base.handle().py_err()?.send(payload).py_err()
     }
 }
 

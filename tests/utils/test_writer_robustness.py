@@ -262,3 +262,22 @@ def test_forked_child_never_waits_on_a_lock_held_by_the_parent(tmp_path):
         writer.close()
         os.close(reader)
     assert not flusher.is_alive()
+
+
+def test_json_writer_keeps_a_whole_last_object_and_refuses_a_non_json_file(tmp_path):
+    whole = tmp_path / "whole.json"
+    whole.write_text('{"iteration": 3, "loss": 1.5}')  # no final newline
+    writer = JSONWriter(whole)
+    with EventStorage(4) as s:
+        s.put_scalar("loss", 2.0)
+        writer.write()
+    writer.close()
+    assert whole.read_text() == '{"iteration": 3, "loss": 1.5}\n{"iteration": 4, "loss": 2.0}\n'
+
+    binary = tmp_path / "model.pth"
+    content = bytes(range(256)) * 400
+    binary.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a JSON-lines file") as info:
+        JSONWriter(binary)
+    assert str(binary) in str(info.value)
+    assert binary.read_bytes() == content

@@ -281,3 +281,36 @@ def test_json_writer_keeps_a_whole_last_object_and_refuses_a_non_json_file(tmp_p
         JSONWriter(binary)
     assert str(binary) in str(info.value)
     assert binary.read_bytes() == content
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_training_error_is_not_replaced_by_a_writers_close_error(tmp_path, caplog):
+    from hookloop.engine import PeriodicWriter, TrainerBase
+
+    class Trainer(TrainerBase):
+        def run_step(self):
+            self.storage.put_scalar("loss", 1.0)
+            if self.iter == 3:
+                raise KeyError("user's error")
+
+    good = tmp_path / "metrics.json"
+    trainer = Trainer()
+    # The failing writer first: the other one is still written and closed.
+    writers = [JSONWriter("/dev/full", fsync="never"), JSONWriter(good)]
+    trainer.register_hooks([PeriodicWriter(writers, period=100)])
+    with caplog.at_level("ERROR"), pytest.raises(KeyError, match="user's error") as info:
+        trainer.train(0, 10)
+    if sys.version_info >= (3, 11):
+        assert any("/dev/full" in note for note in info.value.__notes__)
+    assert any(
+        r.levelname == "ERROR" and "after_train" in r.getMessage() and "/dev/full" in r.getMessage()
+        for r in caplog.records
+    )
+    assert json.loads(good.read_text().splitlines()[-1])["iteration"] == 3
+
+    # Without a training error, the writer's error is raised.
+    trainer = Trainer()
+    trainer.register_hooks([PeriodicWriter([JSONWriter("/dev/full", fsync="never")], 100)])
+    trainer.run_step = lambda: trainer.storage.put_scalar("loss", 1.0)
+    with pytest.raises(OSError, match="/dev/full"):
+        trainer.train(0, 2)

@@ -20,7 +20,7 @@ import torch
 from hookloop import _core
 from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
 from hookloop.checkpoint.checkpointer import _save_with
-from hookloop.engine.train_loop import HookBase
+from hookloop.engine.train_loop import HookBase, _report_secondary
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm
 from hookloop.utils.events import EventStorage, EventWriter
@@ -203,11 +203,22 @@ class PeriodicWriter(HookBase):
                 writer.write()
 
     def after_train(self) -> None:
+        # Every writer is written and closed even if an earlier one fails; the first error is
+        # raised, the others logged and attached to it as notes.
+        first: Optional[BaseException] = None
         for writer in self._writers:
-            # If any new data is found (e.g. produced by other after_train), write them
-            # before closing
-            writer.write()
-            writer.close()
+            for step in (writer.write, writer.close):
+                # If any new data is found (e.g. produced by other after_train), write them
+                # before closing
+                try:
+                    step()
+                except Exception as e:
+                    if first is None:
+                        first = e
+                    else:
+                        _report_secondary(first, e, f"{type(writer).__name__}.{step.__name__}")
+        if first is not None:
+            raise first
 
 
 class LRScheduler(_core._LRSchedulerBase, HookBase):

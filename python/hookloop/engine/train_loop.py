@@ -30,6 +30,22 @@ __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer"]
 logger = logging.getLogger(__name__)
 
 
+def _report_secondary(primary: BaseException, secondary: BaseException, where: str) -> None:
+    """An error raised while `primary` propagates: logged at ERROR, and attached to `primary`
+    as a note (Python 3.11+), so the first error stays the one raised."""
+    logger.error(
+        "%s failed while handling %s: %s: %s",
+        where,
+        type(primary).__name__,
+        type(secondary).__name__,
+        secondary,
+        exc_info=secondary,
+    )
+    add_note = getattr(primary, "add_note", None)
+    if add_note is not None:
+        add_note(f"{where} then failed with {type(secondary).__name__}: {secondary}")
+
+
 class HookBase:
     """Base class for hooks that can be registered with :class:`TrainerBase`.
 
@@ -248,11 +264,18 @@ class TrainerBase:
                 # self.iter == max_iter can be used by `after_train` to tell whether the
                 # training successfully finished or failed due to exceptions.
                 self.iter = max_iter
-            except Exception:
-                logger.exception("Exception during training:")
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    logger.exception("Exception during training:")
+                # The training error is what propagates: an error of after_train (a writer
+                # whose close() meets a full disk) is logged and attached to it as a note,
+                # where a plain `finally` would replace it.
+                try:
+                    self.after_train()
+                except Exception as after:
+                    _report_secondary(exc, after, "after_train")
                 raise
-            finally:
-                self.after_train()
+            self.after_train()
 
     def _overridden(self, stage: str) -> Any:
         """The bound stage method if this trainer replaces TrainerBase's, else None: then the

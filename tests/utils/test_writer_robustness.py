@@ -314,3 +314,62 @@ def test_a_training_error_is_not_replaced_by_a_writers_close_error(tmp_path, cap
     trainer.run_step = lambda: trainer.storage.put_scalar("loss", 1.0)
     with pytest.raises(OSError, match="/dev/full"):
         trainer.train(0, 2)
+
+
+def _tb_images(tb_dir, tag):
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (path,) = Path(tb_dir).glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(path), size_guidance={"images": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["images"]:
+        return []
+    return [np.asarray(Image.open(io.BytesIO(e.encoded_image_string))) for e in acc.Images(tag)]
+
+
+def test_put_image_refuses_what_cannot_become_pixels_naming_the_image():
+    import numpy as np
+    import torch
+
+    with EventStorage() as s:
+        with pytest.raises(TypeError, match="put_image\\('text'\\).*dtype <U1"):
+            s.put_image("text", np.full((3, 2, 2), "a"))
+        with pytest.raises(TypeError, match="put_image\\('complex'\\).*complex"):
+            s.put_image("complex", torch.zeros(3, 2, 2, dtype=torch.complex64))
+        with pytest.raises(ValueError, match="put_image\\('meta'\\).*meta tensor"):
+            s.put_image("meta", torch.zeros(3, 2, 2, device="meta"))
+        with pytest.raises(ValueError, match="image 'flat'"):
+            s.put_image("flat", torch.zeros(2, 2))
+        assert s._pending_images() == 0
+
+
+def test_half_precision_images_convert_and_a_bad_one_skips_only_itself(tmp_path):
+    import numpy as np
+    import torch
+
+    class Unreadable:  # passes put_image's checks, fails when the writer reads it
+        shape = (3, 2, 2)
+        dtype = np.dtype(np.float32)
+
+        def detach(self):
+            raise RuntimeError("device lost")
+
+    base = torch.linspace(0, 1, 12).reshape(3, 2, 2)
+    writer = TensorboardXWriter(tmp_path)
+    with EventStorage() as s:
+        s.put_image("bf16", base.to(torch.bfloat16))
+        s.put_image("bad", Unreadable())
+        s.put_image("f16", base.to(torch.float16))
+        with pytest.raises(ValueError, match="skipped 1 of 3 images") as info:
+            writer.write()
+    writer.close()
+    assert "image 'bad' at iter 0: RuntimeError: device lost" in str(info.value)
+    for tag, dtype in [("bf16", torch.bfloat16), ("f16", torch.float16)]:
+        expected = (base.to(dtype).float().numpy() * 255).clip(0, 255).astype(np.uint8)
+        (img,) = _tb_images(tmp_path, tag)
+        np.testing.assert_array_equal(img, expected.transpose(1, 2, 0))
+    assert _tb_images(tmp_path, "bad") == []

@@ -109,6 +109,7 @@ class EventStorage(_core.EventStorage):
         """
         if not isinstance(img_name, str):
             raise TypeError(f"put_image() img_name must be a str, got {type(img_name).__name__}")
+        _check_image_data(img_name, img_tensor)
         # The shape rule is the core's (checked again on the pixels when encoded).
         if self._put_image(img_name, img_tensor):
             logger.warning(
@@ -316,9 +317,21 @@ class TensorboardXWriter(EventWriter):
     def write(self) -> None:
         storage = get_event_storage()
         if self._native.write(storage):
-            # Images are the caller's tensors until now: convert them here, in one batch.
-            images = storage._take_images()
-            self._native.add_points(images=[_image_point(n, img, step) for n, img, step in images])
+            # Images are the caller's tensors until now: convert them here, in one batch. One
+            # that fails is skipped (the others are written) and named in the error.
+            points, failed = [], []
+            for name, img, step in storage._take_images():
+                try:
+                    points.append(_image_point(name, img, step))
+                except Exception as e:
+                    failed.append(f"image '{name}' at iter {step}: {type(e).__name__}: {e}")
+            self._native.add_points(images=points)
+            if failed:
+                raise ValueError(
+                    f"TensorboardXWriter skipped {len(failed)} of {len(failed) + len(points)} "
+                    "images that could not be converted (the others were written): "
+                    + "; ".join(failed)
+                )
 
     def flush(self) -> None:
         """Blocks until everything written so far is in the event file."""
@@ -470,15 +483,50 @@ def _as_float(tag: str, value: Any) -> float:
     return float(value)
 
 
+# torch dtypes an image may have (numpy: kinds b, i, u, f); bfloat16 and float16 are read as
+# float32, as torch's SummaryWriter does.
+_IMAGE_TORCH_DTYPES = {
+    f"torch.{t}"
+    for t in (
+        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64".split()
+        + ["half", "float", "double"]
+    )
+}
+
+
+def _check_image_data(tag: str, img: Any) -> None:
+    """What `put_image` can check without reading the data: a numeric dtype, a device with
+    data. Raises TypeError/ValueError naming the image."""
+    dtype = getattr(img, "dtype", None)
+    if dtype is None:
+        return  # no dtype: the shape check names it
+    device = getattr(img, "device", None)
+    if getattr(device, "type", None) == "meta":
+        raise ValueError(f"put_image('{tag}'): the image is a meta tensor, which holds no data")
+    if type(dtype).__module__ == "torch":
+        ok = str(dtype) in _IMAGE_TORCH_DTYPES
+    else:
+        ok = getattr(dtype, "kind", None) in ("b", "i", "u", "f")
+    if not ok:
+        raise TypeError(
+            f"put_image('{tag}') image must be a tensor or array of numbers "
+            f"(uint8 in [0, 255] or float in [0, 1]), got dtype {dtype}"
+        )
+
+
 def _image_point(
     tag: str, img: Any, step: int, dataformats: str = "CHW"
 ) -> Tuple[str, int, int, int, int, bytes]:
     """An image as (tag, step, height, width, channels, HWC uint8 bytes), converted the way
-    torch's SummaryWriter converts: uint8 as is, anything else scaled by 255 and clipped."""
+    torch's SummaryWriter converts: uint8 as is, anything else (bfloat16 and float16 read as
+    float32) scaled by 255 and clipped."""
     import numpy as np
 
     if hasattr(img, "detach"):
-        img = img.detach().cpu().numpy()
+        img = img.detach()
+        if str(img.dtype) in ("torch.bfloat16", "torch.float16"):
+            img = img.float()
+        img = img.cpu().numpy()
     arr = np.asarray(img)
     if dataformats == "HW" and arr.ndim == 2:
         arr = arr[None]

@@ -373,3 +373,38 @@ def test_half_precision_images_convert_and_a_bad_one_skips_only_itself(tmp_path)
         (img,) = _tb_images(tmp_path, tag)
         np.testing.assert_array_equal(img, expected.transpose(1, 2, 0))
     assert _tb_images(tmp_path, "bad") == []
+
+
+LATE_ERROR = """
+    from hookloop.utils.events import EventStorage, JSONWriter
+
+    writer = JSONWriter("/dev/full", fsync="never")
+    with EventStorage() as s:
+        s.put_scalar("loss", 1.0)
+        writer.write()  # accepted: the writer thread fails later, and nothing asks again
+    # leaving the storage flushed the writer without raising; exit without close()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_error_after_the_last_write_is_logged_at_exit():
+    done = subprocess.run(_child(LATE_ERROR), capture_output=True, timeout=TIMEOUT, text=True)
+    assert done.returncode == 0  # an atexit handler cannot change it (see _flush_at_exit)
+    assert "failed after its last write()" in done.stderr
+    assert "No space left on device" in done.stderr and "/dev/full" in done.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_error_is_logged_when_an_unclosed_writer_is_dropped(caplog):
+    import gc
+
+    writer = JSONWriter("/dev/full", fsync="never")
+    with EventStorage() as s:
+        s.put_scalar("loss", 1.0)
+        writer.write()
+    with caplog.at_level("ERROR", logger="hookloop.utils.events"):
+        del writer
+        gc.collect()
+    (record,) = [r for r in caplog.records if "/dev/full" in r.getMessage()]
+    assert record.levelname == "ERROR"
+    assert "dropped without close()" in record.getMessage()

@@ -556,5 +556,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Interpreter exit writes whatever writers queued and did not close.
-atexit.register(_core.flush_writers)
+def _flush_at_exit() -> None:
+    """Interpreter exit writes whatever writers queued and did not close, and logs at ERROR
+    an I/O error that no call reported (one after the last ``write()``). The exit status
+    cannot reflect it: an atexit handler's exception does not change it, and ``os._exit``
+    would skip the handlers registered before this one."""
+    _core.flush_writers()
+    for err in _core._take_writer_errors():
+        logger.error("hookloop: a writer failed after its last write() or flush(): %s", err)
+
+
+atexit.register(_flush_at_exit)

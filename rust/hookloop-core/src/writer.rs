@@ -375,6 +375,29 @@ pub fn flush_all() -> Result<()> {
     Ok(())
 }
 
+/// The error slots of the sinks opened in this process, for [`take_errors`].
+static OPEN_STATUSES: Mutex<Vec<std::sync::Weak<Status>>> = Mutex::new(Vec::new());
+
+fn register(status: &Arc<Status>) {
+    let mut open = OPEN_STATUSES.lock().unwrap_or_else(|e| e.into_inner());
+    open.retain(|w| w.strong_count() > 0);
+    open.push(Arc::downgrade(status));
+}
+
+/// Removes and returns the errors the writer thread met that no `write()`, `flush()` or
+/// `close()` reported yet, for every writer of this process that still exists. Interpreter
+/// exit calls this after `flush_all`, to report an error after the last write.
+pub fn take_errors() -> Vec<Error> {
+    if THREAD_PID.load(Ordering::Acquire) != std::process::id() {
+        return Vec::new(); // a forked child: the errors are the parent's to report
+    }
+    let open = OPEN_STATUSES.lock().unwrap_or_else(|e| e.into_inner());
+    open.iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .filter_map(|status| status.take())
+        .collect()
+}
+
 /// The training thread's side of one open sink.
 pub struct SinkHandle {
     id: u64,
@@ -395,6 +418,7 @@ impl SinkHandle {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let queue = queue()?;
         let status = Arc::new(Status::default());
+        register(&status);
         queue.push(Msg::Open(id, sink, status.clone(), path.clone()), true);
         Ok(SinkHandle {
             id,
@@ -479,9 +503,17 @@ impl SinkHandle {
     }
 }
 
+impl SinkHandle {
+    /// Whether `close()` was called (or the handle belongs to another process).
+    pub fn is_closed(&self) -> bool {
+        self.closed || self.pid != std::process::id()
+    }
+}
+
 impl Drop for SinkHandle {
     fn drop(&mut self) {
         // A writer dropped without close(): still write what was queued and close the file.
+        // The binding closes first and reports the error; here nobody is left to tell.
         let _ = self.close();
     }
 }
@@ -544,6 +576,35 @@ mod tests {
             h.send(Payload::Json(vec![])),
             Err(Error::Closed { .. })
         ));
+    }
+
+    /// A sink whose close fails, like a disk that fills after the last write.
+    struct FailsAtClose;
+
+    impl Sink for FailsAtClose {
+        fn write(&mut self, _payload: Payload) -> Result<()> {
+            Ok(())
+        }
+        fn sync(&mut self) -> Result<()> {
+            Err(Error::io("/late", std::io::Error::from_raw_os_error(28)))
+        }
+        fn close(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn purge(&mut self, _wall_time: f64, _from: f64) -> Result<u64> {
+            Ok(0)
+        }
+    }
+
+    #[test]
+    fn an_error_after_the_last_write_is_left_for_take_errors() {
+        let mut h = SinkHandle::open(Box::new(FailsAtClose), "test", "/late".into()).unwrap();
+        h.send(Payload::Json(vec![row(1)])).unwrap(); // accepted; the sync fails later
+        flush_all().unwrap();
+        let errors: Vec<String> = take_errors().iter().map(|e| e.to_string()).collect();
+        assert!(errors.iter().any(|e| e.contains("/late")), "{errors:?}");
+        assert!(take_errors().iter().all(|e| !e.to_string().contains("/late")));
+        h.close().unwrap();
     }
 
     #[test]

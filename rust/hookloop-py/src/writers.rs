@@ -14,7 +14,7 @@ use hookloop_core::printer::Printer;
 use hookloop_core::tfevents::{
     check_image_shape, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
 };
-use hookloop_core::writer::{flush_all, FsyncPolicy, Payload, Sink, SinkHandle};
+use hookloop_core::writer::{flush_all, take_errors, FsyncPolicy, Payload, Sink, SinkHandle};
 use hookloop_core::Error;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -413,4 +413,49 @@ impl PyMetricPrinter {
 #[pyfunction]
 pub fn flush_writers(py: Python<'_>) -> PyResult<()> {
     py.detach(flush_all).py_err()
+}
+
+/// The errors the writer thread met that no `write()`/`flush()`/`close()` reported yet (each
+/// as the `OSError` it would have raised), removed from their writers. Interpreter exit logs
+/// them after `flush_writers()`.
+#[pyfunction]
+pub fn _take_writer_errors(py: Python<'_>) -> Vec<Py<PyAny>> {
+    take_errors()
+        .into_iter()
+        .map(|e| to_py(e).into_value(py).into_any())
+        .collect()
+}
+
+/// Logs `err` at ERROR on `hookloop.utils.events`'s logger (best effort: at interpreter exit
+/// logging may be gone, and a destructor has nobody to raise to).
+fn log_error(py: Python<'_>, message: &str, err: PyErr) {
+    let _ = (|| -> PyResult<()> {
+        let logger = py
+            .import("logging")?
+            .call_method1("getLogger", ("hookloop.utils.events",))?;
+        logger.call_method1("error", ("%s: %s", message, err.into_value(py)))?;
+        Ok(())
+    })();
+}
+
+impl Drop for PyNativeWriter {
+    /// A writer dropped without `close()`: writes what it queued, closes the file, and logs an
+    /// error no call reported (there is nobody to raise it to).
+    fn drop(&mut self) {
+        if !self.in_owner() {
+            return;
+        }
+        let handle = self.handle.get_mut().unwrap_or_else(|e| e.into_inner());
+        if handle.is_closed() {
+            return;
+        }
+        if let Err(e) = handle.close() {
+            let message = format!(
+                "{} for '{}' dropped without close() after a write failed",
+                self.kind,
+                self.path.display()
+            );
+            Python::attach(|py| log_error(py, &message, to_py(e)));
+        }
+    }
 }

@@ -408,3 +408,19 @@ def test_an_error_is_logged_when_an_unclosed_writer_is_dropped(caplog):
     (record,) = [r for r in caplog.records if "/dev/full" in r.getMessage()]
     assert record.levelname == "ERROR"
     assert "dropped without close()" in record.getMessage()
+
+
+def test_a_deleted_log_directory_is_not_recreated_for_a_new_event_file(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    writer = TensorboardXWriter(out)  # no event file yet
+    shutil.rmtree(out)
+    with EventStorage() as s:
+        s.put_scalar("loss", 1.0)
+        writer.write()
+        with pytest.raises(OSError) as info:
+            writer.flush()
+    assert info.value.filename == str(out)
+    with pytest.raises(OSError):
+        writer.close()
+    assert not out.exists()

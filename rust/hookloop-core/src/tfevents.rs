@@ -531,13 +531,26 @@ pub struct EventFile {
     file: Option<File>,
     // False until the file_version record is on disk; a failed first write retries it.
     header_written: bool,
+    // The log directory's (device, inode) when it already existed at construction: if it is
+    // gone by the first write (rmtree of the output directory), that is an error, not a new
+    // directory holding only the event file.
+    dir_id: Option<(u64, u64)>,
+}
+
+fn dir_id(dir: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir)
+        .ok()
+        .filter(|m| m.is_dir())
+        .map(|m| (m.dev(), m.ino()))
 }
 
 impl EventFile {
-    /// An event file at `log_dir/file_name`. Does no I/O: the directory and the file
-    /// appear on the first [`append`](Self::append) with records.
+    /// An event file at `log_dir/file_name`. Only looks at `log_dir`: the directory (if
+    /// missing) and the file appear on the first [`append`](Self::append) with records.
     pub fn new(log_dir: PathBuf, file_name: String) -> EventFile {
         EventFile {
+            dir_id: dir_id(&log_dir),
             log_dir,
             file_name,
             file: None,
@@ -562,6 +575,11 @@ impl EventFile {
             Some(file) => file,
             None => {
                 let io = |e| Error::io(&path, e);
+                if self.dir_id.is_some() && dir_id(&self.log_dir) != self.dir_id {
+                    return Err(Error::Deleted {
+                        path: self.log_dir.clone(),
+                    });
+                }
                 std::fs::create_dir_all(&self.log_dir).map_err(io)?;
                 let file = OpenOptions::new()
                     .append(true)
@@ -578,10 +596,16 @@ impl EventFile {
         append_records(file, &path, records)
     }
 
-    /// Checks that the file, once created, still exists at its path.
+    /// Checks that the file, once created, still exists at its path (before: that a log
+    /// directory that existed at construction still does).
     pub fn verify(&self) -> Result<()> {
         match &self.file {
             Some(file) => crate::append::live_len(file, &self.path()).map(|_| ()),
+            None if self.dir_id.is_some() && dir_id(&self.log_dir) != self.dir_id => {
+                Err(Error::Deleted {
+                    path: self.log_dir.clone(),
+                })
+            }
             None => Ok(()),
         }
     }

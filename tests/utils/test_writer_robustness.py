@@ -424,3 +424,22 @@ def test_a_deleted_log_directory_is_not_recreated_for_a_new_event_file(tmp_path)
     with pytest.raises(OSError):
         writer.close()
     assert not out.exists()
+
+
+def test_name_scope_is_per_thread():
+    inside, done = threading.Event(), threading.Event()
+    with EventStorage() as s:
+
+        def scoped():
+            with s.name_scope("val"):
+                s.put_scalar("acc", 0.5)
+                inside.set()
+                assert done.wait(TIMEOUT)
+
+        t = threading.Thread(target=scoped)
+        t.start()
+        assert inside.wait(TIMEOUT)
+        s.put_scalar("loss", 1.0)  # this thread opened no scope
+        done.set()
+        t.join(TIMEOUT)
+        assert set(s.latest()) == {"val/acc", "loss"}

@@ -88,7 +88,8 @@ class EventStorage(_core.EventStorage):
 
     @contextmanager
     def name_scope(self, name: str) -> Iterator[None]:
-        """Scalars put inside this context get the prefix ``name + "/"``."""
+        """Scalars put inside this context get the prefix ``name + "/"``. The scope is the
+        calling thread's: what other threads put meanwhile is not prefixed."""
         if not isinstance(name, str):
             raise TypeError(f"name_scope() name must be a str, got {type(name).__name__}")
         old_prefix = self._current_prefix

@@ -443,3 +443,18 @@ def test_name_scope_is_per_thread():
         done.set()
         t.join(TIMEOUT)
         assert set(s.latest()) == {"val/acc", "loss"}
+
+
+def test_iterations_beyond_2_53_are_refused_not_rounded():
+    with EventStorage() as s:
+        with pytest.raises(OverflowError, match="cur_iter .*2\\*\\*53"):
+            s.put_scalar("a", 1.0, cur_iter=2**53 + 1)
+        with pytest.raises(OverflowError, match="EventStorage.iter .*2\\*\\*53"):
+            s.iter = 2**60
+        s.iter = 2**53
+        with pytest.raises(OverflowError, match="2\\*\\*53"):
+            s.step()
+        assert s.iter == 2**53
+        s.put_scalar("a", 1.0, cur_iter=2**53)
+        assert s.latest()["a"] == (1.0, 2**53)
+        assert s.history("a").values() == [(1.0, 2**53)]

@@ -130,11 +130,12 @@ impl Storage {
 
     /// Advances the current iteration by one; at `i64::MAX` that is an error, not a wrap.
     pub fn step(&mut self) -> Result<()> {
-        self.iter = self.iter.checked_add(1).ok_or_else(|| Error::OutOfRange {
+        let next = self.iter.checked_add(1).ok_or_else(|| Error::OutOfRange {
             what: "EventStorage.iter + 1".into(),
             value: format!("{} + 1", self.iter),
             range: "int64",
         })?;
+        self.iter = crate::history::exact_iter("EventStorage.iter + 1", next)?;
         Ok(())
     }
 

@@ -118,7 +118,9 @@ pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
     if let Ok(f) = value.cast::<PyFloat>() {
         return Ok(Some(Iter::Float(f.value())));
     }
-    int64(what, value).map(|i| Some(Iter::Int(i)))
+    let i = int64(what, value)?;
+    let i = hookloop_core::history::exact_iter(what, i).map_err(to_py)?;
+    Ok(Some(Iter::Int(i)))
 }
 
 /// Converts an iteration back to a Python int or float.

@@ -326,6 +326,7 @@ impl PyEventStorage {
             }
             Err(_) => int64("EventStorage.iter", val)?,
         };
+        let it = hookloop_core::history::exact_iter("EventStorage.iter", it).py_err()?;
         self.set_iter(it);
         Ok(())
     }

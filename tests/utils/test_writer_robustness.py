@@ -458,3 +458,47 @@ def test_iterations_beyond_2_53_are_refused_not_rounded():
         s.put_scalar("a", 1.0, cur_iter=2**53)
         assert s.latest()["a"] == (1.0, 2**53)
         assert s.history("a").values() == [(1.0, 2**53)]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_a_blocked_file_gets_a_bounded_wait_naming_it(tmp_path):
+    from hookloop import _core
+
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    blocked = JSONWriter(fifo, fsync="never")
+    other = JSONWriter(tmp_path / "other.json", fsync="never")
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    _core._set_writer_timeout(0.3)
+    storage = EventStorage().__enter__()  # leaving it flushes, which would wait on the FIFO
+    try:
+        for i in range(200):  # 200 lines of 1 KiB: more than the pipe holds
+            storage.put_scalar(f"{i}" + "x" * 1000, float(i), smoothing_hint=False, cur_iter=i)
+        blocked.write()
+        with pytest.raises(OSError) as info:
+            blocked.flush()
+        assert info.value.filename == str(fifo)
+        assert "blocked" in str(info.value)
+        # The writer thread is shared: another writer's flush waits as long, naming the FIFO.
+        with pytest.raises(OSError, match="metrics.fifo"):
+            other.flush()
+    finally:
+        # Drain the FIFO (short flushes in between) so the writer thread can finish.
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                if not os.read(reader, 1 << 16):
+                    break
+            except BlockingIOError:
+                try:
+                    _core.flush_writers()
+                    break
+                except OSError:
+                    pass
+        _core._set_writer_timeout(None)
+        storage.__exit__(None, None, None)
+        blocked.close()
+        other.close()
+        os.close(reader)
+    with pytest.raises(ValueError):
+        _core._set_writer_timeout(-1.0)

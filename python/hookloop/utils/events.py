@@ -561,8 +561,12 @@ def _flush_at_exit() -> None:
     """Interpreter exit writes whatever writers queued and did not close, and logs at ERROR
     an I/O error that no call reported (one after the last ``write()``). The exit status
     cannot reflect it: an atexit handler's exception does not change it, and ``os._exit``
-    would skip the handlers registered before this one."""
-    _core.flush_writers()
+    would skip the handlers registered before this one. A file that blocks (a hung mount)
+    is waited for at most ``HOOKLOOP_WRITER_TIMEOUT`` seconds (10 by default), then logged."""
+    try:
+        _core.flush_writers()
+    except OSError as e:
+        logger.error("hookloop: writers not flushed at exit: %s", e)
     for err in _core._take_writer_errors():
         logger.error("hookloop: a writer failed after its last write() or flush(): %s", err)
 

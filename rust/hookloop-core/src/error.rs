@@ -111,6 +111,12 @@ pub enum Error {
     #[error("'{path}' was deleted (or its directory removed) while open; nothing written to it since is kept", path = path.display())]
     Deleted { path: PathBuf },
 
+    /// The writer thread did not finish within the writer timeout because a file blocks (a
+    /// hung network mount, a FIFO nobody reads). Mapped to `OSError` (`ETIMEDOUT`).
+    #[error("hookloop's writer thread is blocked writing '{path}' (waited {seconds} s; \
+             HOOKLOOP_WRITER_TIMEOUT sets the wait)", path = path.display())]
+    Blocked { path: PathBuf, seconds: f64 },
+
     /// File I/O failed. Mapped to `OSError` with the errno and the path.
     #[error("{source}: '{path}'", path = path.display())]
     Io {

@@ -10,7 +10,7 @@
 //! record boundary (`crate::append`), so after SIGKILL a file holds only whole lines and
 //! records up to 4 KiB; the JSON sink cuts a torn longer line when the file is opened again.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -170,12 +170,71 @@ impl Queue {
         }
     }
 
-    /// Queues `make(ack)` and waits until the thread handled it.
-    fn round_trip(&self, make: impl FnOnce(Ack) -> Msg) {
+    /// Queues `make(ack)` and waits until the thread handled it, at most the writer timeout:
+    /// past it, the error names the file the thread is stuck on (a hung mount, a FIFO nobody
+    /// reads), or `own` if it is stuck nowhere in particular.
+    fn round_trip(&self, own: &Path, make: impl FnOnce(Ack) -> Msg) -> Result<()> {
         let (ack_tx, ack_rx) = mpsc::sync_channel(1);
         self.push(make(ack_tx), true);
-        let _ = ack_rx.recv();
+        let timeout = writer_timeout();
+        match ack_rx.recv_timeout(timeout) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let busy = BUSY.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                Err(Error::Blocked {
+                    path: busy.unwrap_or_else(|| own.to_owned()),
+                    seconds: timeout.as_secs_f64(),
+                })
+            }
+            _ => Ok(()),
+        }
     }
+}
+
+/// The file the writer thread is writing now, if any (named when a wait times out).
+static BUSY: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// How long `flush()`, `close()` and interpreter exit wait for the writer thread, in
+/// milliseconds (0: the default).
+static TIMEOUT_MS: AtomicU64 = AtomicU64::new(0);
+
+/// The default wait: long enough for an fsync of a large batch on a slow disk.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a flush or close waits for a blocked file before it fails: `set_writer_timeout`,
+/// else the environment's `HOOKLOOP_WRITER_TIMEOUT` (seconds), else [`DEFAULT_TIMEOUT`].
+pub fn writer_timeout() -> Duration {
+    match TIMEOUT_MS.load(Ordering::Relaxed) {
+        0 => std::env::var("HOOKLOOP_WRITER_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64),
+        ms => Duration::from_millis(ms),
+    }
+}
+
+/// Sets the wait of [`writer_timeout`] (positive seconds; `None` restores the default).
+pub fn set_writer_timeout(seconds: Option<f64>) -> Result<()> {
+    let ms = match seconds {
+        None => 0,
+        Some(s) if s.is_finite() && s > 0.0 => ((s * 1000.0).ceil() as u64).max(1),
+        Some(s) => {
+            return Err(Error::bad_value(
+                "writer timeout",
+                format!("must be a positive number of seconds, got {s}"),
+            ))
+        }
+    };
+    TIMEOUT_MS.store(ms, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Marks the writer thread busy on `path` while `f` runs.
+fn busy_on<T>(path: &Path, f: impl FnOnce() -> T) -> T {
+    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = Some(path.to_owned());
+    let out = f();
+    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    out
 }
 
 struct ThreadHandle {
@@ -305,7 +364,7 @@ fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHash
 fn sync_dirty(sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
     for id in dirty.drain() {
         if let Some(open) = sinks.get_mut(&id) {
-            if let Err(e) = open.sink.sync() {
+            if let Err(e) = busy_on(&open.path, || open.sink.sync()) {
                 open.status.set(e);
             }
         }
@@ -341,7 +400,7 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
         Msg::Close(id, ack) => {
             dirty.remove(&id);
             if let Some(mut open) = sinks.remove(&id) {
-                if let Err(e) = open.sink.close() {
+                if let Err(e) = busy_on(&open.path, || open.sink.close()) {
                     open.status.set(e);
                 }
             }
@@ -371,8 +430,7 @@ pub fn flush_all() -> Result<()> {
     };
     let queue = h.queue.clone();
     drop(guard);
-    queue.round_trip(Msg::Barrier);
-    Ok(())
+    queue.round_trip(Path::new("<hookloop writers>"), Msg::Barrier)
 }
 
 /// The error slots of the sinks opened in this process, for [`take_errors`].
@@ -480,7 +538,7 @@ impl SinkHandle {
     /// Waits until everything this process queued is written.
     pub fn flush(&self) -> Result<()> {
         self.check()?;
-        self.queue.round_trip(Msg::Barrier);
+        self.queue.round_trip(&self.path, Msg::Barrier)?;
         self.check()
     }
 
@@ -495,7 +553,7 @@ impl SinkHandle {
             return Ok(()); // the parent owns the file; see `pid`
         }
         let id = self.id;
-        self.queue.round_trip(|ack| Msg::Close(id, ack));
+        self.queue.round_trip(&self.path, |ack| Msg::Close(id, ack))?;
         match self.status.take() {
             Some(e) => Err(e),
             None => Ok(()),

@@ -46,6 +46,10 @@ pub fn to_py(err: Error) -> PyErr {
         Error::ForkedChild { .. } | Error::WriterPanicked { .. } => {
             PyOSError::new_err(err.to_string())
         }
+        Error::Blocked { ref path, .. } => {
+            let path = path.display().to_string();
+            PyOSError::new_err((110, err.to_string(), path))
+        }
         Error::Deleted { ref path } => {
             let path = path.display().to_string();
             let message = "deleted (or its directory removed) while open; nothing written to it \

@@ -409,6 +409,14 @@ impl PyMetricPrinter {
     }
 }
 
+/// Sets how long `flush()`, `close()` and interpreter exit wait for a blocked file (seconds;
+/// `None`: `HOOKLOOP_WRITER_TIMEOUT`, else 10 s).
+#[pyfunction]
+#[pyo3(signature = (seconds))]
+pub fn _set_writer_timeout(seconds: Option<f64>) -> PyResult<()> {
+    hookloop_core::writer::set_writer_timeout(seconds).py_err()
+}
+
 /// Waits until every writer of this process has written what it queued.
 #[pyfunction]
 pub fn flush_writers(py: Python<'_>) -> PyResult<()> {

@@ -502,3 +502,40 @@ def test_a_blocked_file_gets_a_bounded_wait_naming_it(tmp_path):
         os.close(reader)
     with pytest.raises(ValueError):
         _core._set_writer_timeout(-1.0)
+
+
+@pytest.mark.parametrize("period", [1, 5])
+def test_async_metric_writes_lose_no_loss_in_metrics_json(tmp_path, period):
+    import torch
+    from hookloop.engine import PeriodicWriter, SimpleTrainer
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return {"loss_a": (self.w * x) ** 2, "loss_b": self.w.abs() * 0.5}
+
+    def run(name, async_write):
+        torch.manual_seed(0)
+        model = Model()
+        data = [torch.tensor(float(i % 7) / 7) for i in range(40)]
+        trainer = SimpleTrainer(
+            model,
+            data,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            async_write_metrics=async_write,
+        )
+        trainer.register_hooks([PeriodicWriter([JSONWriter(tmp_path / name)], period=period)])
+        trainer.train(0, 40)
+        rows = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        for r in rows:
+            r.pop("data_time", None)  # timings, different in every run
+            r.pop("rank_data_time", None)
+        return rows
+
+    sync_rows = run("sync.json", False)
+    assert [r["iteration"] for r in sync_rows] == list(range(period - 1, 40, period))
+    assert all("loss_a" in r and "total_loss" in r for r in sync_rows)
+    assert run("async.json", True) == sync_rows

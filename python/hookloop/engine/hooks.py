@@ -199,6 +199,11 @@ class PeriodicWriter(HookBase):
     def after_step(self) -> None:
         trainer = self.trainer
         if _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
+            # SimpleTrainer(async_write_metrics=True): the losses of this iteration may still
+            # be on their way to the storage; detectron2 writes without them.
+            wait = getattr(trainer, "_wait_for_metric_writes", None)
+            if wait is not None:
+                wait()
             for writer in self._writers:
                 writer.write()
 

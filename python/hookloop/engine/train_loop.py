@@ -463,6 +463,14 @@ class SimpleTrainer(TrainerBase):
             )
         )
 
+    def _wait_for_metric_writes(self) -> None:
+        """Waits for the asynchronous metric writes queued so far, re-raising the first error.
+        A periodic writer calls this when it is due, so its lines carry every loss of the
+        iterations they cover, as in the synchronous mode."""
+        pending = self._pending_writes
+        while pending:
+            pending.popleft().result()
+
     def _raise_async_errors(self) -> None:
         """Re-raises, on the training thread, an exception from a finished asynchronous metric
         write (the oldest first)."""

@@ -553,7 +553,8 @@ impl SinkHandle {
             return Ok(()); // the parent owns the file; see `pid`
         }
         let id = self.id;
-        self.queue.round_trip(&self.path, |ack| Msg::Close(id, ack))?;
+        self.queue
+            .round_trip(&self.path, |ack| Msg::Close(id, ack))?;
         match self.status.take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -661,7 +662,9 @@ mod tests {
         flush_all().unwrap();
         let errors: Vec<String> = take_errors().iter().map(|e| e.to_string()).collect();
         assert!(errors.iter().any(|e| e.contains("/late")), "{errors:?}");
-        assert!(take_errors().iter().all(|e| !e.to_string().contains("/late")));
+        assert!(take_errors()
+            .iter()
+            .all(|e| !e.to_string().contains("/late")));
         h.close().unwrap();
     }
 

@@ -539,3 +539,43 @@ def test_async_metric_writes_lose_no_loss_in_metrics_json(tmp_path, period):
     assert [r["iteration"] for r in sync_rows] == list(range(period - 1, 40, period))
     assert all("loss_a" in r and "total_loss" in r for r in sync_rows)
     assert run("async.json", True) == sync_rows
+
+
+def test_bad_histograms_are_errors_naming_the_histogram():
+    import torch
+
+    with EventStorage() as s:
+        for values in ([float("nan"), 1.0], [float("inf")], [1e300, 0.0]):
+            with pytest.raises(ValueError, match="put_histogram\\('w'\\).*finite"):
+                s.put_histogram("w", torch.tensor(values, dtype=torch.float64))
+        with pytest.raises(ValueError, match="put_histogram\\('w'\\) bins"):
+            s.put_histogram("w", torch.zeros(3), bins=2**63)
+        assert s._histograms == []
+
+
+@pytest.mark.parametrize(
+    "out, error, message",
+    [
+        ([1.0], TypeError, "must return a loss tensor or a dict .* got list"),
+        (None, TypeError, "got NoneType"),
+        ({}, ValueError, "got an empty dict"),
+        ({"loss": 1.0}, TypeError, "loss 'loss' must be a tensor, got float"),
+        ({1: "x"}, TypeError, "str keys, got int key 1"),
+    ],
+)
+def test_run_step_says_what_the_model_should_return(out, error, message):
+    import torch
+    from hookloop.engine import SimpleTrainer
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return out
+
+    model = Model()
+    trainer = SimpleTrainer(model, [torch.tensor(1.0)] * 2, torch.optim.SGD(model.parameters()))
+    with pytest.raises(error, match=f"\\[SimpleTrainer\\] .*{message}"):
+        trainer.train(0, 1)

@@ -435,12 +435,7 @@ class SimpleTrainer(TrainerBase):
         if self.zero_grad_before_forward:
             self.optimizer.zero_grad()
 
-        loss_dict = self.model(data)
-        if isinstance(loss_dict, torch.Tensor):
-            losses = loss_dict
-            loss_dict = {"total_loss": loss_dict}
-        else:
-            losses = sum(loss_dict.values())
+        loss_dict, losses = _losses(self.model(data), "SimpleTrainer")
         if not self.zero_grad_before_forward:
             self.optimizer.zero_grad()
         losses.backward()
@@ -635,6 +630,30 @@ class SimpleTrainer(TrainerBase):
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
 
 
+def _losses(out: Any, who: str) -> Tuple[Mapping[str, torch.Tensor], torch.Tensor]:
+    """The model's output as (loss dict, summed loss): a loss tensor (named ``total_loss``)
+    or a non-empty dict of str -> loss tensor. Anything else is a TypeError/ValueError saying
+    what run_step expected and what it got."""
+    if isinstance(out, torch.Tensor):
+        return {"total_loss": out}, out
+    expected = "a loss tensor or a dict of str -> loss tensor"
+    if not isinstance(out, Mapping):
+        raise TypeError(f"[{who}] the model must return {expected}, got {type(out).__name__}")
+    if not out:
+        raise ValueError(f"[{who}] the model must return {expected}, got an empty dict")
+    for name, value in out.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"[{who}] the model's loss dict must have str keys, got {type(name).__name__} "
+                f"key {name!r}"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"[{who}] the model's loss '{name}' must be a tensor, got {type(value).__name__}"
+            )
+    return out, sum(out.values())  # type: ignore[return-value]
+
+
 def _sampler(loader: Any) -> Any:
     """The sampler that orders a loader's data: a DataLoader's ``batch_sampler.sampler`` or
     ``sampler``, or the loader itself when it is a sampler."""
@@ -726,12 +745,7 @@ class AMPTrainer(SimpleTrainer):
         if self.zero_grad_before_forward:
             self.optimizer.zero_grad()
         with torch.autocast(device_type=self._device_type, dtype=self.precision):
-            loss_dict = self.model(data)
-            if isinstance(loss_dict, torch.Tensor):
-                losses = loss_dict
-                loss_dict = {"total_loss": loss_dict}
-            else:
-                losses = sum(loss_dict.values())
+            loss_dict, losses = _losses(self.model(data), "AMPTrainer")
 
         if not self.zero_grad_before_forward:
             self.optimizer.zero_grad()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import socket
 import sys
@@ -32,6 +33,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HistoryBuffer = _core.HistoryBuffer
+
+# The most buckets put_histogram makes (torch.histc allocates them all).
+_MAX_BINS = 1 << 24
 
 _CURRENT_STORAGE_STACK: List[EventStorage] = []
 
@@ -138,9 +142,10 @@ class EventStorage(_core.EventStorage):
                 f"put_histogram('{hist_name}') needs a torch.Tensor, "
                 f"got {type(hist_tensor).__name__}"
             )
-        if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
+        if isinstance(bins, bool) or not isinstance(bins, int) or not 0 < bins <= _MAX_BINS:
             raise ValueError(
-                f"put_histogram('{hist_name}') bins must be a positive int, got {bins!r}"
+                f"put_histogram('{hist_name}') bins must be an int in [1, {_MAX_BINS}], "
+                f"got {bins!r}"
             )
         if hist_tensor.numel() == 0:
             raise ValueError(f"put_histogram('{hist_name}') got an empty tensor")
@@ -148,6 +153,14 @@ class EventStorage(_core.EventStorage):
         if not t.is_floating_point():
             t = t.float()  # histc needs a floating dtype; detectron2 would fail here
         ht_min, ht_max = t.min().item(), t.max().item()
+        if not (math.isfinite(ht_min) and math.isfinite(ht_max)) or max(-ht_min, ht_max) > float(
+            torch.finfo(torch.float32).max
+        ):
+            raise ValueError(
+                f"put_histogram('{hist_name}') values must be finite and within float32's "
+                f"range (TensorBoard's bucket edges are float32), got min {ht_min}, "
+                f"max {ht_max}"
+            )
         hist_counts = torch.histc(t, bins=bins)
         hist_edges = torch.linspace(start=ht_min, end=ht_max, steps=bins + 1, dtype=torch.float32)
         dropped = self._put_histogram(

@@ -122,7 +122,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--amp", action="store_true", help="use AMPTrainer (bfloat16 on the CPU)")
     args = parser.parse_args(argv)
     if args.iters <= 0 or args.period <= 0:
-        parser.error("--iters and --period must be positive")
+        demo.error("--iters and --period must be positive")
+    for name in ("iters", "period"):
+        value = getattr(args, name)
+        if value > 2**53:
+            demo.error(f"--{name} must be at most 2**53 (an exact iteration), got {value}")
+    try:
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        demo.error(f"--output {args.output!r} is not a usable directory: {e.strerror or e}")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        demo.error(f"--device {args.device!r} is not usable here: {first_line}")
     logging.basicConfig(
         level=logging.INFO,
         format="[%(asctime)s %(name)s]: %(message)s",

@@ -5,6 +5,7 @@ wait is bounded."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -579,3 +580,23 @@ def test_run_step_says_what_the_model_should_return(out, error, message):
     trainer = SimpleTrainer(model, [torch.tensor(1.0)] * 2, torch.optim.SGD(model.parameters()))
     with pytest.raises(error, match=f"\\[SimpleTrainer\\] .*{message}"):
         trainer.train(0, 1)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--output", "/dev/null/x"], "--output '/dev/null/x' is not a usable directory"),
+        (["--device", "nope"], "--device 'nope' is not usable here"),
+        (["--period", str(10**20)], "--period must be at most 2\\*\\*53"),
+        (["--iters", "0"], "--iters and --period must be positive"),
+    ],
+)
+def test_demo_reports_bad_options_as_one_line_usage_errors(capsys, args, message):
+    from hookloop.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(f"hookloop demo: error: {message}", err), err

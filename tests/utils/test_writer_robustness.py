@@ -591,11 +591,11 @@ def test_run_step_says_what_the_model_should_return(out, error, message):
         (["--iters", "0"], "--iters and --period must be positive"),
     ],
 )
-def test_demo_reports_bad_options_as_one_line_usage_errors(capsys, args, message):
+def test_demo_reports_bad_options_as_one_line_usage_errors(tmp_path, capsys, args, message):
     from hookloop.__main__ import main
 
     with pytest.raises(SystemExit) as info:
-        main(["demo", *args])
+        main(["demo", "--output", str(tmp_path / "out"), *args])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -600,3 +600,30 @@ def test_demo_reports_bad_options_as_one_line_usage_errors(tmp_path, capsys, arg
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(f"hookloop demo: error: {message}", err), err
+
+
+def test_lr_scheduler_arguments_are_checked_by_name():
+    import torch
+    from hookloop.engine import LRScheduler, TrainerBase
+
+    class Trainer(TrainerBase):
+        def run_step(self):
+            pass
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    empty = torch.optim.SGD([p], lr=0.1)
+    empty.param_groups.clear()
+    cases = [
+        ((None, sched), TypeError, "optimizer=None\\) uses trainer.optimizer, but Trainer"),
+        ((opt, None), TypeError, "scheduler=None\\) uses trainer.scheduler"),
+        (("x", sched), TypeError, "optimizer must be a torch.optim.Optimizer, got str"),
+        ((empty, sched), ValueError, "no param_groups"),
+        ((opt, "y"), TypeError, "scheduler must have a step\\(\\) method.*got str"),
+    ]
+    for args, error, message in cases:
+        trainer = Trainer()
+        trainer.register_hooks([LRScheduler(*args)])
+        with pytest.raises(error, match=message):
+            trainer.train(0, 1)

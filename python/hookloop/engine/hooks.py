@@ -247,9 +247,28 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
 
     def before_train(self) -> None:
         trainer: Any = self.trainer
+        for attr in ("optimizer", "scheduler"):
+            if getattr(self, "_" + attr) is None and not hasattr(trainer, attr):
+                raise TypeError(
+                    f"LRScheduler({attr}=None) uses trainer.{attr}, but "
+                    f"{trainer.__class__.__name__} has none: pass {attr}= to LRScheduler"
+                )
         self._optimizer = self._optimizer or trainer.optimizer
         if self._scheduler is None:
             self._scheduler = trainer.scheduler
+        groups = getattr(self._optimizer, "param_groups", None)
+        if not isinstance(groups, list):
+            raise TypeError(
+                "LRScheduler optimizer must be a torch.optim.Optimizer, got "
+                f"{type(self._optimizer).__name__}"
+            )
+        if not groups:
+            raise ValueError("LRScheduler optimizer has no param_groups")
+        if not callable(getattr(self._scheduler, "step", None)):
+            raise TypeError(
+                "LRScheduler scheduler must have a step() method (a torch LR scheduler or "
+                f"hookloop's LRMultiplier), got {type(self._scheduler).__name__}"
+            )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
         self._start(trainer.storage)
 

@@ -463,7 +463,11 @@ impl Drop for PyNativeWriter {
                 self.kind,
                 self.path.display()
             );
-            Python::attach(|py| log_error(py, &message, to_py(e)));
+            // try_attach: during interpreter shutdown attach would panic; stderr then.
+            let text = e.to_string();
+            if Python::try_attach(|py| log_error(py, &message, to_py(e))).is_none() {
+                eprintln!("hookloop: {message}: {text}");
+            }
         }
     }
 }

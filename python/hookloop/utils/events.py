@@ -206,7 +206,9 @@ class JSONWriter(EventWriter):
     its own). A process killed with SIGKILL can still leave its last line torn at a 4 KiB
     offset of the file (rarely: the kill must land while the line crossing that offset is
     copied); a reader that skips an unterminated last line sees only whole lines, and opening
-    the file again (the next run's ``JSONWriter``) cuts the torn tail off.
+    the file again (the next run's ``JSONWriter``) cuts the torn tail off. Opening keeps a
+    whole last object that lacks its newline, and refuses (``ValueError``) a file whose first
+    or last line is not a JSON object.
 
     Args:
         json_file (str or os.PathLike): path to the json file. New data is appended if the

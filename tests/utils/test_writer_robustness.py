@@ -627,3 +627,16 @@ def test_lr_scheduler_arguments_are_checked_by_name():
         trainer.register_hooks([LRScheduler(*args)])
         with pytest.raises(error, match=message):
             trainer.train(0, 1)
+
+
+def test_writer_ints_beyond_int64_name_the_argument(tmp_path):
+    from hookloop.utils.events import CommonMetricPrinter
+
+    with pytest.raises(OverflowError, match="window_size is out of range"):
+        JSONWriter(tmp_path / "m.json", window_size=2**64)
+    with pytest.raises(OverflowError, match="window_size is out of range"):
+        TensorboardXWriter(tmp_path, window_size=2**64)
+    with pytest.raises(OverflowError, match="max_iter is out of range"):
+        CommonMetricPrinter(2**64)
+    with pytest.raises(OverflowError, match="epoch is out of range"):
+        CommonMetricPrinter(10, 20, epoch=2**70)

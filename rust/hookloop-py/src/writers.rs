@@ -20,6 +20,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::convert::int64;
 use crate::errors::{to_py, IntoPyResult};
 use crate::storage::PyEventStorage;
 
@@ -36,6 +37,27 @@ fn fsync_policy(s: Option<&str>, default: FsyncPolicy) -> PyResult<FsyncPolicy> 
             format!("must be 'always', 'close' or 'never', got '{s}'"),
         ))
     })
+}
+
+// Integer arguments as `convert::int64` reads them: an int beyond int64 is an OverflowError
+// that names the argument (pyo3's own extraction names none).
+fn window_size_arg(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+    int64("window_size", v)
+}
+
+fn optional_int64(what: &str, v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    if v.is_none() {
+        return Ok(None);
+    }
+    int64(what, v).map(Some)
+}
+
+fn max_iter_arg(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    optional_int64("max_iter", v)
+}
+
+fn epoch_arg(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    optional_int64("epoch", v)
 }
 
 fn not_picklable(what: &str) -> PyErr {
@@ -183,7 +205,7 @@ impl PyJsonWriter {
     #[pyo3(signature = (json_file, window_size = 20, fsync = None))]
     fn new(
         json_file: PathBuf,
-        window_size: i64,
+        #[pyo3(from_py_with = window_size_arg)] window_size: i64,
         fsync: Option<&str>,
     ) -> PyResult<PyClassInitializer<Self>> {
         positive("window_size", window_size).py_err()?;
@@ -226,7 +248,7 @@ impl PyTensorboardWriter {
     #[pyo3(signature = (log_dir, window_size = 20, hostname = "localhost", filename_suffix = "", fsync = None))]
     fn new(
         log_dir: PathBuf,
-        window_size: i64,
+        #[pyo3(from_py_with = window_size_arg)] window_size: i64,
         hostname: &str,
         filename_suffix: &str,
         fsync: Option<&str>,
@@ -357,7 +379,11 @@ pub struct PyMetricPrinter {
 impl PyMetricPrinter {
     #[new]
     #[pyo3(signature = (max_iter = None, window_size = 20, epoch = None))]
-    fn new(max_iter: Option<i64>, window_size: i64, epoch: Option<i64>) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = max_iter_arg)] max_iter: Option<i64>,
+        #[pyo3(from_py_with = window_size_arg)] window_size: i64,
+        #[pyo3(from_py_with = epoch_arg)] epoch: Option<i64>,
+    ) -> PyResult<Self> {
         positive("window_size", window_size).py_err()?;
         if let Some(e) = epoch {
             positive("epoch", e).py_err()?;

@@ -640,3 +640,21 @@ def test_writer_ints_beyond_int64_name_the_argument(tmp_path):
         CommonMetricPrinter(2**64)
     with pytest.raises(OverflowError, match="epoch is out of range"):
         CommonMetricPrinter(10, 20, epoch=2**70)
+
+
+def test_storage_and_history_ints_beyond_int64_name_the_argument():
+    from hookloop.utils.events import HistoryBuffer
+
+    big = 2**64
+    for call, name in [
+        (lambda: EventStorage(max_length=big), "max_length"),
+        (lambda: EventStorage(max_images=big), "max_images"),
+        (lambda: EventStorage(max_histograms=big), "max_histograms"),
+        (lambda: HistoryBuffer(big), "max_length"),
+        (lambda: HistoryBuffer(3).median(big), "window_size"),
+        (lambda: HistoryBuffer(3).avg(big), "window_size"),
+        (lambda: EventStorage().count_samples("a", big), "window_size"),
+        (lambda: EventStorage().latest_with_smoothing_hint(big), "window_size"),
+    ]:
+        with pytest.raises(OverflowError, match=f"{name} is out of range"):
+            call()

@@ -130,3 +130,25 @@ pub fn iter_to_py<'py>(py: Python<'py>, it: Iter) -> PyResult<Bound<'py, PyAny>>
         Iter::Float(f) => f.into_bound_py_any(py),
     }
 }
+
+/// `from_py_with` readers for integer arguments: an int beyond int64 is an `OverflowError`
+/// naming the argument (pyo3's own extraction names none).
+pub mod arg {
+    use pyo3::prelude::*;
+
+    pub fn window_size(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("window_size", v)
+    }
+
+    pub fn max_length(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("max_length", v)
+    }
+
+    pub fn max_images(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("max_images", v)
+    }
+
+    pub fn max_histograms(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("max_histograms", v)
+    }
+}

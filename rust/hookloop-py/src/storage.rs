@@ -51,9 +51,9 @@ impl PyEventStorage {
     #[pyo3(signature = (start_iter = None, *, max_length = History::DEFAULT_MAX_LENGTH as i64, max_images = 256, max_histograms = 256))]
     fn new(
         start_iter: Option<&Bound<'_, PyAny>>,
-        max_length: i64,
-        max_images: i64,
-        max_histograms: i64,
+        #[pyo3(from_py_with = crate::convert::arg::max_length)] max_length: i64,
+        #[pyo3(from_py_with = crate::convert::arg::max_images)] max_images: i64,
+        #[pyo3(from_py_with = crate::convert::arg::max_histograms)] max_histograms: i64,
     ) -> PyResult<Self> {
         let start_iter = start_iter.map_or(Ok(0), |s| int64("start_iter", s))?;
         let max_length = positive("max_length", max_length).py_err()?;
@@ -258,7 +258,7 @@ impl PyEventStorage {
     fn latest_with_smoothing_hint<'py>(
         &self,
         py: Python<'py>,
-        window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
     ) -> PyResult<Bound<'py, PyDict>> {
         let items = self
             .with(|s| s.latest_with_smoothing_hint(window_size))
@@ -273,7 +273,11 @@ impl PyEventStorage {
     /// How many recent values of `name` lie in the last `window_size` iterations. Unknown
     /// names raise `KeyError` and create nothing (detectron2 would create an empty history).
     #[pyo3(signature = (name, window_size = 20))]
-    fn count_samples(&self, name: &str, window_size: i64) -> PyResult<usize> {
+    fn count_samples(
+        &self,
+        name: &str,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
+    ) -> PyResult<usize> {
         self.with(|s| s.count_samples(name, window_size)).py_err()
     }
 

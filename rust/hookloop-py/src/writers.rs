@@ -39,12 +39,7 @@ fn fsync_policy(s: Option<&str>, default: FsyncPolicy) -> PyResult<FsyncPolicy> 
     })
 }
 
-// Integer arguments as `convert::int64` reads them: an int beyond int64 is an OverflowError
-// that names the argument (pyo3's own extraction names none).
-fn window_size_arg(v: &Bound<'_, PyAny>) -> PyResult<i64> {
-    int64("window_size", v)
-}
-
+// Optional integer arguments, read as `convert::int64` reads them (see `convert::arg`).
 fn optional_int64(what: &str, v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
     if v.is_none() {
         return Ok(None);
@@ -205,7 +200,7 @@ impl PyJsonWriter {
     #[pyo3(signature = (json_file, window_size = 20, fsync = None))]
     fn new(
         json_file: PathBuf,
-        #[pyo3(from_py_with = window_size_arg)] window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
         fsync: Option<&str>,
     ) -> PyResult<PyClassInitializer<Self>> {
         positive("window_size", window_size).py_err()?;
@@ -248,7 +243,7 @@ impl PyTensorboardWriter {
     #[pyo3(signature = (log_dir, window_size = 20, hostname = "localhost", filename_suffix = "", fsync = None))]
     fn new(
         log_dir: PathBuf,
-        #[pyo3(from_py_with = window_size_arg)] window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
         hostname: &str,
         filename_suffix: &str,
         fsync: Option<&str>,
@@ -381,7 +376,7 @@ impl PyMetricPrinter {
     #[pyo3(signature = (max_iter = None, window_size = 20, epoch = None))]
     fn new(
         #[pyo3(from_py_with = max_iter_arg)] max_iter: Option<i64>,
-        #[pyo3(from_py_with = window_size_arg)] window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
         #[pyo3(from_py_with = epoch_arg)] epoch: Option<i64>,
     ) -> PyResult<Self> {
         positive("window_size", window_size).py_err()?;

@@ -60,9 +60,10 @@ def test_demo_trains_and_writes_metrics_and_events(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--iters", "0"], "--iters must be between 1 and 10**12, got 0"),
-        (["--period", str(10**20)], "--period must be between 1 and 10**12"),
-        (["--device", "nope"], "--device 'nope'"),
+        (["--iters", "0"], "--iters must be positive, got 0"),
+        (["--period", str(10**20)], "--period must be at most 2**53"),
+        (["--checkpoint-period", "-1"], "--checkpoint-period must be positive"),
+        (["--device", "nope"], "--device 'nope' is not usable here"),
     ],
 )
 def test_demo_rejects_bad_arguments_with_one_usage_line(args, message):

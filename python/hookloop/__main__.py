@@ -229,18 +229,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.argv = raw[raw.index("bench") + 1 :] if "bench" in raw else []
         return bench_command.run(args, bench)
     for name in ("iters", "period", "checkpoint_period", "eval_period"):
-        value = getattr(args, name)
-        if value <= 0 or value > 10**12:
-            parser.error(f"--{name.replace('_', '-')} must be between 1 and 10**12, got {value}")
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value <= 0:
+            demo.error(f"{flag} must be positive, got {value}")
+        if value > 2**53:
+            demo.error(f"{flag} must be at most 2**53 (an exact iteration), got {value}")
     try:
-        import torch
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        demo.error(f"--output {args.output!r} is not a usable directory: {e.strerror or e}")
+    import torch
 
-        torch.device(args.device)
-    except (RuntimeError, ValueError) as e:
-        parser.error(f"--device {args.device!r}: {e}")
-    out = Path(args.output)
-    if out.exists() and not out.is_dir():
-        parser.error(f"--output {args.output!r} exists and is not a directory")
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        demo.error(f"--device {args.device!r} is not usable here: {first_line}")
     logging.basicConfig(
         level=logging.INFO,
         format="[%(asctime)s %(name)s]: %(message)s",

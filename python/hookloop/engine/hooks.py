@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hookloop import _core
 from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
 from hookloop.checkpoint.checkpointer import _save_with
-from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer
+from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, _report_secondary
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm
 from hookloop.utils.events import EventStorage, EventWriter
@@ -222,15 +222,31 @@ class PeriodicWriter(HookBase):
     def after_step(self) -> None:
         trainer = self.trainer
         if _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
+            # SimpleTrainer(async_write_metrics=True): the losses of this iteration may still
+            # be on their way to the storage; detectron2 writes without them.
+            wait = getattr(trainer, "_wait_for_metric_writes", None)
+            if wait is not None:
+                wait()
             for writer in self._writers:
                 writer.write()
 
     def after_train(self) -> None:
+        # Every writer is written and closed even if an earlier one fails; the first error is
+        # raised, the others logged and attached to it as notes.
+        first: Optional[BaseException] = None
         for writer in self._writers:
-            # If any new data is found (e.g. produced by other after_train), write them
-            # before closing
-            writer.write()
-            writer.close()
+            for step in (writer.write, writer.close):
+                # If any new data is found (e.g. produced by other after_train), write them
+                # before closing
+                try:
+                    step()
+                except Exception as e:
+                    if first is None:
+                        first = e
+                    else:
+                        _report_secondary(first, e, f"{type(writer).__name__}.{step.__name__}")
+        if first is not None:
+            raise first
 
 
 class LRScheduler(_core._LRSchedulerBase, HookBase):
@@ -254,9 +270,23 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
 
     def before_train(self) -> None:
         trainer: Any = self.trainer
+        for attr in ("optimizer", "scheduler"):
+            if getattr(self, "_" + attr) is None and not hasattr(trainer, attr):
+                raise TypeError(
+                    f"LRScheduler({attr}=None) uses trainer.{attr}, but "
+                    f"{trainer.__class__.__name__} has none: pass {attr}= to LRScheduler"
+                )
         self._optimizer = self._optimizer or trainer.optimizer
         if self._scheduler is None:
             self._scheduler = trainer.scheduler
+        groups = getattr(self._optimizer, "param_groups", None)
+        if not isinstance(groups, list):
+            raise TypeError(
+                "LRScheduler optimizer must be a torch.optim.Optimizer, got "
+                f"{type(self._optimizer).__name__}"
+            )
+        if not groups:
+            raise ValueError("LRScheduler optimizer has no param_groups")
         from hookloop.solver.lr_scheduler import LRMultiplier, _is_param_scheduler
 
         if _is_param_scheduler(self._scheduler):
@@ -267,6 +297,11 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
                 self._scheduler,
                 trainer.max_iter,
                 last_iter=trainer.iter - 1,
+            )
+        if not callable(getattr(self._scheduler, "step", None)):
+            raise TypeError(
+                "LRScheduler scheduler must have a step() method (a torch LR scheduler or "
+                f"hookloop's LRMultiplier), got {type(self._scheduler).__name__}"
             )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
         self._start(trainer.storage)

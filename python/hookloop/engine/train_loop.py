@@ -31,6 +31,22 @@ __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer"]
 logger = logging.getLogger(__name__)
 
 
+def _report_secondary(primary: BaseException, secondary: BaseException, where: str) -> None:
+    """An error raised while `primary` propagates: logged at ERROR, and attached to `primary`
+    as a note (Python 3.11+), so the first error stays the one raised."""
+    logger.error(
+        "%s failed while handling %s: %s: %s",
+        where,
+        type(primary).__name__,
+        type(secondary).__name__,
+        secondary,
+        exc_info=secondary,
+    )
+    add_note = getattr(primary, "add_note", None)
+    if add_note is not None:
+        add_note(f"{where} then failed with {type(secondary).__name__}: {secondary}")
+
+
 class HookBase:
     """Base class for hooks that can be registered with :class:`TrainerBase`.
 
@@ -369,20 +385,31 @@ class TrainerBase:
                     # self.iter == max_iter can be used by `after_train` to tell whether the
                     # training successfully finished or failed due to exceptions.
                     self.iter = max_iter
-            except BaseException as e:
-                if isinstance(e, Exception):
+            except BaseException as exc:
+                if isinstance(exc, Exception):
                     logger.exception("Exception during training:")
-                self._on_exception(e)
+                self._on_exception(exc)
+                self._end_loop(hooks)
+                # The training error is what propagates: an error of after_train (a writer
+                # whose close() meets a full disk) is logged and attached to it as a note,
+                # where a plain `finally` would replace it.
+                try:
+                    self.after_train()
+                except Exception as after:
+                    _report_secondary(exc, after, "after_train")
                 raise
-            finally:
-                self._loop_hooks = None
-                if self._stop_requested:
-                    self._stats_carried += self._dispatcher.hook_stats()
-                    hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
-                self.after_train()
-        exc, self._raise_after_train = self._raise_after_train, None
-        if exc is not None and self.stopped_early:
-            raise exc
+            self._end_loop(hooks)
+            self.after_train()
+        after_stop, self._raise_after_train = self._raise_after_train, None
+        if after_stop is not None and self.stopped_early:
+            raise after_stop
+
+    def _end_loop(self, hooks: List[Any]) -> None:
+        """Leaves the loop: no stop can be requested any more, and a stop's hook is removed."""
+        self._loop_hooks = None
+        if self._stop_requested:
+            self._stats_carried += self._dispatcher.hook_stats()
+            hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
 
     _loop_hooks: Optional[List[Any]] = None
     _stop_requested = False
@@ -661,12 +688,7 @@ class SimpleTrainer(TrainerBase):
         if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
 
-        loss_dict = self.model(data)
-        if isinstance(loss_dict, torch.Tensor):
-            losses = loss_dict
-            loss_dict = {"total_loss": loss_dict}
-        else:
-            losses = sum(loss_dict.values())
+        loss_dict, losses = _losses(self.model(data), "SimpleTrainer")
         if not self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
         losses.backward()
@@ -689,6 +711,14 @@ class SimpleTrainer(TrainerBase):
                 self._write_metrics, loss_dict, data_time, iter=self.iter
             )
         )
+
+    def _wait_for_metric_writes(self) -> None:
+        """Waits for the asynchronous metric writes queued so far, re-raising the first error.
+        A periodic writer calls this when it is due, so its lines carry every loss of the
+        iterations they cover, as in the synchronous mode."""
+        pending = self._pending_writes
+        while pending:
+            pending.popleft().result()
 
     def _raise_async_errors(self) -> None:
         """Re-raises, on the training thread, an exception from a finished asynchronous metric
@@ -999,6 +1029,38 @@ def _read_all(tensors: List[torch.Tensor]) -> List[float]:
 _END = object()
 
 
+def _losses(out: Any, who: str) -> Tuple[Mapping[str, torch.Tensor], torch.Tensor]:
+    """The model's output as (loss dict, summed loss): a loss tensor (named ``total_loss``)
+    or a non-empty dict of str -> loss tensor. Anything else is a TypeError/ValueError saying
+    what run_step expected and what it got."""
+    if isinstance(out, torch.Tensor):
+        return {"total_loss": out}, out
+    if type(out) is dict:
+        # The per-step path: the keys' type and one sum; the checks below only when it fails.
+        try:
+            total = sum(out.values())
+        except TypeError:  # values that do not add up: the checks below say which
+            total = None
+        if isinstance(total, torch.Tensor) and all(type(k) is str for k in out):
+            return out, total
+    expected = "a loss tensor or a dict of str -> loss tensor"
+    if not isinstance(out, Mapping):
+        raise TypeError(f"[{who}] the model must return {expected}, got {type(out).__name__}")
+    if not out:
+        raise ValueError(f"[{who}] the model must return {expected}, got an empty dict")
+    for name, value in out.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"[{who}] the model's loss dict must have str keys, got {type(name).__name__} "
+                f"key {name!r}"
+            )
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"[{who}] the model's loss '{name}' must be a tensor, got {type(value).__name__}"
+            )
+    return out, sum(out.values())  # type: ignore[return-value]
+
+
 def _sampler(loader: Any) -> Any:
     """The sampler that orders a loader's data: a DataLoader's ``batch_sampler.sampler`` or
     ``sampler``, or the loader itself when it is a sampler."""
@@ -1096,12 +1158,7 @@ class AMPTrainer(SimpleTrainer):
         if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
         with torch.autocast(device_type=self._device_type, dtype=self.precision):
-            loss_dict = self.model(data)
-            if isinstance(loss_dict, torch.Tensor):
-                losses = loss_dict
-                loss_dict = {"total_loss": loss_dict}
-            else:
-                losses = sum(loss_dict.values())
+            loss_dict, losses = _losses(self.model(data), "AMPTrainer")
 
         if not self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()

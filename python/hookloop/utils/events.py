@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import socket
 import sys
@@ -33,6 +34,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HistoryBuffer = _core.HistoryBuffer
+
+# The most buckets put_histogram makes (torch.histc allocates them all).
+_MAX_BINS = 1 << 24
 
 _CURRENT_STORAGE_STACK: List[EventStorage] = []
 
@@ -110,7 +114,8 @@ class EventStorage(_core.EventStorage):
 
     @contextmanager
     def name_scope(self, name: str) -> Iterator[None]:
-        """Scalars put inside this context get the prefix ``name + "/"``."""
+        """Scalars put inside this context get the prefix ``name + "/"``. The scope is the
+        calling thread's: what other threads put meanwhile is not prefixed."""
         if not isinstance(name, str):
             raise TypeError(f"name_scope() name must be a str, got {type(name).__name__}")
         old_prefix = self._current_prefix
@@ -131,6 +136,7 @@ class EventStorage(_core.EventStorage):
         """
         if not isinstance(img_name, str):
             raise TypeError(f"put_image() img_name must be a str, got {type(img_name).__name__}")
+        _check_image_data(img_name, img_tensor)
         # The shape rule is the core's (checked again on the pixels when encoded).
         if self._put_image(img_name, img_tensor):
             logger.warning(
@@ -158,9 +164,10 @@ class EventStorage(_core.EventStorage):
                 f"put_histogram('{hist_name}') needs a torch.Tensor, "
                 f"got {type(hist_tensor).__name__}"
             )
-        if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
+        if isinstance(bins, bool) or not isinstance(bins, int) or not 0 < bins <= _MAX_BINS:
             raise ValueError(
-                f"put_histogram('{hist_name}') bins must be a positive int, got {bins!r}"
+                f"put_histogram('{hist_name}') bins must be an int in [1, {_MAX_BINS}], "
+                f"got {bins!r}"
             )
         if hist_tensor.numel() == 0:
             raise ValueError(f"put_histogram('{hist_name}') got an empty tensor")
@@ -168,6 +175,14 @@ class EventStorage(_core.EventStorage):
         if not t.is_floating_point():
             t = t.float()  # histc needs a floating dtype; detectron2 would fail here
         ht_min, ht_max = t.min().item(), t.max().item()
+        if not (math.isfinite(ht_min) and math.isfinite(ht_max)) or max(-ht_min, ht_max) > float(
+            torch.finfo(torch.float32).max
+        ):
+            raise ValueError(
+                f"put_histogram('{hist_name}') values must be finite and within float32's "
+                f"range (TensorBoard's bucket edges are float32), got min {ht_min}, "
+                f"max {ht_max}"
+            )
         hist_counts = torch.histc(t, bins=bins)
         hist_edges = torch.linspace(start=ht_min, end=ht_max, steps=bins + 1, dtype=torch.float32)
         dropped = self._put_histogram(
@@ -258,10 +273,13 @@ class JSONWriter(_NativeFileWriter):
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
     Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
-    Each batch of lines reaches the file with one ``write`` call. A process killed with
-    SIGKILL can be stopped inside that call, so the last line may be torn; a reader that skips
-    an unterminated last line sees only whole lines, and opening the file again (the next
-    run's ``JSONWriter``) cuts the torn tail off.
+    Lines reach the file in write calls of whole lines and at most 4 KiB (a longer line gets
+    its own). A process killed with SIGKILL can still leave its last line torn at a 4 KiB
+    offset of the file (rarely: the kill must land while the line crossing that offset is
+    copied); a reader that skips an unterminated last line sees only whole lines, and opening
+    the file again (the next run's ``JSONWriter``) cuts the torn tail off. Opening keeps a
+    whole last object that lacks its newline, and refuses (``ValueError``) a file whose first
+    or last line is not a JSON object.
 
     Args:
         json_file (str or os.PathLike): path to the json file. New data is appended if the
@@ -382,9 +400,21 @@ class TensorboardXWriter(_NativeFileWriter):
     def write(self) -> None:
         storage = get_event_storage()
         if self._native.write(storage):
-            # Images are the caller's tensors until now: convert them here, in one batch.
-            images = storage._take_images()
-            self._native.add_points(images=[_image_point(n, img, step) for n, img, step in images])
+            # Images are the caller's tensors until now: convert them here, in one batch. One
+            # that fails is skipped (the others are written) and named in the error.
+            points, failed = [], []
+            for name, img, step in storage._take_images():
+                try:
+                    points.append(_image_point(name, img, step))
+                except Exception as e:
+                    failed.append(f"image '{name}' at iter {step}: {type(e).__name__}: {e}")
+            self._native.add_points(images=points)
+            if failed:
+                raise ValueError(
+                    f"TensorboardXWriter skipped {len(failed)} of {len(failed) + len(points)} "
+                    "images that could not be converted (the others were written): "
+                    + "; ".join(failed)
+                )
 
 
 class _SummaryWriter:
@@ -549,15 +579,50 @@ def _as_float(tag: str, value: Any) -> float:
     return float(value)
 
 
+# torch dtypes an image may have (numpy: kinds b, i, u, f); bfloat16 and float16 are read as
+# float32, as torch's SummaryWriter does.
+_IMAGE_TORCH_DTYPES = {
+    f"torch.{t}"
+    for t in (
+        "bool uint8 int8 int16 int32 int64 float16 bfloat16 float32 float64".split()
+        + ["half", "float", "double"]
+    )
+}
+
+
+def _check_image_data(tag: str, img: Any) -> None:
+    """What `put_image` can check without reading the data: a numeric dtype, a device with
+    data. Raises TypeError/ValueError naming the image."""
+    dtype = getattr(img, "dtype", None)
+    if dtype is None:
+        return  # no dtype: the shape check names it
+    device = getattr(img, "device", None)
+    if getattr(device, "type", None) == "meta":
+        raise ValueError(f"put_image('{tag}'): the image is a meta tensor, which holds no data")
+    if type(dtype).__module__ == "torch":
+        ok = str(dtype) in _IMAGE_TORCH_DTYPES
+    else:
+        ok = getattr(dtype, "kind", None) in ("b", "i", "u", "f")
+    if not ok:
+        raise TypeError(
+            f"put_image('{tag}') image must be a tensor or array of numbers "
+            f"(uint8 in [0, 255] or float in [0, 1]), got dtype {dtype}"
+        )
+
+
 def _image_point(
     tag: str, img: Any, step: int, dataformats: str = "CHW"
 ) -> Tuple[str, int, int, int, int, bytes]:
     """An image as (tag, step, height, width, channels, HWC uint8 bytes), converted the way
-    torch's SummaryWriter converts: uint8 as is, anything else scaled by 255 and clipped."""
+    torch's SummaryWriter converts: uint8 as is, anything else (bfloat16 and float16 read as
+    float32) scaled by 255 and clipped."""
     import numpy as np
 
     if hasattr(img, "detach"):
-        img = img.detach().cpu().numpy()
+        img = img.detach()
+        if str(img.dtype) in ("torch.bfloat16", "torch.float16"):
+            img = img.float()
+        img = img.cpu().numpy()
     arr = np.asarray(img)
     if dataformats == "HW" and arr.ndim == 2:
         arr = arr[None]
@@ -587,5 +652,18 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Interpreter exit writes whatever writers queued and did not close.
-atexit.register(_core.flush_writers)
+def _flush_at_exit() -> None:
+    """Interpreter exit writes whatever writers queued and did not close, and logs at ERROR
+    an I/O error that no call reported (one after the last ``write()``). The exit status
+    cannot reflect it: an atexit handler's exception does not change it, and ``os._exit``
+    would skip the handlers registered before this one. A file that blocks (a hung mount)
+    is waited for at most ``HOOKLOOP_WRITER_TIMEOUT`` seconds (10 by default), then logged."""
+    try:
+        _core.flush_writers()
+    except OSError as e:
+        logger.error("hookloop: writers not flushed at exit: %s", e)
+    for err in _core._take_writer_errors():
+        logger.error("hookloop: a writer failed after its last write() or flush(): %s", err)
+
+
+atexit.register(_flush_at_exit)

@@ -102,6 +102,29 @@ pub enum Error {
     #[error("hookloop's writer thread failed on '{path}': {message}", path = path.display())]
     WriterPanicked { path: PathBuf, message: String },
 
+    /// A write failed part-way (disk full, quota): the first `total - dropped` lines or
+    /// records are in the file, the other `dropped` are not. Mapped to `OSError` with the errno
+    /// and the path.
+    #[error("{source} ({dropped} of {total} {unit} not written): '{path}'", path = path.display())]
+    WriteDropped {
+        path: PathBuf,
+        source: std::io::Error,
+        dropped: usize,
+        total: usize,
+        unit: &'static str,
+    },
+
+    /// An open output file no longer exists at its path (deleted, or its directory removed):
+    /// what is written to it is lost. Mapped to `OSError` (`ENOENT`) naming the path.
+    #[error("'{path}' was deleted (or its directory removed) while open; nothing written to it since is kept", path = path.display())]
+    Deleted { path: PathBuf },
+
+    /// The writer thread did not finish within the writer timeout because a file blocks (a
+    /// hung network mount, a FIFO nobody reads). Mapped to `OSError` (`ETIMEDOUT`).
+    #[error("hookloop's writer thread is blocked writing '{path}' (waited {seconds} s; \
+             HOOKLOOP_WRITER_TIMEOUT sets the wait)", path = path.display())]
+    Blocked { path: PathBuf, seconds: f64 },
+
     /// File I/O failed. Mapped to `OSError` with the errno and the path.
     #[error("{source}: '{path}'", path = path.display())]
     Io {

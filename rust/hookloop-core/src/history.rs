@@ -15,6 +15,23 @@ pub enum Iter {
     Float(f64),
 }
 
+/// The largest iteration magnitude hookloop takes: histories keep iterations as `f64`, exact
+/// up to 2**53, so a larger int would read back rounded from `history()` but not `latest()`.
+pub const MAX_EXACT_ITER: i64 = 1 << 53;
+
+/// Checks that the iteration `value` is within ±2**53 (see [`MAX_EXACT_ITER`]); the one
+/// place that rule lives.
+pub fn exact_iter(what: &str, value: i64) -> crate::Result<i64> {
+    if value.unsigned_abs() > MAX_EXACT_ITER.unsigned_abs() {
+        return Err(crate::Error::OutOfRange {
+            what: what.to_owned(),
+            value: value.to_string(),
+            range: "±2**53, where iterations stay exact as floats",
+        });
+    }
+    Ok(value)
+}
+
 impl Iter {
     /// The value used for arithmetic and comparisons.
     pub fn as_f64(self) -> f64 {

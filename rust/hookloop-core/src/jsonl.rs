@@ -7,6 +7,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::append;
 use crate::history::Iter;
 use crate::pyfmt::{write_json_str, write_repr_f64};
 use crate::storage::SmoothedScalar;
@@ -84,8 +85,8 @@ pub struct JsonSink {
     file: File,
     /// Whole lines formatted but not yet written.
     pending: String,
-    /// Length of the file after the last whole write: where a failed write is cut back to.
-    len: u64,
+    /// The file ends with a whole object but no newline: the next line starts with one.
+    needs_newline: bool,
     fsync: FsyncPolicy,
 }
 
@@ -102,17 +103,95 @@ impl JsonSink {
             .open(path)
             .map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
-        let len = whole_lines_len(&mut file, len).map_err(io)?;
-        if len != file.metadata().map_err(io)?.len() {
-            file.set_len(len).map_err(io)?;
+        let whole = whole_lines_len(&mut file, len).map_err(io)?;
+        let refuse = |reason: String| {
+            Error::bad_value(
+                format!("JSONWriter: '{}'", path.display()),
+                format!(
+                    "is not a JSON-lines file ({reason}); refusing to append to it \
+                     (move it away or pick another path)"
+                ),
+            )
+        };
+        if whole > 0 {
+            let (first, last) = first_and_last_lines(&mut file, whole).map_err(io)?;
+            for (which, line) in [("first", first), ("last", last)] {
+                if !is_json_object(&line) {
+                    return Err(refuse(format!("its {which} line is not a JSON object")));
+                }
+            }
+        }
+        let mut needs_newline = false;
+        if whole < len {
+            // An unterminated tail: a whole object (a file written without a final newline)
+            // is kept; a torn line (a run killed mid-write) is cut; anything else is refused.
+            let tail = read_at(&mut file, whole, len - whole).map_err(io)?;
+            if is_json_object(&tail) {
+                needs_newline = true;
+            } else if tail.first() == Some(&b'{') && !tail.contains(&0) {
+                file.set_len(whole).map_err(io)?;
+            } else {
+                let what = if whole == 0 {
+                    "its content"
+                } else {
+                    "its last line"
+                };
+                return Err(refuse(format!("{what} is not a JSON object")));
+            }
         }
         Ok(JsonSink {
             path: path.to_owned(),
             file,
             pending: String::new(),
-            len,
+            needs_newline,
             fsync,
         })
+    }
+}
+
+/// How much of a line `open` reads to check it is a JSON object: a longer one counts as not.
+const MAX_CHECKED_LINE: u64 = 1 << 20;
+
+fn read_at(file: &mut File, start: u64, len: u64) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; usize::try_from(len.min(MAX_CHECKED_LINE)).unwrap_or(0)];
+    file.seek(SeekFrom::Start(start))?;
+    file.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// The first and the last line of the first `whole` bytes (which end with a newline).
+fn first_and_last_lines(file: &mut File, whole: u64) -> std::io::Result<(Vec<u8>, Vec<u8>)> {
+    let head = read_at(file, 0, whole)?;
+    let first = match head.iter().position(|&b| b == b'\n') {
+        Some(end) => head[..end].to_vec(),
+        None => head, // longer than MAX_CHECKED_LINE
+    };
+    let back = whole.min(MAX_CHECKED_LINE);
+    let tail = read_at(file, whole - back, back)?;
+    let body = &tail[..tail.len() - 1];
+    let last = match body.iter().rposition(|&b| b == b'\n') {
+        Some(start) => body[start + 1..].to_vec(),
+        None if back == whole => body.to_vec(),
+        None => Vec::new(), // longer than MAX_CHECKED_LINE
+    };
+    Ok((first, last))
+}
+
+/// Whether `line` is one JSON object (Python's `NaN`/`Infinity` values allowed).
+fn is_json_object(line: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(line) else {
+        return false;
+    };
+    let text = text.trim();
+    text.starts_with('{') && {
+        let strict = text
+            .replace(": NaN", ": null")
+            .replace(": -Infinity", ": null")
+            .replace(": Infinity", ": null");
+        matches!(
+            serde_json::from_str::<serde_json::Value>(&strict),
+            Ok(serde_json::Value::Object(_))
+        )
     }
 }
 
@@ -134,18 +213,17 @@ fn whole_lines_len(file: &mut File, len: u64) -> std::io::Result<u64> {
 }
 
 impl JsonSink {
+    /// Appends the pending lines in page-bounded write calls (see `append`), after checking
+    /// the file still exists at its path. On disk full the whole lines that fit stay.
     fn write_pending(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
         let text = std::mem::take(&mut self.pending);
-        // One write call; a failed one is cut back to what was there (a kill may tear it).
-        if let Err(e) = self.file.write_all(text.as_bytes()) {
-            let _ = self.file.set_len(self.len);
-            return Err(Error::io(&self.path, e));
-        }
-        self.len += text.len() as u64;
-        Ok(())
+        let start = append::live_len(&self.file, &self.path)?;
+        let ends = append::line_ends(text.as_bytes());
+        append::append_units(&mut self.file, text.as_bytes(), &ends, start)
+            .map_err(|f| f.into_error(&self.path, "lines"))
     }
 }
 
@@ -223,7 +301,6 @@ impl JsonSink {
             .append(true)
             .open(&self.path)
             .map_err(io)?;
-        self.len = kept.len() as u64;
         Ok(removed)
     }
 }
@@ -238,6 +315,10 @@ impl Sink for JsonSink {
             }
             Payload::Events { .. } => return Ok(()),
         };
+        if self.needs_newline && !rows.is_empty() {
+            self.pending.push('\n');
+            self.needs_newline = false;
+        }
         for row in &rows {
             let scalars: Vec<(&str, f64)> = row.scalars.iter().map(|(k, v)| (&**k, *v)).collect();
             self.pending
@@ -261,8 +342,13 @@ impl Sink for JsonSink {
         self.rewrite_without(from)
     }
 
+    fn verify(&mut self) -> Result<()> {
+        append::live_len(&self.file, &self.path).map(|_| ())
+    }
+
     fn close(&mut self) -> Result<()> {
         self.write_pending()?;
+        self.verify()?;
         if self.fsync != FsyncPolicy::Never {
             self.file
                 .sync_data()
@@ -329,6 +415,42 @@ mod tests {
     }
 
     #[test]
+    fn open_keeps_a_whole_object_without_newline_and_refuses_what_is_not_json_lines() {
+        let dir = tmpdir("open-check");
+        // A complete one-line file without its final newline is kept, and appended after.
+        let path = dir.join("one.json");
+        std::fs::write(&path, "{\"iteration\": 1, \"a\": NaN}").unwrap();
+        let mut sink = JsonSink::open(&path, FsyncPolicy::Never).unwrap();
+        sink.write(Payload::Json(vec![row(2, &[])])).unwrap();
+        sink.sync().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"iteration\": 1, \"a\": NaN}\n{\"iteration\": 2}\n"
+        );
+        // Not JSON lines: refused, and the file is left as it was.
+        for (name, content) in [
+            (
+                "binary.json",
+                b"\x89PNG\r\n\x1a\n\x00\x00binary\x00tail".to_vec(),
+            ),
+            ("text.json", b"hello\nworld\n".to_vec()),
+            ("notail.json", b"{\"iteration\": 1}\nnot json".to_vec()),
+            ("array.json", b"[1, 2, 3]".to_vec()),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, &content).unwrap();
+            let err = JsonSink::open(&path, FsyncPolicy::Never).err().unwrap();
+            assert!(matches!(err, Error::BadValue { .. }), "{name}: {err}");
+            assert!(
+                err.to_string().contains("is not a JSON-lines file"),
+                "{err}"
+            );
+            assert!(err.to_string().contains(name), "{err}");
+            assert_eq!(std::fs::read(&path).unwrap(), content, "{name}");
+        }
+    }
+
+    #[test]
     fn unwritable_location_fails_at_open_with_the_path() {
         let path = PathBuf::from("/nonexistent-dir-hookloop/metrics.json");
         let err = JsonSink::open(&path, FsyncPolicy::Always).err().unwrap();
@@ -351,7 +473,7 @@ mod tests {
             path: path.clone(),
             file,
             pending: String::new(),
-            len: 0,
+            needs_newline: false,
             fsync: FsyncPolicy::Never,
         };
         let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();

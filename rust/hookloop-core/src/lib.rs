@@ -1,6 +1,7 @@
 //! hookloop's pure-Rust core. No PyO3 here: the binding crate (`hookloop-py`) converts
 //! arguments and calls into these types once per Python call.
 
+pub mod append;
 pub mod dispatch;
 pub mod error;
 pub mod history;

@@ -38,7 +38,9 @@ pub struct SmoothedScalar {
 pub struct Storage {
     scalars: IndexMap<Arc<str>, Scalar, FxBuildHasher>,
     iter: i64,
-    prefix: String,
+    /// `name_scope` prefixes, per thread: a scope opened on one thread does not rename what
+    /// another thread puts meanwhile. Empty outside any scope (the common, fast case).
+    prefixes: Vec<(std::thread::ThreadId, String)>,
     max_length: usize,
     histograms: Bounded<HistogramPoint>,
 }
@@ -110,7 +112,7 @@ impl Storage {
         Ok(Storage {
             scalars: IndexMap::default(),
             iter: start_iter,
-            prefix: String::new(),
+            prefixes: Vec::new(),
             max_length,
             histograms: Bounded::new(max_histograms),
         })
@@ -128,22 +130,34 @@ impl Storage {
 
     /// Advances the current iteration by one; at `i64::MAX` that is an error, not a wrap.
     pub fn step(&mut self) -> Result<()> {
-        self.iter = self.iter.checked_add(1).ok_or_else(|| Error::OutOfRange {
+        let next = self.iter.checked_add(1).ok_or_else(|| Error::OutOfRange {
             what: "EventStorage.iter + 1".into(),
             value: format!("{} + 1", self.iter),
             range: "int64",
         })?;
+        self.iter = crate::history::exact_iter("EventStorage.iter + 1", next)?;
         Ok(())
     }
 
-    /// The name prefix set by `name_scope` ("" outside any scope).
+    /// The name prefix the calling thread's `name_scope` set ("" outside any scope).
     pub fn prefix(&self) -> &str {
-        &self.prefix
+        if self.prefixes.is_empty() {
+            return "";
+        }
+        let me = std::thread::current().id();
+        self.prefixes
+            .iter()
+            .find(|(t, _)| *t == me)
+            .map_or("", |(_, p)| p.as_str())
     }
 
-    /// Sets the name prefix; `name_scope` stores `name.rstrip("/") + "/"`.
+    /// Sets the calling thread's name prefix; `name_scope` stores `name.rstrip("/") + "/"`.
     pub fn set_prefix(&mut self, prefix: String) {
-        self.prefix = prefix;
+        let me = std::thread::current().id();
+        self.prefixes.retain(|(t, _)| *t != me);
+        if !prefix.is_empty() {
+            self.prefixes.push((me, prefix));
+        }
     }
 
     /// Records `value` for `name` (prefixed) at `cur_iter` or the current iteration.
@@ -158,10 +172,11 @@ impl Storage {
         cur_iter: Option<Iter>,
     ) -> Result<()> {
         let iter = cur_iter.unwrap_or(Iter::Int(self.iter));
-        if self.prefix.is_empty() {
+        let prefix = self.prefix();
+        if prefix.is_empty() {
             self.put_resolved(name, value, smoothing_hint, iter)
         } else {
-            let full = format!("{}{}", self.prefix, name);
+            let full = format!("{prefix}{name}");
             self.put_resolved(&full, value, smoothing_hint, iter)
         }
     }
@@ -447,6 +462,26 @@ mod tests {
         s.put_scalar("acc", 0.5, true, None).unwrap();
         assert!(s.scalar("val/acc").is_ok());
         assert!(matches!(s.scalar("acc"), Err(Error::UnknownMetric(_))));
+    }
+
+    #[test]
+    fn prefix_is_per_thread() {
+        let mut s = storage();
+        s.set_prefix("val/".into());
+        let mut s = std::thread::scope(|scope| {
+            scope
+                .spawn(move || {
+                    assert_eq!(s.prefix(), "");
+                    s.put_scalar("loss", 1.0, true, None).unwrap();
+                    s
+                })
+                .join()
+                .unwrap()
+        });
+        assert!(s.scalar("loss").is_ok());
+        assert_eq!(s.prefix(), "val/");
+        s.set_prefix(String::new());
+        assert_eq!(s.prefix(), "");
     }
 
     #[test]

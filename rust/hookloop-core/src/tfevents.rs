@@ -504,39 +504,13 @@ pub fn event_file_name(unix_time_secs: u64, hostname: &str, pid: u32, uid: u64) 
     format!("events.out.tfevents.{unix_time_secs:010}.{hostname}.{pid}.{uid}")
 }
 
-/// What [`write_or_roll_back`] needs of a file; a trait so tests can fail a write midway.
-trait RecordSink: Write {
-    fn current_len(&self) -> io::Result<u64>;
-    fn truncate_to(&self, len: u64) -> io::Result<()>;
-}
-
-impl RecordSink for File {
-    fn current_len(&self) -> io::Result<u64> {
-        Ok(self.metadata()?.len())
-    }
-
-    fn truncate_to(&self, len: u64) -> io::Result<()> {
-        self.set_len(len)
-    }
-}
-
-/// Writes `data` with one `write_all`; if that fails, truncates the sink back to its
-/// length before the call, so the file only ever holds whole records, and returns the
-/// write error.
-///
-/// The sink must be in append mode: after a truncation the next write then lands at the
-/// new end, not at a stale offset past it. If the truncation itself fails, the write
-/// error is still the one returned: it is the cause.
-fn write_or_roll_back<S: RecordSink>(sink: &mut S, data: &[u8]) -> io::Result<()> {
-    let start = sink.current_len()?;
-    match sink.write_all(data) {
-        Ok(()) => Ok(()),
-        Err(write_err) => {
-            // Best effort: the write error is the cause, whatever the truncation does.
-            let _ = sink.truncate_to(start);
-            Err(write_err)
-        }
-    }
+/// Appends framed `records` in page-bounded write calls (see `append`), after checking the
+/// file still exists at `path`; on disk full the whole records that fit stay.
+fn append_records(file: &mut File, path: &std::path::Path, records: &[u8]) -> Result<()> {
+    let start = crate::append::live_len(file, path)?;
+    let ends = crate::append::record_ends(records);
+    crate::append::append_units(file, records, &ends, start)
+        .map_err(|f| f.into_error(path, "records"))
 }
 
 fn unix_time_now() -> f64 {
@@ -557,13 +531,26 @@ pub struct EventFile {
     file: Option<File>,
     // False until the file_version record is on disk; a failed first write retries it.
     header_written: bool,
+    // The log directory's (device, inode) when it already existed at construction: if it is
+    // gone by the first write (rmtree of the output directory), that is an error, not a new
+    // directory holding only the event file.
+    dir_id: Option<(u64, u64)>,
+}
+
+fn dir_id(dir: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir)
+        .ok()
+        .filter(|m| m.is_dir())
+        .map(|m| (m.dev(), m.ino()))
 }
 
 impl EventFile {
-    /// An event file at `log_dir/file_name`. Does no I/O: the directory and the file
-    /// appear on the first [`append`](Self::append) with records.
+    /// An event file at `log_dir/file_name`. Only looks at `log_dir`: the directory (if
+    /// missing) and the file appear on the first [`append`](Self::append) with records.
     pub fn new(log_dir: PathBuf, file_name: String) -> EventFile {
         EventFile {
+            dir_id: dir_id(&log_dir),
             log_dir,
             file_name,
             file: None,
@@ -579,26 +566,48 @@ impl EventFile {
     /// truncated back to its previous length and the error returned. An empty `records`
     /// does nothing, so a writer that never logs leaves no file behind. Errors do not
     /// name the path; callers add [`path`](Self::path).
-    pub fn append(&mut self, records: &[u8]) -> io::Result<()> {
+    pub fn append(&mut self, records: &[u8]) -> Result<()> {
         if records.is_empty() {
             return Ok(());
         }
+        let path = self.path();
         let file = match &mut self.file {
             Some(file) => file,
             None => {
-                std::fs::create_dir_all(&self.log_dir)?;
+                let io = |e| Error::io(&path, e);
+                if self.dir_id.is_some() && dir_id(&self.log_dir) != self.dir_id {
+                    return Err(Error::Deleted {
+                        path: self.log_dir.clone(),
+                    });
+                }
+                std::fs::create_dir_all(&self.log_dir).map_err(io)?;
                 let file = OpenOptions::new()
                     .append(true)
                     .create_new(true)
-                    .open(self.log_dir.join(&self.file_name))?;
+                    .open(&path)
+                    .map_err(io)?;
                 self.file.insert(file)
             }
         };
         if !self.header_written {
-            write_or_roll_back(file, &file_version_record(unix_time_now()))?;
+            append_records(file, &path, &file_version_record(unix_time_now()))?;
             self.header_written = true;
         }
-        write_or_roll_back(file, records)
+        append_records(file, &path, records)
+    }
+
+    /// Checks that the file, once created, still exists at its path (before: that a log
+    /// directory that existed at construction still does).
+    pub fn verify(&self) -> Result<()> {
+        match &self.file {
+            Some(file) => crate::append::live_len(file, &self.path()).map(|_| ()),
+            None if self.dir_id.is_some() && dir_id(&self.log_dir) != self.dir_id => {
+                Err(Error::Deleted {
+                    path: self.log_dir.clone(),
+                })
+            }
+            None => Ok(()),
+        }
     }
 
     /// Flushes the file; with `fsync`, also waits until its data reach the disk.
@@ -667,11 +676,8 @@ impl EventSink {
         if self.buf.is_empty() {
             return Ok(());
         }
-        // EventFile::append writes once and cuts a failed write back to whole records.
-        let result = self
-            .file
-            .append(&self.buf)
-            .map_err(|e| Error::io(self.file.path(), e));
+        // EventFile::append keeps the whole records that fit and cuts a torn one.
+        let result = self.file.append(&self.buf);
         self.buf.clear();
         result
     }
@@ -705,8 +711,13 @@ impl Sink for EventSink {
         Ok(0)
     }
 
+    fn verify(&mut self) -> Result<()> {
+        self.file.verify()
+    }
+
     fn close(&mut self) -> Result<()> {
         self.write_pending()?;
+        self.file.verify()?;
         self.file
             .flush(self.fsync != FsyncPolicy::Never)
             .map_err(|e| Error::io(self.file.path(), e))
@@ -1099,14 +1110,14 @@ mod tests {
         std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
     }
 
-    /// A sink that accepts `room` more bytes, then fails like a full disk.
-    struct FullAfter<S> {
-        inner: S,
+    /// A file that accepts `room` more bytes, then fails like a full disk.
+    struct FullAfter {
+        inner: File,
         room: usize,
     }
 
-    impl<S: Write> Write for FullAfter<S> {
-        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+    impl crate::append::AppendFile for FullAfter {
+        fn write_once(&mut self, buf: &[u8]) -> io::Result<usize> {
             if self.room == 0 {
                 return Err(io::Error::other("no space left on device (test)"));
             }
@@ -1114,17 +1125,12 @@ mod tests {
             self.room -= n;
             self.inner.write(&buf[..n])
         }
-
-        fn flush(&mut self) -> io::Result<()> {
-            self.inner.flush()
+        fn position(&mut self) -> io::Result<u64> {
+            self.inner.position()
         }
-    }
-
-    impl<S: RecordSink> RecordSink for FullAfter<S> {
-        fn current_len(&self) -> io::Result<u64> {
-            self.inner.current_len()
+        fn real_len(&self) -> io::Result<u64> {
+            self.inner.real_len()
         }
-
         fn truncate_to(&self, len: u64) -> io::Result<()> {
             self.inner.truncate_to(len)
         }
@@ -1132,6 +1138,7 @@ mod tests {
 
     #[test]
     fn failed_write_is_truncated_away() {
+        use crate::append::{append_units, record_ends, AppendFile};
         let dir = scratch_dir("rollback");
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("events");
@@ -1148,16 +1155,20 @@ mod tests {
             inner: file,
             room: first.len() + 30,
         };
+        let append = |sink: &mut FullAfter, data: &[u8]| {
+            let start = sink.real_len().unwrap();
+            append_units(sink, data, &record_ends(data), start)
+        };
 
-        write_or_roll_back(&mut sink, &first).unwrap();
-        let err = write_or_roll_back(&mut sink, &second).unwrap_err();
-        assert!(err.to_string().contains("no space left"), "{err}");
+        append(&mut sink, &first).unwrap();
+        let err = append(&mut sink, &second).unwrap_err();
+        assert!(err.source.to_string().contains("no space left"), "{err:?}");
         assert_eq!(std::fs::read(&path).unwrap(), first);
 
         // Append mode: once space frees up, the next record lands right after the last
         // whole one, with no gap where the torn bytes were.
         sink.room = usize::MAX;
-        write_or_roll_back(&mut sink, &second).unwrap();
+        append(&mut sink, &second).unwrap();
         let mut expected = first.clone();
         expected.extend_from_slice(&second);
         assert_eq!(std::fs::read(&path).unwrap(), expected);
@@ -1169,12 +1180,17 @@ mod tests {
     #[test]
     fn dev_full_returns_the_write_error() {
         // /dev/full cannot be truncated; the write error (ENOSPC) must still come back.
-        let Ok(mut full) = OpenOptions::new().append(true).open("/dev/full") else {
+        let path = std::path::Path::new("/dev/full");
+        let Ok(mut full) = OpenOptions::new().append(true).open(path) else {
             return; // not on this platform
         };
-        let err = write_or_roll_back(&mut full, &file_version_record(1.0)).unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(28), "{err}"); // ENOSPC
+        let err = append_records(&mut full, path, &file_version_record(1.0)).unwrap_err();
+        assert!(
+            matches!(&err, Error::Io { source, .. } if source.raw_os_error() == Some(28)),
+            "{err}"
+        ); // ENOSPC
     }
+
     #[test]
     fn event_sink_is_lazy() {
         let dir = scratch_dir("events-lazy").join("tb");

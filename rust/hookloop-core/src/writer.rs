@@ -6,13 +6,12 @@
 //! most one fsync per file. An I/O error is kept in the writer's `Status` and handed back to the
 //! training thread at its next `write()`, `flush()` or `close()`.
 //!
-//! Durability: each batch reaches its file with one `write` call. A process killed with SIGKILL
-//! can be stopped inside a large `write`, so the last line (or record) may be torn; the JSON
-//! sink cuts a torn tail when the file is opened again, and a reader that skips a torn last
-//! line sees only whole lines.
+//! Durability: each batch reaches its file in page-bounded write calls that end on a line or
+//! record boundary (`crate::append`), so after SIGKILL a file holds only whole lines and
+//! records up to 4 KiB; the JSON sink cuts a torn longer line when the file is opened again.
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::Thread;
@@ -90,6 +89,11 @@ pub trait Sink: Send {
     /// (TensorBoard) what an earlier run wrote for iterations >= `from`. Returns how many
     /// entries were removed, when the format can tell.
     fn purge(&mut self, wall_time: f64, from: f64) -> Result<u64>;
+    /// Checks that the file still exists at its path (a flush calls it on every sink, so a
+    /// deleted output directory is reported even when nothing new was written).
+    fn verify(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A writer's error slot, shared with the thread.
@@ -139,6 +143,10 @@ const IDLE_POLLS: u32 = 40;
 /// training down instead of growing memory without limit.
 const MAX_QUEUED: usize = 16_384;
 
+/// Messages handled before the thread writes what they formatted: a writer that queues faster
+/// than the thread drains still sees its lines reach the file in bounded batches.
+const MAX_DRAIN: usize = 256;
+
 /// The senders' side of the writer thread.
 struct Queue {
     tx: SyncSender<Msg>,
@@ -164,12 +172,71 @@ impl Queue {
         }
     }
 
-    /// Queues `make(ack)` and waits until the thread handled it.
-    fn round_trip(&self, make: impl FnOnce(Ack) -> Msg) {
+    /// Queues `make(ack)` and waits until the thread handled it, at most the writer timeout:
+    /// past it, the error names the file the thread is stuck on (a hung mount, a FIFO nobody
+    /// reads), or `own` if it is stuck nowhere in particular.
+    fn round_trip(&self, own: &Path, make: impl FnOnce(Ack) -> Msg) -> Result<()> {
         let (ack_tx, ack_rx) = mpsc::sync_channel(1);
         self.push(make(ack_tx), true);
-        let _ = ack_rx.recv();
+        let timeout = writer_timeout();
+        match ack_rx.recv_timeout(timeout) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let busy = BUSY.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                Err(Error::Blocked {
+                    path: busy.unwrap_or_else(|| own.to_owned()),
+                    seconds: timeout.as_secs_f64(),
+                })
+            }
+            _ => Ok(()),
+        }
     }
+}
+
+/// The file the writer thread is writing now, if any (named when a wait times out).
+static BUSY: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// How long `flush()`, `close()` and interpreter exit wait for the writer thread, in
+/// milliseconds (0: the default).
+static TIMEOUT_MS: AtomicU64 = AtomicU64::new(0);
+
+/// The default wait: long enough for an fsync of a large batch on a slow disk.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a flush or close waits for a blocked file before it fails: `set_writer_timeout`,
+/// else the environment's `HOOKLOOP_WRITER_TIMEOUT` (seconds), else [`DEFAULT_TIMEOUT`].
+pub fn writer_timeout() -> Duration {
+    match TIMEOUT_MS.load(Ordering::Relaxed) {
+        0 => std::env::var("HOOKLOOP_WRITER_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64),
+        ms => Duration::from_millis(ms),
+    }
+}
+
+/// Sets the wait of [`writer_timeout`] (positive seconds; `None` restores the default).
+pub fn set_writer_timeout(seconds: Option<f64>) -> Result<()> {
+    let ms = match seconds {
+        None => 0,
+        Some(s) if s.is_finite() && s > 0.0 => ((s * 1000.0).ceil() as u64).max(1),
+        Some(s) => {
+            return Err(Error::bad_value(
+                "writer timeout",
+                format!("must be a positive number of seconds, got {s}"),
+            ))
+        }
+    };
+    TIMEOUT_MS.store(ms, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Marks the writer thread busy on `path` while `f` runs.
+fn busy_on<T>(path: &Path, f: impl FnOnce() -> T) -> T {
+    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = Some(path.to_owned());
+    let out = f();
+    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    out
 }
 
 struct ThreadHandle {
@@ -178,6 +245,10 @@ struct ThreadHandle {
 }
 
 static THREAD: Mutex<Option<ThreadHandle>> = Mutex::new(None);
+
+/// The process whose writer thread `THREAD` holds (0: none yet), readable without the lock: a
+/// forked child may inherit `THREAD` locked, and must not wait on it in `flush_all`.
+static THREAD_PID: AtomicU32 = AtomicU32::new(0);
 
 /// The queue of this process's writer thread, started on first use (and again in a forked
 /// child, which inherits the handle but not the thread).
@@ -205,6 +276,7 @@ fn queue() -> Result<Arc<Queue>> {
         pid,
         queue: queue.clone(),
     });
+    THREAD_PID.store(pid, Ordering::Release);
     Ok(queue)
 }
 
@@ -220,11 +292,11 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
     let mut dirty: FxHashSet<u64> = FxHashSet::default();
     let mut empty_polls = 0u32;
     loop {
-        let mut got = false;
-        loop {
+        let mut got = 0usize;
+        while got < MAX_DRAIN {
             match rx.try_recv() {
                 Ok(msg) => {
-                    got = true;
+                    got += 1;
                     handle_guarded(msg, &mut sinks, &mut dirty);
                 }
                 Err(mpsc::TryRecvError::Empty) => break,
@@ -235,6 +307,10 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
             }
         }
         sync_dirty(&mut sinks, &mut dirty);
+        if got == MAX_DRAIN {
+            continue; // more is queued: write it without waiting for the next poll
+        }
+        let got = got > 0;
         empty_polls = if got {
             0
         } else {
@@ -290,7 +366,7 @@ fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHash
 fn sync_dirty(sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
     for id in dirty.drain() {
         if let Some(open) = sinks.get_mut(&id) {
-            if let Err(e) = open.sink.sync() {
+            if let Err(e) = busy_on(&open.path, || open.sink.sync()) {
                 open.status.set(e);
             }
         }
@@ -326,7 +402,7 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
         Msg::Close(id, ack) => {
             dirty.remove(&id);
             if let Some(mut open) = sinks.remove(&id) {
-                if let Err(e) = open.sink.close() {
+                if let Err(e) = busy_on(&open.path, || open.sink.close()) {
                     open.status.set(e);
                 }
             }
@@ -334,6 +410,11 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
         }
         Msg::Barrier(ack) => {
             sync_dirty(sinks, dirty);
+            for open in sinks.values_mut() {
+                if let Err(e) = open.sink.verify() {
+                    open.status.set(e);
+                }
+            }
             let _ = ack.send(());
         }
     }
@@ -342,14 +423,39 @@ fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>
 /// Waits until everything queued so far by any writer of this process is written (and
 /// synced per each writer's policy). Interpreter exit calls this.
 pub fn flush_all() -> Result<()> {
+    if THREAD_PID.load(Ordering::Acquire) != std::process::id() {
+        return Ok(()); // no writer thread in this process (none yet, or a forked child)
+    }
     let guard = THREAD.lock().unwrap_or_else(|e| e.into_inner());
     let Some(h) = guard.as_ref().filter(|h| h.pid == std::process::id()) else {
         return Ok(());
     };
     let queue = h.queue.clone();
     drop(guard);
-    queue.round_trip(Msg::Barrier);
-    Ok(())
+    queue.round_trip(Path::new("<hookloop writers>"), Msg::Barrier)
+}
+
+/// The error slots of the sinks opened in this process, for [`take_errors`].
+static OPEN_STATUSES: Mutex<Vec<std::sync::Weak<Status>>> = Mutex::new(Vec::new());
+
+fn register(status: &Arc<Status>) {
+    let mut open = OPEN_STATUSES.lock().unwrap_or_else(|e| e.into_inner());
+    open.retain(|w| w.strong_count() > 0);
+    open.push(Arc::downgrade(status));
+}
+
+/// Removes and returns the errors the writer thread met that no `write()`, `flush()` or
+/// `close()` reported yet, for every writer of this process that still exists. Interpreter
+/// exit calls this after `flush_all`, to report an error after the last write.
+pub fn take_errors() -> Vec<Error> {
+    if THREAD_PID.load(Ordering::Acquire) != std::process::id() {
+        return Vec::new(); // a forked child: the errors are the parent's to report
+    }
+    let open = OPEN_STATUSES.lock().unwrap_or_else(|e| e.into_inner());
+    open.iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .filter_map(|status| status.take())
+        .collect()
 }
 
 /// The training thread's side of one open sink.
@@ -372,6 +478,7 @@ impl SinkHandle {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let queue = queue()?;
         let status = Arc::new(Status::default());
+        register(&status);
         queue.push(Msg::Open(id, sink, status.clone(), path.clone()), true);
         Ok(SinkHandle {
             id,
@@ -433,7 +540,7 @@ impl SinkHandle {
     /// Waits until everything this process queued is written.
     pub fn flush(&self) -> Result<()> {
         self.check()?;
-        self.queue.round_trip(Msg::Barrier);
+        self.queue.round_trip(&self.path, Msg::Barrier)?;
         self.check()
     }
 
@@ -448,7 +555,8 @@ impl SinkHandle {
             return Ok(()); // the parent owns the file; see `pid`
         }
         let id = self.id;
-        self.queue.round_trip(|ack| Msg::Close(id, ack));
+        self.queue
+            .round_trip(&self.path, |ack| Msg::Close(id, ack))?;
         match self.status.take() {
             Some(e) => Err(e),
             None => Ok(()),
@@ -456,9 +564,17 @@ impl SinkHandle {
     }
 }
 
+impl SinkHandle {
+    /// Whether `close()` was called (or the handle belongs to another process).
+    pub fn is_closed(&self) -> bool {
+        self.closed || self.pid != std::process::id()
+    }
+}
+
 impl Drop for SinkHandle {
     fn drop(&mut self) {
         // A writer dropped without close(): still write what was queued and close the file.
+        // The binding closes first and reports the error; here nobody is left to tell.
         let _ = self.close();
     }
 }
@@ -521,6 +637,37 @@ mod tests {
             h.send(Payload::Json(vec![])),
             Err(Error::Closed { .. })
         ));
+    }
+
+    /// A sink whose close fails, like a disk that fills after the last write.
+    struct FailsAtClose;
+
+    impl Sink for FailsAtClose {
+        fn write(&mut self, _payload: Payload) -> Result<()> {
+            Ok(())
+        }
+        fn sync(&mut self) -> Result<()> {
+            Err(Error::io("/late", std::io::Error::from_raw_os_error(28)))
+        }
+        fn close(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn purge(&mut self, _wall_time: f64, _from: f64) -> Result<u64> {
+            Ok(0)
+        }
+    }
+
+    #[test]
+    fn an_error_after_the_last_write_is_left_for_take_errors() {
+        let mut h = SinkHandle::open(Box::new(FailsAtClose), "test", "/late".into()).unwrap();
+        h.send(Payload::Json(vec![row(1)])).unwrap(); // accepted; the sync fails later
+        flush_all().unwrap();
+        let errors: Vec<String> = take_errors().iter().map(|e| e.to_string()).collect();
+        assert!(errors.iter().any(|e| e.contains("/late")), "{errors:?}");
+        assert!(take_errors()
+            .iter()
+            .all(|e| !e.to_string().contains("/late")));
+        h.close().unwrap();
     }
 
     #[test]

@@ -118,7 +118,9 @@ pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
     if let Ok(f) = value.cast::<PyFloat>() {
         return Ok(Some(Iter::Float(f.value())));
     }
-    int64(what, value).map(|i| Some(Iter::Int(i)))
+    let i = int64(what, value)?;
+    let i = hookloop_core::history::exact_iter(what, i).map_err(to_py)?;
+    Ok(Some(Iter::Int(i)))
 }
 
 /// Converts an iteration back to a Python int or float.
@@ -126,5 +128,27 @@ pub fn iter_to_py<'py>(py: Python<'py>, it: Iter) -> PyResult<Bound<'py, PyAny>>
     match it {
         Iter::Int(i) => i.into_bound_py_any(py),
         Iter::Float(f) => f.into_bound_py_any(py),
+    }
+}
+
+/// `from_py_with` readers for integer arguments: an int beyond int64 is an `OverflowError`
+/// naming the argument (pyo3's own extraction names none).
+pub mod arg {
+    use pyo3::prelude::*;
+
+    pub fn window_size(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("window_size", v)
+    }
+
+    pub fn max_length(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("max_length", v)
+    }
+
+    pub fn max_images(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("max_images", v)
+    }
+
+    pub fn max_histograms(v: &Bound<'_, PyAny>) -> PyResult<i64> {
+        super::int64("max_histograms", v)
     }
 }

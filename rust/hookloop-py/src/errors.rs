@@ -48,6 +48,30 @@ pub fn to_py(err: Error) -> PyErr {
         Error::ForkedChild { .. } | Error::WriterPanicked { .. } => {
             PyOSError::new_err(err.to_string())
         }
+        Error::Blocked { ref path, .. } => {
+            let path = path.display().to_string();
+            PyOSError::new_err((110, err.to_string(), path))
+        }
+        Error::Deleted { ref path } => {
+            let path = path.display().to_string();
+            let message = "deleted (or its directory removed) while open; nothing written to it \
+                           since is kept";
+            PyOSError::new_err((2, message, path))
+        }
+        Error::WriteDropped {
+            ref path,
+            ref source,
+            dropped,
+            total,
+            unit,
+        } => {
+            let message = format!("{source} ({dropped} of {total} {unit} not written)");
+            let path = path.display().to_string();
+            match source.raw_os_error() {
+                Some(errno) => PyOSError::new_err((errno, message, path)),
+                None => PyOSError::new_err(format!("{message}: '{path}'")),
+            }
+        }
         Error::Io { path, source } => match source.raw_os_error() {
             // OSError(errno, strerror, filename): sets .errno/.filename, as open() would.
             Some(errno) => {

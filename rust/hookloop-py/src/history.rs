@@ -59,7 +59,9 @@ impl PyHistoryBuffer {
 impl PyHistoryBuffer {
     #[new]
     #[pyo3(signature = (max_length = History::DEFAULT_MAX_LENGTH as i64))]
-    fn new(max_length: i64) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = crate::convert::arg::max_length)] max_length: i64,
+    ) -> PyResult<Self> {
         let max_length = positive("max_length", max_length).py_err()?;
         let history = History::new(max_length).py_err()?;
         Ok(PyHistoryBuffer {
@@ -112,12 +114,18 @@ impl PyHistoryBuffer {
     }
 
     /// The median of the last `window_size` values (numpy's median).
-    fn median(&self, window_size: i64) -> PyResult<f64> {
+    fn median(
+        &self,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
+    ) -> PyResult<f64> {
         self.with(|h| h.median(window_size))?.py_err()
     }
 
     /// The mean of the last `window_size` values (numpy's mean).
-    fn avg(&self, window_size: i64) -> PyResult<f64> {
+    fn avg(
+        &self,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
+    ) -> PyResult<f64> {
         self.with(|h| h.avg(window_size))?.py_err()
     }
 

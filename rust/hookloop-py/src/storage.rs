@@ -75,9 +75,9 @@ impl PyEventStorage {
     #[pyo3(signature = (start_iter = None, *, max_length = History::DEFAULT_MAX_LENGTH as i64, max_images = 256, max_histograms = 256))]
     fn new(
         start_iter: Option<&Bound<'_, PyAny>>,
-        max_length: i64,
-        max_images: i64,
-        max_histograms: i64,
+        #[pyo3(from_py_with = crate::convert::arg::max_length)] max_length: i64,
+        #[pyo3(from_py_with = crate::convert::arg::max_images)] max_images: i64,
+        #[pyo3(from_py_with = crate::convert::arg::max_histograms)] max_histograms: i64,
     ) -> PyResult<Self> {
         let start_iter = start_iter.map_or(Ok(0), |s| int64("start_iter", s))?;
         let max_length = positive("max_length", max_length).py_err()?;
@@ -304,7 +304,7 @@ impl PyEventStorage {
     fn latest_with_smoothing_hint<'py>(
         &self,
         py: Python<'py>,
-        window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
     ) -> PyResult<Bound<'py, PyDict>> {
         self.settle(py)?;
         let items = self
@@ -320,7 +320,12 @@ impl PyEventStorage {
     /// How many recent values of `name` lie in the last `window_size` iterations. Unknown
     /// names raise `KeyError` and create nothing (detectron2 would create an empty history).
     #[pyo3(signature = (name, window_size = 20))]
-    fn count_samples(&self, py: Python<'_>, name: &str, window_size: i64) -> PyResult<usize> {
+    fn count_samples(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
+    ) -> PyResult<usize> {
         self.settle(py)?;
         self.with(|s| s.count_samples(name, window_size)).py_err()
     }
@@ -375,6 +380,7 @@ impl PyEventStorage {
             }
             Err(_) => int64("EventStorage.iter", val)?,
         };
+        let it = hookloop_core::history::exact_iter("EventStorage.iter", it).py_err()?;
         self.set_iter(it);
         Ok(())
     }

@@ -4,6 +4,7 @@
 //! which release the GIL while they wait.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -14,11 +15,12 @@ use hookloop_core::storage::SmoothedScalar;
 use hookloop_core::tfevents::{
     check_image_shape, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
 };
-use hookloop_core::writer::{flush_all, FsyncPolicy, Payload, Sink, SinkHandle};
+use hookloop_core::writer::{flush_all, take_errors, FsyncPolicy, Payload, Sink, SinkHandle};
 use hookloop_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::convert::int64;
 use crate::errors::{to_py, IntoPyResult};
 use crate::state::State;
 use crate::storage::PyEventStorage;
@@ -38,6 +40,22 @@ fn fsync_policy(s: Option<&str>, default: FsyncPolicy) -> PyResult<FsyncPolicy> 
     })
 }
 
+// Optional integer arguments, read as `convert::int64` reads them (see `convert::arg`).
+fn optional_int64(what: &str, v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    if v.is_none() {
+        return Ok(None);
+    }
+    int64(what, v).map(Some)
+}
+
+fn max_iter_arg(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    optional_int64("max_iter", v)
+}
+
+fn epoch_arg(v: &Bound<'_, PyAny>) -> PyResult<Option<i64>> {
+    optional_int64("epoch", v)
+}
+
 fn not_picklable(what: &'static str) -> PyErr {
     to_py(Error::NotPicklable {
         what,
@@ -53,19 +71,22 @@ fn wall_time() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// What both file writers share: the handle to their sink on the writer thread, the last
-/// iteration written, and their configuration.
-struct Native {
-    handle: SinkHandle,
-    last_write: f64,
-}
-
 /// Base of `JsonWriter` and `TensorboardWriter`: flush, close and the shared attributes.
+///
+/// A forked child inherits `handle` locked if another thread of the parent was inside
+/// `flush()`/`close()` (they wait with the lock held and the GIL released): every method checks
+/// the process id before taking it (`handle()`), so a child gets `OSError` and never waits.
+/// `last_write` is an atomic for the same reason.
 #[pyclass(name = "_NativeWriter", module = "hookloop._core", frozen, subclass)]
 pub struct PyNativeWriter {
-    inner: Mutex<Native>,
+    handle: Mutex<SinkHandle>,
+    /// The last iteration written, as `f64` bits.
+    last_write: AtomicU64,
     window_size: i64,
+    kind: &'static str,
     path: PathBuf,
+    /// The process that opened the writer.
+    owner: u32,
 }
 
 impl PyNativeWriter {
@@ -78,37 +99,63 @@ impl PyNativeWriter {
         positive("window_size", window_size).py_err()?;
         let handle = SinkHandle::open(sink, kind, path.clone()).py_err()?;
         Ok(PyNativeWriter {
-            inner: Mutex::new(Native {
-                handle,
-                last_write: -1.0,
-            }),
+            handle: Mutex::new(handle),
+            last_write: AtomicU64::new((-1.0f64).to_bits()),
             window_size,
+            kind,
             path,
+            owner: std::process::id(),
         })
+    }
+
+    /// Whether this is the process that opened the writer.
+    fn in_owner(&self) -> bool {
+        std::process::id() == self.owner
+    }
+
+    /// The sink handle, locked; in a forked child the `OSError` instead, before any lock.
+    fn handle(&self) -> hookloop_core::Result<MutexGuard<'_, SinkHandle>> {
+        if !self.in_owner() {
+            return Err(Error::ForkedChild {
+                writer: self.kind,
+                path: self.path.clone(),
+                owner: self.owner,
+                pid: std::process::id(),
+            });
+        }
+        Ok(lock(&self.handle))
+    }
+
+    fn last_write(&self) -> f64 {
+        f64::from_bits(self.last_write.load(Ordering::Relaxed))
+    }
+
+    fn store_last_write(&self, value: f64) {
+        self.last_write.store(value.to_bits(), Ordering::Relaxed);
     }
 }
 
 impl PyNativeWriter {
     /// The start of every write: settle the storage's deferred values, report an earlier
     /// error, and take under one lock the smoothed scalars newer than `last_write` (advancing
-    /// it) and whatever else `take` takes from the state. Returns the writer still locked.
+    /// it) and whatever else `take` takes from the state. Returns the sink handle, still locked.
     fn take_new<T: Send>(
         &self,
         storage: &Bound<'_, PyEventStorage>,
         take: impl FnOnce(&mut State) -> T + Send,
-    ) -> PyResult<(MutexGuard<'_, Native>, Vec<SmoothedScalar>, T)> {
+    ) -> PyResult<(MutexGuard<'_, SinkHandle>, Vec<SmoothedScalar>, T)> {
         storage.get().settle(storage.py())?;
-        let mut inner = lock(&self.inner);
-        inner.handle.check().py_err()?;
+        let handle = self.handle().py_err()?;
+        handle.check().py_err()?;
         let window = self.window_size;
-        let mut last_write = inner.last_write;
+        let mut last_write = self.last_write();
         let (smoothed, taken) = storage.get().state.with(|state| {
             let smoothed = state.core.smoothed_since(window, &mut last_write);
             (smoothed, take(state))
         });
         let smoothed = smoothed.py_err()?;
-        inner.last_write = last_write;
-        Ok((inner, smoothed, taken))
+        self.store_last_write(last_write);
+        Ok((handle, smoothed, taken))
     }
 }
 
@@ -116,12 +163,16 @@ impl PyNativeWriter {
 impl PyNativeWriter {
     /// Waits until everything queued is in the file (and fsynced per policy).
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| lock(&self.inner).handle.flush()).py_err()
+        py.detach(|| self.handle()?.flush()).py_err()
     }
 
     /// Writes what is queued, fsyncs per policy and closes the file; closing twice is a no-op.
+    /// In a forked child it does nothing: the file belongs to the parent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| lock(&self.inner).handle.close()).py_err()
+        if !self.in_owner() {
+            return Ok(());
+        }
+        py.detach(|| self.handle()?.close()).py_err()
     }
 
     /// The file (for TensorBoard: the event file, created at the first write).
@@ -138,7 +189,7 @@ impl PyNativeWriter {
     /// The last iteration written (-1 before the first write).
     #[getter]
     fn _last_write(&self) -> f64 {
-        lock(&self.inner).last_write
+        self.last_write()
     }
 
     /// A resumed run restarts at iteration `start`: drops (metrics.json) or marks as stale
@@ -148,16 +199,16 @@ impl PyNativeWriter {
     fn _purge_from(&self, py: Python<'_>, start: i64) -> PyResult<u64> {
         let from = start as f64;
         let removed = py
-            .detach(|| lock(&self.inner).handle.purge(wall_time(), from))
+            .detach(|| self.handle()?.purge(wall_time(), from))
             .py_err()?;
-        lock(&self.inner).last_write = from - 1.0;
+        self.store_last_write(from - 1.0);
         Ok(removed)
     }
 
     /// Sets the last iteration written: the next `write()` writes only what is newer.
     #[setter(_last_write)]
     fn set_last_write(&self, value: f64) {
-        lock(&self.inner).last_write = value;
+        self.store_last_write(value);
     }
 
     fn __reduce__(&self) -> PyResult<()> {
@@ -175,7 +226,7 @@ impl PyJsonWriter {
     #[pyo3(signature = (json_file, window_size = 20, fsync = None))]
     fn new(
         json_file: PathBuf,
-        window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
         fsync: Option<&str>,
     ) -> PyResult<PyClassInitializer<Self>> {
         positive("window_size", window_size).py_err()?;
@@ -187,19 +238,19 @@ impl PyJsonWriter {
 
     /// Queues one line per iteration with scalars not yet written.
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<()> {
-        let (inner, smoothed, ()) = slf.as_super().get().take_new(storage, |_| ())?;
+        let (handle, smoothed, ()) = slf.as_super().get().take_new(storage, |_| ())?;
         let rows = group_by_iteration(smoothed);
         if rows.is_empty() {
             return Ok(());
         }
-        inner.handle.send(Payload::Json(rows)).py_err()
+        handle.send(Payload::Json(rows)).py_err()
     }
 
     /// Appends `text` to metrics.json in order with the writer's own lines (what a subclass
     /// writes through `_file_handle`).
     fn _write_text(slf: &Bound<'_, Self>, text: String) -> PyResult<()> {
         let base = slf.as_super().get();
-        lock(&base.inner).handle.send(Payload::Text(text)).py_err()
+        base.handle().py_err()?.send(Payload::Text(text)).py_err()
     }
 }
 
@@ -216,7 +267,7 @@ impl PyTensorboardWriter {
     #[pyo3(signature = (log_dir, window_size = 20, hostname = "localhost", filename_suffix = "", fsync = None))]
     fn new(
         log_dir: PathBuf,
-        window_size: i64,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
         hostname: &str,
         filename_suffix: &str,
         fsync: Option<&str>,
@@ -231,7 +282,7 @@ impl PyTensorboardWriter {
     /// Queues new smoothed scalars and the storage's histograms; returns how many images wait
     /// in the storage (the Python layer converts those tensors and calls `add_points`).
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
-        let (inner, smoothed, (histograms, n_images)) =
+        let (handle, smoothed, (histograms, n_images)) =
             slf.as_super().get().take_new(storage, |state| {
                 (state.core.take_histograms(), state.images.len())
             })?;
@@ -250,7 +301,7 @@ impl PyTensorboardWriter {
                 images: vec![],
                 histograms,
             };
-            inner.handle.send(payload).py_err()?;
+            handle.send(payload).py_err()?;
         }
         Ok(n_images)
     }
@@ -321,7 +372,7 @@ impl PyTensorboardWriter {
             histograms,
         };
         let base = slf.as_super().get();
-        lock(&base.inner).handle.send(payload).py_err()
+        base.handle().py_err()?.send(payload).py_err()
     }
 }
 
@@ -340,7 +391,11 @@ pub struct PyMetricPrinter {
 impl PyMetricPrinter {
     #[new]
     #[pyo3(signature = (max_iter = None, window_size = 20, epoch = None))]
-    fn new(max_iter: Option<i64>, window_size: i64, epoch: Option<i64>) -> PyResult<Self> {
+    fn new(
+        #[pyo3(from_py_with = max_iter_arg)] max_iter: Option<i64>,
+        #[pyo3(from_py_with = crate::convert::arg::window_size)] window_size: i64,
+        #[pyo3(from_py_with = epoch_arg)] epoch: Option<i64>,
+    ) -> PyResult<Self> {
         positive("window_size", window_size).py_err()?;
         if let Some(e) = epoch {
             positive("epoch", e).py_err()?;
@@ -416,8 +471,65 @@ impl PyMetricPrinter {
     }
 }
 
+/// Sets how long `flush()`, `close()` and interpreter exit wait for a blocked file (seconds;
+/// `None`: `HOOKLOOP_WRITER_TIMEOUT`, else 10 s).
+#[pyfunction]
+#[pyo3(signature = (seconds))]
+pub fn _set_writer_timeout(seconds: Option<f64>) -> PyResult<()> {
+    hookloop_core::writer::set_writer_timeout(seconds).py_err()
+}
+
 /// Waits until every writer of this process has written what it queued.
 #[pyfunction]
 pub fn flush_writers(py: Python<'_>) -> PyResult<()> {
     py.detach(flush_all).py_err()
+}
+
+/// The errors the writer thread met that no `write()`/`flush()`/`close()` reported yet (each
+/// as the `OSError` it would have raised), removed from their writers. Interpreter exit logs
+/// them after `flush_writers()`.
+#[pyfunction]
+pub fn _take_writer_errors(py: Python<'_>) -> Vec<Py<PyAny>> {
+    take_errors()
+        .into_iter()
+        .map(|e| to_py(e).into_value(py).into_any())
+        .collect()
+}
+
+/// Logs `err` at ERROR on `hookloop.utils.events`'s logger (best effort: at interpreter exit
+/// logging may be gone, and a destructor has nobody to raise to).
+fn log_error(py: Python<'_>, message: &str, err: PyErr) {
+    let _ = (|| -> PyResult<()> {
+        let logger = py
+            .import("logging")?
+            .call_method1("getLogger", ("hookloop.utils.events",))?;
+        logger.call_method1("error", ("%s: %s", message, err.into_value(py)))?;
+        Ok(())
+    })();
+}
+
+impl Drop for PyNativeWriter {
+    /// A writer dropped without `close()`: writes what it queued, closes the file, and logs an
+    /// error no call reported (there is nobody to raise it to).
+    fn drop(&mut self) {
+        if !self.in_owner() {
+            return;
+        }
+        let handle = self.handle.get_mut().unwrap_or_else(|e| e.into_inner());
+        if handle.is_closed() {
+            return;
+        }
+        if let Err(e) = handle.close() {
+            let message = format!(
+                "{} for '{}' dropped without close() after a write failed",
+                self.kind,
+                self.path.display()
+            );
+            // try_attach: during interpreter shutdown attach would panic; stderr then.
+            let text = e.to_string();
+            if Python::try_attach(|py| log_error(py, &message, to_py(e))).is_none() {
+                eprintln!("hookloop: {message}: {text}");
+            }
+        }
+    }
 }

@@ -73,7 +73,12 @@ def _worker(rank: int, world: int, port: int, out: str, nan_at: int) -> None:
         result["loss_a"] = st.history("loss_a").values()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Both ranks are done with collectives before either tears the group down; then leave
+    # without the interpreter's teardown, where gloo's threads can abort the process after a
+    # run that ended in an exception (the results are on disk already).
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def _run(tmp_path, nan_at=-1):

@@ -15,6 +15,7 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -225,7 +226,12 @@ def _distributed_worker(
         main_func(*args)
     except Exception as e:
         _record_error(error_dir, global_rank, e)
-        raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # Exit status 1, always: the interpreter's teardown after an exception can abort
+        # (SIGABRT from a backend's threads), which would hide that this rank raised.
+        os._exit(1)
     # Reached only on success: a clean teardown (NCCL warns without it).
     dist.destroy_process_group()
     comm._reset()

@@ -277,3 +277,17 @@ def test_deep_copied_hook_list_builds_a_second_trainer():
     second.register_hooks(copy.deepcopy(first._hooks))
     second.train(0, 5)
     assert len(second.storage.history("time").values()) == 3  # warmup_iter 3: iters 2-4
+
+
+def test_printer_whose_logger_info_is_patched_sees_every_line():
+    """Some repos patch ``printer.logger.info`` to capture the lines."""
+    p = CommonMetricPrinter(max_iter=10)
+    lines = []
+    p.logger.info = lines.append
+    try:
+        with EventStorage() as s:
+            s.put_scalar("total_loss", 1.0)
+            p.write()
+    finally:
+        del p.logger.info
+    assert len(lines) == 1 and "total_loss: 1" in lines[0]

@@ -543,8 +543,8 @@ class CommonMetricPrinter(EventWriter):
         if line is None:
             return
         log = self.logger
-        if log is not self._default_logger:
-            log.info(line)  # a subclass's own or wrapped logger sees every line
+        if log is not self._default_logger or "info" in log.__dict__:
+            log.info(line)  # a subclass's own, wrapped or patched logger sees every line
         elif log.isEnabledFor(logging.INFO):
             # logger.info(line), without the stack walk that finds the caller: the record
             # names this line as its origin, as logger.info would.

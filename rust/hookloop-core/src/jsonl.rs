@@ -379,6 +379,7 @@ mod tests {
 
     #[test]
     fn json_sink_writes_exact_lines_through_the_thread() {
+        let _serial = crate::writer::test_serial();
         let path = tmpdir("json").join("metrics.json");
         let sink = JsonSink::open(&path, FsyncPolicy::Always).unwrap();
         let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
@@ -463,6 +464,7 @@ mod tests {
 
     #[test]
     fn disk_full_is_reported_at_next_send() {
+        let _serial = crate::writer::test_serial();
         // /dev/full accepts open() and fails every write with ENOSPC.
         let path = PathBuf::from("/dev/full");
         if !path.exists() {
@@ -517,6 +519,7 @@ mod tests {
 
     #[test]
     fn purge_drops_iterations_from_a_resume_point_atomically() {
+        let _serial = crate::writer::test_serial();
         let path = tmpdir("purge").join("metrics.json");
         std::fs::write(
             &path,

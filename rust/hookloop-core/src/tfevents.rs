@@ -1193,6 +1193,7 @@ mod tests {
 
     #[test]
     fn event_sink_is_lazy() {
+        let _serial = crate::writer::test_serial();
         let dir = scratch_dir("events-lazy").join("tb");
         let sink = EventSink::new(dir.clone(), "host", "", FsyncPolicy::Close);
         let path = sink.path();

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 from hookloop import _core
-from hookloop.engine import HookBase, TrainerBase, hooks
+from hookloop.engine import HookBase, HookStat, TrainerBase, hooks
 from hookloop.utils.events import EventWriter, get_event_storage
 
 
@@ -88,7 +88,7 @@ def test_period_filter_skips_periodic_writer_between_periods():
     t._dispatcher.timing = True
     t.train(0, 12)
     assert rec.iters == [4, 9, 11, 12]
-    stats = {(type(h).__name__, stage): calls for h, stage, calls, _, _ in t.hook_stats()}
+    stats = {(type(h).__name__, stage): calls for h, stage, calls, *_ in t.hook_stats()}
     # Called only at the due iterations (4, 9, 11), not at the other nine.
     assert stats[("PeriodicWriter", "after_step")] == 3
 
@@ -145,22 +145,49 @@ def test_hook_stats_count_every_call_per_hook_and_stage():
     t._dispatcher.timing = True
     t.train(0, 5)
     stats = t.hook_stats()
-    assert [(h, stage, calls) for h, stage, calls, _, _ in stats] == [
+    assert [(h, stage, calls) for h, stage, calls, *_ in stats] == [
         (a, "before_step", 5),
         (b, "before_step", 5),
         (a, "after_step", 5),
         (b, "after_step", 5),
     ]
-    for _, _, _, total, longest in stats:
+    for _, _, _, total, longest, share in stats:
         assert total >= longest >= 0.0
+        assert 0.0 <= share <= 1.0
 
 
-def test_timing_off_records_nothing():
+def test_timing_is_on_by_default_and_off_records_nothing():
     a = Counting()
     t = NoopTrainer()
     t.register_hooks([a])
+    assert t._dispatcher.timing
     t.train(0, 3)
-    assert all(calls == 0 for _, _, calls, _, _ in t.hook_stats())
+    assert [(r.stage, r.calls) for r in t.hook_stats()] == [("before_step", 3), ("after_step", 3)]
+    t._dispatcher.timing = False
+    t.train(0, 3)
+    assert all(calls == 0 for _, _, calls, *_ in t.hook_stats())
+
+
+def test_hook_stats_are_records_whose_shares_add_up_to_at_most_the_training_time():
+    class Busy(HookBase):
+        def after_step(self):
+            sum(range(2000))  # some work, so the hook's time is not all clock resolution
+
+    busy, plain = Busy(), Counting()
+    t = NoopTrainer()
+    t.register_hooks([busy, plain])
+    t.train(0, 20)
+    stats = t.hook_stats()
+    assert all(isinstance(r, HookStat) for r in stats)
+    (row,) = [r for r in stats if r.hook is busy]
+    assert (row.stage, row.calls) == ("after_step", 20)
+    assert row.total_s > 0.0 and row.max_s > 0.0
+    assert row.max_s <= row.total_s
+    # Every hook's time lies within train()'s wall time, so the shares sum to at most 1.
+    assert 0.0 < row.share <= 1.0
+    assert sum(r.share for r in stats) <= 1.0
+    # After train() the shares are fixed: the training time stopped with it.
+    assert [r.share for r in t.hook_stats()] == [r.share for r in stats]
 
 
 def test_hooks_for_lists_only_overriding_hooks():
@@ -260,16 +287,16 @@ def test_checkpoint_and_eval_hooks_are_skipped_between_periods(tmp_path):
     t.register_hooks(hook_list)
     t._dispatcher.timing = True
     t.train(0, 12)
-    calls = {type(h).__name__: n for h, stage, n, _, _ in t.hook_stats() if stage == "after_step"}
+    calls = {type(h).__name__: n for h, stage, n, *_ in t.hook_stats() if stage == "after_step"}
     # due at (iter + 1) % period == 0 and at the last iteration (11)
     assert calls == {"PeriodicCheckpointer": 3, "EvalHook": 3, "BestCheckpointer": 3}
     assert len(evals) == 3  # at iterations 4 and 9, then after training
 
 
 @pytest.mark.parametrize("period", [1, 2, 3, 7])
-def test_generated_stage_runner_calls_exactly_what_the_core_rule_says(period):
-    """With timing off the dispatcher runs a generated Python function per stage; it must
-    call the same hooks at the same iterations as the per-hook path (the core's rule)."""
+def test_timed_and_untimed_dispatch_call_exactly_what_the_core_rule_says(period):
+    """Timing on (the default) and off call the same hooks at the same iterations: the
+    core's period rule, in the one dispatch path."""
 
     class Periodic(HookBase):
         def __init__(self):
@@ -304,16 +331,36 @@ def test_periodic_writer_subclass_without_super_init_gets_a_clear_error():
         t.train(0, 1)
 
 
-def test_iteration_timer_summary_lists_hook_times_when_timing(caplog):
+def test_iteration_timer_summary_lists_hook_times_by_default(caplog):
     import logging
 
     t = NoopTrainer()
     t.register_hooks([hooks.IterationTimer(), Counting()])
-    t._dispatcher.timing = True
     with caplog.at_level(logging.INFO, logger="hookloop.engine.hooks"):
         t.train(0, 5)
-    (table,) = [r.getMessage() for r in caplog.records if "Time in hooks" in r.getMessage()]
-    assert "Counting" in table and "after_step" in table and "IterationTimer" in table
+    messages = [r.getMessage() for r in caplog.records]
+    (table,) = [m for m in messages if "Time in hooks" in m]
+    # After detectron2's two lines.
+    assert messages.index(table) > max(
+        i for i, m in enumerate(messages) if m.startswith("Total training time")
+    )
+    header, *rows = table.splitlines()[1:]
+    assert header.split() == ["hook", "stage", "calls", "total", "s", "max", "ms", "share"]
+    cells = {(r.split()[0], r.split()[1]): r.split() for r in rows}
+    assert cells[("Counting", "after_step")][2] == "5"
+    assert cells[("IterationTimer", "before_step")][2] == "5"
+    assert all(c[-1].endswith("%") for c in cells.values())
+
+
+def test_iteration_timer_summary_has_no_table_with_timing_off(caplog):
+    import logging
+
+    t = NoopTrainer()
+    t.register_hooks([hooks.IterationTimer(), Counting()])
+    t._dispatcher.timing = False
+    with caplog.at_level(logging.INFO, logger="hookloop.engine.hooks"):
+        t.train(0, 5)
+    assert not [r for r in caplog.records if "Time in hooks" in r.getMessage()]
 
 
 def test_priority_places_a_hook_between_others_and_hooks_table_shows_it():
@@ -349,3 +396,44 @@ def test_bad_priority_names_the_hook():
     t.register_hooks([Bad()])
     with pytest.raises(ValueError, match=r"Bad.priority must be"):
         t.train(0, 1)
+
+
+def test_periodic_writer_hook_stats_puts_each_hooks_time_per_call_at_each_write(tmp_path):
+    import json
+
+    from hookloop.utils.events import JSONWriter
+
+    class Slow(HookBase):
+        def before_step(self):
+            sum(range(1000))
+
+    path = tmp_path / "metrics.json"
+    t = NoopTrainer()
+    t.register_hooks(
+        [Slow(), Slow(), hooks.PeriodicWriter([JSONWriter(str(path))], period=5, hook_stats=True)]
+    )
+    t.train(0, 10)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [4, 9]
+    for line in lines:
+        # Both hooks of one class, named as in a checkpoint; and the writer itself, whose
+        # first call is counted at the next write.
+        assert line["hooks/Slow/before_step_ms"] > 0.0
+        assert line["hooks/Slow.1/before_step_ms"] > 0.0
+    assert "hooks/PeriodicWriter/after_step_ms" not in lines[0]
+    assert lines[1]["hooks/PeriodicWriter/after_step_ms"] > 0.0
+    # Unsmoothed: the value written is the one put at that iteration.
+    storage_free = t.storage.history("hooks/Slow/before_step_ms").values()
+    assert [v for v, _ in storage_free] == [line["hooks/Slow/before_step_ms"] for line in lines]
+
+
+def test_periodic_writer_writes_no_hook_times_by_default(tmp_path):
+    from hookloop.utils.events import JSONWriter
+
+    path = tmp_path / "metrics.json"
+    t = NoopTrainer()
+    t.register_hooks([Counting(), hooks.PeriodicWriter([JSONWriter(str(path))], period=5)])
+    t.train(0, 10)
+    assert "hooks/" not in path.read_text()
+    with pytest.raises(TypeError, match="hook_stats must be a bool"):
+        hooks.PeriodicWriter([], period=5, hook_stats=1)

@@ -119,7 +119,7 @@ def test_the_optimizer_is_called_only_on_stepping_iterations(kind):
     steps = [2, 5, 8, 9]
     assert opt.calls == [("zero_grad", 0)] + [(c, i) for i in steps for c in ("step", "zero_grad")]
     (after_step_calls,) = [
-        calls for _h, stage, calls, _t, _m in trainer.hook_stats() if stage == "after_step"
+        calls for _h, stage, calls, *_rest in trainer.hook_stats() if stage == "after_step"
     ]
     # With a trainer that runs the backward, the dispatcher skips the hook between steps.
     assert after_step_calls == (4 if kind != "forward_only" else 10)

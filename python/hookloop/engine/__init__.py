@@ -9,13 +9,14 @@ from hookloop.engine.defaults import (
 from hookloop.engine.hooks import *  # noqa: F403
 from hookloop.engine.hooks import __all__ as _hooks_all
 from hookloop.engine.launch import DEFAULT_TIMEOUT, WorkerError, launch
-from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
+from hookloop.engine.train_loop import AMPTrainer, HookBase, HookStat, SimpleTrainer, TrainerBase
 
 __all__ = [
     "AMPTrainer",
     "DEFAULT_TIMEOUT",
     "DefaultTrainer",
     "HookBase",
+    "HookStat",
     "SimpleTrainer",
     "TrainConfig",
     "TrainerBase",

@@ -23,7 +23,12 @@ from torch.nn.parallel import DistributedDataParallel
 from hookloop import _core
 from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
 from hookloop.checkpoint.checkpointer import _save_with
-from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, _report_secondary
+from hookloop.engine.train_loop import (
+    AMPTrainer,
+    HookBase,
+    SimpleTrainer,
+    _report_secondary,
+)
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm
 from hookloop.utils.events import EventStorage, EventWriter
@@ -160,17 +165,23 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
                 str(datetime.timedelta(seconds=int(hook_time))),
             )
         )
-        stats = [row for row in self.trainer.hook_stats() if row[2]]
+        stats = [row for row in self.trainer.hook_stats() if row.calls]
         if stats:
-            # Per-hook timing (when the trainer's dispatcher times hooks): one row per hook
-            # and stage, slowest total first.
-            lines = [f"{'hook':<32} {'stage':<14} {'calls':>9} {'total s':>9} {'max ms':>8}"]
-            for hook, stage, calls, total_s, max_s in sorted(stats, key=lambda r: -r[3]):
+            # Per-hook timing (the dispatcher times every hook call unless turned off): one
+            # row per hook and stage, slowest total first.
+            lines = [
+                f"{'hook':<32} {'stage':<14} {'calls':>9} {'total s':>9} {'max ms':>8} "
+                f"{'share':>6}"
+            ]
+            for row in sorted(stats, key=lambda r: -r.total_s):
                 lines.append(
-                    f"{type(hook).__name__:<32} {stage:<14} {calls:>9} {total_s:>9.3f} "
-                    f"{max_s * 1e3:>8.3f}"
+                    f"{type(row.hook).__name__:<32} {row.stage:<14} {row.calls:>9} "
+                    f"{row.total_s:>9.3f} {row.max_s * 1e3:>8.3f} {row.share:>6.1%}"
                 )
             logger.info("Time in hooks:\n" + "\n".join(lines))
+
+
+_PER_STEP_STAGES = ("before_step", "after_backward", "after_step")
 
 
 class PeriodicWriter(HookBase):
@@ -179,14 +190,30 @@ class PeriodicWriter(HookBase):
     It is executed every ``period`` iterations and after the last iteration. Note that
     ``period`` does not affect how data is smoothed by each writer. Between periods the
     dispatcher does not call it at all (its period filter, the core's one period rule).
+
+    With ``hook_stats=True`` (hookloop's addition; off by default, so metrics.json keeps
+    detectron2's keys), each write first puts every hook's mean time per call since the
+    previous write, in milliseconds, as unsmoothed scalars named
+    ``hooks/<HookClass>/<stage>_ms`` (``<HookClass>.1`` for a second hook of one class): the
+    writers then show them (TensorBoard plots them next to the losses).
     """
 
-    def __init__(self, writers: Iterable[EventWriter], period: int = 20) -> None:
+    def __init__(
+        self, writers: Iterable[EventWriter], period: int = 20, *, hook_stats: bool = False
+    ) -> None:
         """
         Args:
             writers (list[EventWriter]): a list of EventWriter objects
             period (int): the period to write
+            hook_stats (bool): also write each hook's time per call (see above)
         """
+        if not isinstance(hook_stats, bool):
+            raise TypeError(
+                f"PeriodicWriter hook_stats must be a bool, got {type(hook_stats).__name__}"
+            )
+        self._hook_stats = hook_stats
+        # Per hook and stage, (calls, total_s) at the previous write.
+        self._stats_seen: Dict[Any, Any] = {}
         writers = list(writers)
         for w in writers:
             if not isinstance(w, EventWriter):
@@ -199,6 +226,7 @@ class PeriodicWriter(HookBase):
         self._period = period
 
     def before_train(self) -> None:
+        self._stats_seen = {}  # hook_stats() counts from each train()'s start
         start_iter = self.trainer.start_iter
         if start_iter > 0:
             # A resumed run: drop what a killed run wrote for iterations >= start_iter, so the
@@ -227,8 +255,36 @@ class PeriodicWriter(HookBase):
             wait = getattr(trainer, "_wait_for_metric_writes", None)
             if wait is not None:
                 wait()
+            if self._hook_stats:
+                self._put_hook_stats()
             for writer in self._writers:
                 writer.write()
+
+    _hook_stats = False
+    _stats_seen: Dict[Any, Any] = {}
+
+    def _put_hook_stats(self) -> None:
+        """Puts ``hooks/<HookClass>/<stage>_ms``: the mean time per call of each hook in each
+        per-step stage since the previous write (those called since)."""
+        rows = [r for r in self.trainer.hook_stats() if r.stage in _PER_STEP_STAGES]
+        names: Dict[int, str] = {}
+        count: Counter = Counter()
+        for r in rows:
+            if id(r.hook) not in names:
+                name = type(r.hook).__name__
+                names[id(r.hook)] = f"{name}.{count[name]}" if count[name] else name
+                count[name] += 1
+        seen = self._stats_seen
+        values = {}
+        for row in rows:
+            key = (id(row.hook), row.stage)
+            calls, total = seen.get(key, (0, 0.0))
+            if row.calls > calls:
+                ms = (row.total_s - total) / (row.calls - calls) * 1e3
+                values[f"hooks/{names[id(row.hook)]}/{row.stage}_ms"] = ms
+            seen[key] = (row.calls, row.total_s)
+        if values:
+            self.trainer.storage.put_scalars(smoothing_hint=False, **values)
 
     def after_train(self) -> None:
         # Every writer is written and closed even if an earlier one fails; the first error is

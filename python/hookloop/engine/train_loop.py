@@ -16,7 +16,7 @@ import time
 import types
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -26,7 +26,7 @@ from hookloop.checkpoint.rng import get_rng_state, set_rng_state
 from hookloop.utils import comm
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
-__all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer"]
+__all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer", "HookStat"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,20 @@ class HookBase:
         self.__dict__.update(state)
 
 
+class HookStat(NamedTuple):
+    """The time one hook spent in one stage, from :meth:`TrainerBase.hook_stats`."""
+
+    hook: Any
+    #: ``"before_train"``, ``"before_step"``, ``"after_backward"``, ``"after_step"`` or
+    #: ``"after_train"``.
+    stage: str
+    calls: int
+    total_s: float
+    max_s: float
+    #: ``total_s`` as a fraction of the training time so far (``train()``'s wall time).
+    share: float
+
+
 _STAGES = ("before_train", "after_train", "before_step", "after_step", "after_backward")
 
 
@@ -206,42 +220,6 @@ def _priority(hook: Any) -> int:
     return p
 
 
-_PER_STEP = (2, 3, 4)  # before_step, after_step, after_backward
-
-
-def _stage_runners(entries: List[Tuple[int, int, Any, Any, int]]) -> List[Any]:
-    """Per stage, a generated function ``run(it, last)`` that makes the stage's calls in
-    order, each hook with a period only when it is due (the core's rule: ``(it + 1) % period
-    == 0`` or the last iteration). Python calling Python is cheaper than one call from Rust per
-    hook; the dispatcher uses these while per-hook timing is off."""
-    runners: List[Any] = [None] * len(_STAGES)
-    for stage in _PER_STEP:
-        calls = [e for e in entries if e[1] == stage]
-        if not calls:
-            continue
-        namespace: Dict[str, Any] = {}
-        lines = ["def run(it, last):"]
-        for k, (_, _, func, this, period) in enumerate(calls):
-            namespace[f"f{k}"] = func
-            if this is None:
-                call = f"f{k}()"
-            else:
-                namespace[f"h{k}"] = this
-                call = f"f{k}(h{k})"
-            if period:
-                # The core's periodic_due, spelled in Python for the generated code
-                # (tests/engine/test_dispatch.py checks the two agree).
-                lines.append(f"    if (it + 1) % {int(period)} == 0 or it == last:")
-                lines.append(f"        {call}")
-            else:
-                lines.append(f"    {call}")
-        exec(compile("\n".join(lines), f"<hookloop {_STAGES[stage]} dispatch>", "exec"), namespace)
-        # Popped: the function's globals are this namespace, which must not hold it back
-        # (a cycle would keep the hooks, and what they reference, alive past refcounting).
-        runners[stage] = namespace.pop("run")
-    return runners
-
-
 def _missing_stage(hook: Any, stage: str) -> Any:
     def call() -> None:
         getattr(hook, stage)()
@@ -310,7 +288,7 @@ class TrainerBase:
 
     def __init__(self) -> None:
         self._hooks: List[HookBase] = []
-        self._dispatcher = _core.Dispatcher(self._hooks, _dispatch_entries, _stage_runners)
+        self._dispatcher = _core.Dispatcher(self._hooks, _dispatch_entries)
         self.iter: int = 0
         self.start_iter: int = 0
         if type(self).after_backward is TrainerBase.after_backward:
@@ -354,6 +332,7 @@ class TrainerBase:
         self.stopped_early = False
         self._raise_after_train = None
         self._stats_carried = []
+        self._train_time = [time.perf_counter(), None]
 
         with EventStorage(start_iter) as self.storage:
             if self._resume_storage is not None:
@@ -397,9 +376,14 @@ class TrainerBase:
                     self.after_train()
                 except Exception as after:
                     _report_secondary(exc, after, "after_train")
+                finally:
+                    self._train_time[1] = time.perf_counter()
                 raise
             self._end_loop(hooks)
-            self.after_train()
+            try:
+                self.after_train()
+            finally:
+                self._train_time[1] = time.perf_counter()
         after_stop, self._raise_after_train = self._raise_after_train, None
         if after_stop is not None and self.stopped_early:
             raise after_stop
@@ -496,24 +480,34 @@ class TrainerBase:
         a ``priority``): what the dispatcher runs, for checking where a hook lands."""
         return {stage: list(self._dispatcher.hooks_for(stage)) for stage in _STAGES}
 
-    def hook_stats(self) -> List[Tuple[Any, str, int, float, float]]:
-        """Per hook and stage: ``(hook, stage, calls, total_s, max_s)`` since ``train()``
-        started, when ``self._dispatcher.timing`` is on (counts are zero otherwise)."""
-        current = list(self._dispatcher.hook_stats())
-        if not self._stats_carried:
-            return current
-        # A stop rebuilt the table (new counts): add up the tables' counts per hook and stage.
-        # The calls after request_stop() in the stage that asked for it are not counted.
-        merged: Dict[Tuple[int, str], List[Any]] = {}
-        for h, stage, calls, total, longest in [*self._stats_carried, *current]:
-            if isinstance(h, _StopBeforeNextStep):
-                continue
-            row = merged.setdefault((id(h), stage), [h, stage, 0, 0.0, 0.0])
-            row[2] += calls
-            row[3] += total
-            row[4] = max(row[4], longest)
-        return [tuple(row) for row in merged.values()]  # type: ignore[misc]
+    def hook_stats(self) -> List[HookStat]:
+        """Per hook and stage, the time spent in it since ``train()`` started: a
+        :class:`HookStat` ``(hook, stage, calls, total_s, max_s, share)`` per entry of the
+        dispatch table, in call order. Every hook call is timed (one clock read per call, a
+        few nanoseconds; ``trainer._dispatcher.timing = False`` turns it off, and the counts
+        then stay zero). ``share`` is ``total_s`` over the training time so far."""
+        rows = list(self._dispatcher.hook_stats())
+        if self._stats_carried:
+            # A stop rebuilt the table (new counts): add up the tables' counts per hook and
+            # stage. The calls after request_stop() in the stage that asked for it are not
+            # counted.
+            merged: Dict[Tuple[int, str], List[Any]] = {}
+            for h, stage, calls, total, longest in [*self._stats_carried, *rows]:
+                if isinstance(h, _StopBeforeNextStep):
+                    continue
+                row = merged.setdefault((id(h), stage), [h, stage, 0, 0.0, 0.0])
+                row[2] += calls
+                row[3] += total
+                row[4] = max(row[4], longest)
+            rows = [tuple(row) for row in merged.values()]
+        start, end = self._train_time
+        elapsed = (time.perf_counter() if end is None else end) - start
+        return [
+            HookStat(h, stage, calls, total, longest, total / elapsed if elapsed > 0 else 0.0)
+            for h, stage, calls, total, longest in rows
+        ]
 
+    _train_time: List[Any] = [0.0, None]
     _stats_carried: List[Tuple[Any, str, int, float, float]] = []
 
     def run_step(self) -> None:

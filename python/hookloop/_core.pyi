@@ -98,6 +98,11 @@ class EventStorage:
         cur_iter: _Iter,
         prefix: str = "",
     ) -> None: ...
+    def _write_metrics_batch(
+        self,
+        pending: list[Tuple[int, float, dict[str, Any], str]],
+        values: Optional[Sequence[float]] = None,
+    ) -> None: ...
     def _put_image(self, img_name: str, img_tensor: Any) -> bool: ...
     def _put_histogram(
         self,

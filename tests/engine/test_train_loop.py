@@ -973,19 +973,53 @@ def test_a_hook_reading_the_storage_sees_this_steps_losses():
 
 
 def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):
-    """Between batched reads the trainer keeps the losses as they are: no item(), no copy."""
+    """Between batched reads the trainer keeps the losses as they are: no item(), no copy.
+    The read (here after the last step) is one call into the core, which on the CPU reads
+    each value with item(): cheaper than stacking many small tensors (benches/RESULTS.md)."""
     calls = []
     real_item = torch.Tensor.item
 
     def item(self):
-        calls.append(1)
+        calls.append(trainer.iter)
         return real_item(self)
 
+    class CountAtEachStep(HookBase):
+        def after_step(self):
+            during.append(len(calls))
+
+    during = []
     trainer = simple_trainer()
+    trainer.register_hooks([CountAtEachStep()])
     monkeypatch.setattr(torch.Tensor, "item", item)
     trainer.train(0, 10)
-    assert calls == []  # one batched read (tolist) at the end, no item() per loss
+    assert during == [0] * 10  # nothing read while training
+    n_losses = len(trainer.storage.latest()) - 3  # total_loss, data_time, rank_data_time
+    assert len(calls) == 10 * max(n_losses, 1)  # each loss of each iteration, read once
 
+
+def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
+    """Losses that are not on the CPU are read with one stack and one copy (one
+    synchronization), not one item() each. Simulated with tensors whose device is not the
+    CPU: the meta device, whose values _read_all is patched to supply."""
+    from hookloop.engine import train_loop
+
+    batches = []
+
+    def read_all(tensors):
+        batches.append(len(tensors))
+        return [0.5] * len(tensors)
+
+    monkeypatch.setattr(train_loop, "_read_all", read_all)
+    trainer = simple_trainer()
+    trainer._deferring = True
+    with EventStorage(0) as storage:
+        trainer.storage = storage
+        meta = {"loss_a": torch.empty((), device="meta"), "loss_b": torch.empty((), device="meta")}
+        trainer._pending_metrics = [(i, 0.01, meta, "") for i in range(3)]
+        trainer._settle_metrics()
+        assert batches == [6]
+        assert storage.history("loss_a").values() == [(0.5, 0), (0.5, 1), (0.5, 2)]
+        assert storage.history("total_loss").latest() == 1.0
 
 class RecordingExecutor(concurrent.futures.ThreadPoolExecutor):
     """A one-worker executor that records each submitted ``iter`` and the worker thread."""

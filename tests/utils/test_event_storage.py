@@ -646,3 +646,23 @@ def test_heap_bytes_default_max_length_and_irregular_iterations():
     assert s2.history("x").values()[-1] == (1.0, its[-1])
     # Worst case 8 + 16 bytes an entry, doubled for growth.
     assert s2._heap_bytes() <= 2 * 20_000 * 24 + 1024
+
+
+def test_write_metrics_batch_puts_each_iteration_as_write_metrics_does():
+    """The deferred-loss path: several iterations in one call, the same puts as one
+    _write_metrics call per iteration; bad input is a clear error, not a panic."""
+    one, many = EventStorage(0), EventStorage(0)
+    pending = [(i, 0.01 * i, {"a": float(i), "b": torch.tensor(2.0 * i)}, "") for i in range(4)]
+    for it, dt, losses, prefix in pending:
+        one._write_metrics(losses, dt, dt, it, prefix)
+    many._write_metrics_batch(pending)
+    assert one._state() == many._state()
+    given = EventStorage(0)
+    given._write_metrics_batch(pending, [float(i) for p in pending for i in (p[0], 2 * p[0])])
+    assert given._state() == one._state()
+    with pytest.raises(ValueError, match="values"):
+        EventStorage(0)._write_metrics_batch(pending, [1.0])
+    with pytest.raises(TypeError, match="keys"):
+        EventStorage(0)._write_metrics_batch([(0, 0.0, {1: 1.0}, "")])
+    with pytest.raises(FloatingPointError, match="iteration=2"):
+        EventStorage(0)._write_metrics_batch([(2, 0.0, {"a": float("nan")}, "")])

@@ -870,23 +870,21 @@ class SimpleTrainer(TrainerBase):
                 raise
 
     def _settle_metrics(self) -> None:
-        """Reads the pending losses in one batch (one stack, one copy to the host) and puts
-        each iteration's metrics with the one write_metrics rule."""
+        """Puts the pending losses of every recorded iteration with the one write_metrics
+        rule, in one call into the core. Losses on a device are read in one batch (one stack,
+        one copy to the host: one synchronization); on the CPU the core reads each with
+        ``item()``, which costs less than stacking many small tensors."""
         pending, self._pending_metrics = self._pending_metrics, []
         if not pending:
             return
-        tensors = [
-            v for _, _, losses, _ in pending for v in losses.values() if isinstance(v, torch.Tensor)
-        ]
-        values = iter(_read_all(tensors))
-        storage = self.storage
+        values: Optional[List[float]] = None
+        first = next(iter(pending[0][2].values()), None)
+        if isinstance(first, torch.Tensor) and first.device.type != "cpu":
+            tensors = [v for _, _, losses, _ in pending for v in losses.values()]
+            if all(isinstance(v, torch.Tensor) for v in tensors):
+                values = _read_all(tensors)
         try:
-            for it, data_time, losses, prefix in pending:
-                read = {
-                    k: (next(values) if isinstance(v, torch.Tensor) else v)
-                    for k, v in losses.items()
-                }
-                storage._write_metrics(read, data_time, data_time, it, prefix)
+            self.storage._write_metrics_batch(pending, values)
         except Exception:
             logger.exception("Exception in writing metrics: ")
             raise

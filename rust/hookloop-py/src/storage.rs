@@ -197,6 +197,74 @@ impl PyEventStorage {
             .py_err()
     }
 
+    /// The deferred losses of several iterations of one process, `write_metrics`'s rule for
+    /// each, in one crossing: `pending` is `[(iteration, data_time, losses, prefix)]`.
+    /// `values`, when given, holds every loss value in order (the caller read them in one
+    /// batch: one copy from a device); otherwise each is read here (`item()` for a tensor, which
+    /// on the CPU costs less than stacking many small tensors). Everything is read before the
+    /// storage is locked, then written under one lock.
+    #[pyo3(signature = (pending, values = None))]
+    fn _write_metrics_batch(
+        &self,
+        pending: &Bound<'_, PyList>,
+        values: Option<Vec<f64>>,
+    ) -> PyResult<()> {
+        struct Read {
+            it: Iter,
+            data_time: f64,
+            prefix: String,
+            losses: Vec<(String, f64)>,
+        }
+        let given = values.as_ref().map_or(0, Vec::len);
+        let mut values = values.map(Vec::into_iter);
+        let mut read = Vec::with_capacity(pending.len());
+        for entry in pending.iter() {
+            let (it, data_time, losses, prefix): (
+                Bound<'_, PyAny>,
+                f64,
+                Bound<'_, PyDict>,
+                String,
+            ) = entry.extract()?;
+            let it = iteration("cur_iter", Some(&it))?.unwrap_or(Iter::Int(0));
+            let mut named = Vec::with_capacity(losses.len());
+            for (k, v) in losses.iter() {
+                let k = k.cast_into::<PyString>().map_err(|_| {
+                    to_py(Error::wrong_type("loss_dict keys", "str", "another type"))
+                })?;
+                let name = k.to_str()?.to_owned();
+                let value = match values.as_mut() {
+                    Some(values) => values.next().ok_or_else(|| {
+                        to_py(Error::bad_value(
+                            "_write_metrics_batch values",
+                            format!("{given} values for more losses than that"),
+                        ))
+                    })?,
+                    None => scalar_value(&name, &v)?,
+                };
+                named.push((name, value));
+            }
+            read.push(Read {
+                it,
+                data_time,
+                prefix,
+                losses: named,
+            });
+        }
+        self.with(move |s| {
+            for r in &read {
+                let refs: Vec<(&str, f64)> =
+                    r.losses.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+                let reduced = Reduced {
+                    data_time: r.data_time,
+                    losses: &refs,
+                };
+                write_metrics(s, r.it, &r.prefix, r.data_time, Some(reduced))?;
+            }
+            Ok(())
+        })
+        .py_err()
+    }
+
     /// Queues an image (kept as given: a CUDA tensor is not read) for the TensorBoard writer,
     /// after checking its shape. Returns True the first time the bound dropped one.
     fn _put_image(&self, img_name: String, img_tensor: &Bound<'_, PyAny>) -> PyResult<bool> {

@@ -461,48 +461,112 @@ def test_iterations_beyond_2_53_are_refused_not_rounded():
         assert s.history("a").values() == [(1.0, 2**53)]
 
 
+def _fill(storage, n=300):
+    """`n` lines of 4 KiB for a JSONWriter: far more than a pipe holds (64 KiB)."""
+    for i in range(n):
+        storage.put_scalar(f"{i:04d}" + "x" * 4000, float(i), smoothing_hint=False, cur_iter=i)
+
+
+def _drain_until_closed(reader):
+    """Reads the FIFO until its last writer closed it (bounded)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if not os.read(reader, 1 << 16):
+                return
+        except BlockingIOError:
+            time.sleep(0.01)
+    raise AssertionError("the FIFO's writer never closed it")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
-def test_a_blocked_file_gets_a_bounded_wait_naming_it(tmp_path):
+def test_a_blocked_file_fails_its_own_flush_and_stalls_no_other_writer(tmp_path):
     from hookloop import _core
 
     fifo = tmp_path / "metrics.fifo"
     os.mkfifo(fifo)
-    blocked = JSONWriter(fifo, fsync="never")
-    other = JSONWriter(tmp_path / "other.json", fsync="never")
+    # A reader that never reads: once the pipe is full, the writer's next write blocks.
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    _core._set_writer_timeout(0.3)
-    storage = EventStorage().__enter__()  # leaving it flushes, which would wait on the FIFO
+    blocked = JSONWriter(fifo, fsync="never")
+    json_writer = JSONWriter(tmp_path / "metrics.json", fsync="never")
+    tb_writer = TensorboardXWriter(tmp_path / "tb", window_size=1, fsync="never")
+    storage = EventStorage().__enter__()  # leaving it flushes every writer, the FIFO's too
     try:
-        for i in range(200):  # 200 lines of 1 KiB: more than the pipe holds
-            storage.put_scalar(f"{i}" + "x" * 1000, float(i), smoothing_hint=False, cur_iter=i)
+        _fill(storage)
+        _core._set_writer_timeout(1.0)
         blocked.write()
         with pytest.raises(OSError) as info:
             blocked.flush()
         assert info.value.filename == str(fifo)
         assert "blocked" in str(info.value)
-        # The writer thread is shared: another writer's flush waits as long, naming the FIFO.
-        with pytest.raises(OSError, match="metrics.fifo"):
-            other.flush()
-    finally:
-        # Drain the FIFO (short flushes in between) so the writer thread can finish.
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if not os.read(reader, 1 << 16):
-                    break
-            except BlockingIOError:
-                try:
-                    _core.flush_writers()
-                    break
-                except OSError:
-                    pass
+        # The FIFO holds only its own thread: the other writers write and flush in full.
         _core._set_writer_timeout(None)
-        storage.__exit__(None, None, None)
-        blocked.close()
-        other.close()
+        json_writer.write()
+        tb_writer.write()
+        json_writer.flush()
+        tb_writer.flush()
+        # Interpreter exit's flush fails naming the FIFO (at once: it is still blocked).
+        with pytest.raises(OSError, match="metrics.fifo"):
+            _core.flush_writers()
+        with pytest.raises(OSError, match="metrics.fifo"):
+            blocked.close()
+        json_writer.close()
+        tb_writer.close()
+    finally:
+        _core._set_writer_timeout(None)
+        _drain_until_closed(reader)  # the FIFO's thread finishes, then closes it
         os.close(reader)
+        storage.__exit__(None, None, None)
+        for w in (blocked, json_writer, tb_writer):
+            w.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(300))
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    records, torn = _records(events)
+    assert torn == 0 and len(records) == 1 + 300  # the file version, then one per scalar
     with pytest.raises(ValueError):
         _core._set_writer_timeout(-1.0)
+
+
+BLOCKED_AT_EXIT = """
+    import os, sys
+    from hookloop.utils.events import EventStorage, JSONWriter
+
+    fifo, other = sys.argv[1], sys.argv[2]
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # never read: the pipe fills
+    blocked = JSONWriter(fifo, fsync="never")
+    fine = JSONWriter(other, fsync="never")
+    storage = EventStorage().__enter__()  # never left: exit is the only flush
+    for i in range(300):
+        storage.put_scalar(f"{i:04d}" + "x" * 4000, float(i), smoothing_hint=False, cur_iter=i)
+    blocked.write()
+    try:
+        blocked.flush()  # waits the writer timeout: the FIFO blocks for good
+    except OSError:
+        pass
+    fine.write()  # after the FIFO blocked: written all the same
+    # exit without close(): the atexit flush waits for the FIFO at most the writer timeout
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_exit_with_a_blocked_file_is_bounded_logs_it_and_flushes_the_others(tmp_path):
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    other = tmp_path / "metrics.json"
+    env = dict(os.environ, HOOKLOOP_WRITER_TIMEOUT="1")
+    done = subprocess.run(
+        _child(BLOCKED_AT_EXIT, fifo, other),
+        capture_output=True,
+        timeout=TIMEOUT,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr  # an atexit handler cannot change it
+    assert "writers not flushed at exit" in done.stderr
+    assert f"blocked writing '{fifo}'" in done.stderr
+    rows = [json.loads(line) for line in other.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(300))
 
 
 @pytest.mark.parametrize("period", [1, 5])

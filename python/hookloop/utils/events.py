@@ -272,7 +272,7 @@ class JSONWriter(_NativeFileWriter):
     ``window_size`` iterations per their smoothing hint, with an ``"iteration"`` key and sorted
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
-    Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
+    Formatting and I/O happen on the writer's own thread; ``write()`` only takes a snapshot.
     Lines reach the file in write calls of whole lines and at most 4 KiB (a longer line gets
     its own). A process killed with SIGKILL can still leave its last line torn at a 4 KiB
     offset of the file (rarely: the kill must land while the line crossing that offset is

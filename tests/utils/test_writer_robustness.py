@@ -44,21 +44,20 @@ def _records(path):
     return out, len(data) - pos
 
 
-# Lines and records of about 3 KiB: under the 4 KiB the guarantee covers, long enough that a
-# batch of them spans many pages.
+# Lines and records of 0.2 to 3 KiB: several to a page, and many that cross a page boundary.
 KILLED = """
     import sys
     from hookloop.utils.events import EventStorage, JSONWriter, TensorboardXWriter
 
     out = sys.argv[1]
-    pad = "p" * 3000
+    pads = ["p" * n for n in (200, 3000, 700, 1500, 300)]
     json_writer = JSONWriter(out + "/metrics.json", fsync="never")
     tb_writer = TensorboardXWriter(out + "/tb", window_size=1, fsync="never")
     with EventStorage() as s:
         i = 0
         while True:
             s.iter = i
-            s.put_scalar(pad, float(i), smoothing_hint=False)
+            s.put_scalar(pads[i % len(pads)], float(i), smoothing_hint=False)
             json_writer.write()
             tb_writer.write()
             i += 1
@@ -84,8 +83,7 @@ def test_sigkill_leaves_only_whole_lines_and_records(tmp_path):
             proc.wait(TIMEOUT)
             proc.stderr.close()
         # The documented guarantee: whole lines (records), in order; at most the last one
-        # torn, and then cut at a page boundary of the file (a line that crosses one, caught
-        # by the kill while the first page was copied), never inside a page.
+        # torn, and then only one that crosses a 4096-aligned offset of the file, cut at it.
         data = metrics.read_bytes()
         whole, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
         rows = [json.loads(line) for line in whole.splitlines()]
@@ -93,12 +91,15 @@ def test_sigkill_leaves_only_whole_lines_and_records(tmp_path):
         assert len(rows) > 100
         if tail:
             assert len(data) % PAGE == 0, f"torn inside a page: ...{tail[-40:]!r}"
-            assert tail.startswith(b"{") and len(tail) <= PAGE
+            assert tail.startswith(b"{"), "torn between lines"
+            assert len(whole) // PAGE == len(data) // PAGE - 1, "the torn line crosses no page"
         (events,) = (out / "tb").glob("events.out.tfevents.*")
         records, torn = _records(events)
         assert len(records) > 100
         if torn:
-            assert events.stat().st_size % PAGE == 0, "a record torn inside a page"
+            size = events.stat().st_size
+            assert size % PAGE == 0, "a record torn inside a page"
+            assert (size - torn) // PAGE == size // PAGE - 1, "the torn record crosses no page"
 
 
 FILE_SIZE_LIMIT = """

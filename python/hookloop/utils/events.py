@@ -273,9 +273,10 @@ class JSONWriter(_NativeFileWriter):
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
     Formatting and I/O happen on the writer's own thread; ``write()`` only takes a snapshot.
-    Lines reach the file in write calls of whole lines and at most 4 KiB (a longer line gets
-    its own). A process killed with SIGKILL can still leave its last line torn at a 4 KiB
-    offset of the file (rarely: the kill must land while the line crossing that offset is
+    Lines reach the file in write calls of whole lines that lie within one 4 KiB page of the
+    file; a line that crosses a page boundary gets a write call of its own. A process killed
+    with SIGKILL can still leave its last line torn, only a line that crosses a 4096-aligned
+    offset of the file and cut at that offset (rarely: the kill must land while that line is
     copied); a reader that skips an unterminated last line sees only whole lines, and opening
     the file again (the next run's ``JSONWriter``) cuts the torn tail off. Opening keeps a
     whole last object that lacks its newline, and refuses (``ValueError``) a file whose first

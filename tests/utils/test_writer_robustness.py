@@ -462,6 +462,39 @@ def test_iterations_beyond_2_53_are_refused_not_rounded():
         assert s.history("a").values() == [(1.0, 2**53)]
 
 
+def test_every_entry_point_of_an_iteration_refuses_beyond_2_53():
+    from hookloop import _core
+    from hookloop.engine import TrainerBase
+
+    # One rule (the core's exact_iter), named by the argument at each entry point.
+    for bad in (2**53 + 1, -(2**53) - 1, 2**63 - 1):
+        with pytest.raises(OverflowError, match="start_iter .*2\\*\\*53"):
+            EventStorage(start_iter=bad)
+        with pytest.raises(OverflowError, match="iteration .*2\\*\\*53"):
+            _core.HistoryBuffer().update(1.0, bad)
+    assert EventStorage(start_iter=2**53).iter == 2**53
+    assert EventStorage(start_iter=-(2**53)).iter == -(2**53)
+    # A saved state with an iteration beyond it (hand-made: no storage can produce one).
+    with EventStorage(start_iter=7) as s:
+        s.put_scalar("a", 1.0)
+        state = s._state()
+    bad_iter = dict(state, iter=2**53 + 1)
+    with pytest.raises(OverflowError, match="iter .*2\\*\\*53"):
+        EventStorage()._load_state(bad_iter)
+    (name, hint, value, _, hist) = state["scalars"][0]
+    bad_latest = dict(state, scalars=[(name, hint, value, 2**53 + 1, hist)])
+    with pytest.raises(OverflowError, match="iteration .*2\\*\\*53"):
+        EventStorage()._load_state(bad_latest)
+    loaded = EventStorage()
+    loaded._load_state(state)
+    assert loaded.iter == 7 and loaded.latest()["a"] == (1.0, 7)
+    # The trainer's start_iter reaches the storage, its max_iter the dispatcher.
+    with pytest.raises(OverflowError, match="start_iter .*2\\*\\*53"):
+        TrainerBase().train(2**53 + 1, 2**53 + 2)
+    with pytest.raises(OverflowError, match="max_iter .*2\\*\\*53"):
+        TrainerBase().train(0, 2**60)
+
+
 def _fill(storage, n=300):
     """`n` lines of 4 KiB for a JSONWriter: far more than a pipe holds (64 KiB)."""
     for i in range(n):

@@ -177,7 +177,7 @@ mod tests {
     fn full_line_matches_detectron2_layout() {
         let mut s = storage();
         for i in 0..20 {
-            s.set_iter(i);
+            s.set_iter(i).unwrap();
             s.put_scalar("total_loss", 1.0 + i as f64, true, None)
                 .unwrap();
             s.put_scalar("[metric]acc", 0.5, true, None).unwrap();
@@ -198,7 +198,7 @@ mod tests {
     #[test]
     fn minimal_line_and_end_of_training() {
         let mut s = storage();
-        s.set_iter(5);
+        s.set_iter(5).unwrap();
         let mut p = Printer::new(None, 20, None).unwrap();
         assert_eq!(
             p.format(&mut s, Some(1024.4), 0.0).unwrap().unwrap(),
@@ -211,7 +211,7 @@ mod tests {
     #[test]
     fn epoch_field() {
         let mut s = storage();
-        s.set_iter(250);
+        s.set_iter(250).unwrap();
         let mut p = Printer::new(Some(1000), 20, Some(4)).unwrap();
         let line = p.format(&mut s, None, 0.0).unwrap().unwrap();
         assert!(line.contains("iter: 250  epoch: 2/4  "), "{line}");

@@ -82,10 +82,11 @@ pub enum Payload {
 /// A file owned by the writer thread.
 pub trait Sink: Send {
     /// Formats a payload into the sink's buffer (no I/O; the thread calls `sync` once per
-    /// batch, so a burst of writes is one write call and at most one fsync).
+    /// batch, so a burst of writes is one batch of write calls and at most one fsync).
     fn write(&mut self, payload: Payload) -> Result<()>;
-    /// Appends the buffer to the file in one write call (on error nothing partial stays in
-    /// the file), then fsyncs if the policy says so after each batch.
+    /// Appends the buffer to the file in page-bounded write calls (`crate::append`: on error
+    /// the whole units that reached the file stay, a torn one is cut), then fsyncs if the
+    /// policy says so after each batch.
     fn sync(&mut self) -> Result<()>;
     /// Appends the buffer, syncs per policy, and closes.
     fn close(&mut self) -> Result<()>;

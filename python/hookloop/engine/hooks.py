@@ -714,6 +714,12 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     ``<file_prefix>_<iter:07d>`` of the stop iteration (unless its period just saved it), the
     newest checkpoint a resume continues from at the next iteration. ``after_train`` waits for
     an ``async_save`` checkpointer's save in flight.
+
+    When the trainer runs epochs (a finite data loader: ``trainer.iters_per_epoch`` is not
+    None), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
+    checkpoint) are named ``<file_prefix>_Epoch_<epoch:05d>_Iter_<iter:07d>``, as xmodaler's
+    and cvpods' epoch checkpointers name them; otherwise ``max_epoch``, when given, derives
+    the epoch from the iteration.
     """
 
     def before_train(self) -> None:
@@ -731,11 +737,18 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
             return self.period
         return None
 
+    def _trainer_epoch(self) -> Optional[int]:
+        """``trainer.epoch`` when the trainer runs epochs, else None (read only on saves)."""
+        trainer = self.trainer
+        if getattr(trainer, "iters_per_epoch", None) is None:
+            return None
+        return int(trainer.epoch)
+
     def after_step(self) -> None:
-        # step(self.trainer.iter), inlined. No way to use **kwargs.
+        # step(self.trainer.iter, epoch), inlined. No way to use **kwargs.
         iteration = self.trainer.iter
         if (iteration + 1) % self.period == 0:
-            self._save_periodic(iteration, {"iteration": iteration})
+            self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
         if self.max_iter is not None and iteration >= self.max_iter - 1:
             self.checkpointer.save(f"{self.file_prefix}_final", iteration=iteration)
 
@@ -744,7 +757,7 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         stopped = bool(getattr(trainer, "stopped_early", False))
         iteration = trainer.iter
         if stopped and iteration >= trainer.start_iter and (iteration + 1) % self.period != 0:
-            self._save_periodic(iteration, {"iteration": iteration})
+            self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
         _wait_for_saves(self.checkpointer, _training_finished(trainer) or stopped)
 
 

@@ -179,6 +179,8 @@ class PeriodicWriter(HookBase):
     It is executed every ``period`` iterations and after the last iteration. Note that
     ``period`` does not affect how data is smoothed by each writer. Between periods the
     dispatcher does not call it at all (its period filter, the core's one period rule).
+    In ``before_train`` it gives each writer that has ``_bind_trainer`` the trainer (a weak
+    proxy): :class:`CommonMetricPrinter` then shows the trainer's epoch.
     """
 
     def __init__(self, writers: Iterable[EventWriter], period: int = 20) -> None:
@@ -199,6 +201,11 @@ class PeriodicWriter(HookBase):
         self._period = period
 
     def before_train(self) -> None:
+        for writer in self._writers:
+            # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
+            bind = getattr(writer, "_bind_trainer", None)
+            if bind is not None:
+                bind(self.trainer)
         start_iter = self.trainer.start_iter
         if start_iter > 0:
             # A resumed run: drop what a killed run wrote for iterations >= start_iter, so the

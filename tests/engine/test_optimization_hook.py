@@ -266,3 +266,18 @@ def test_a_wrapped_simple_trainer_is_used_as_in_default_trainer():
     trainer.train(0, 12)
     _assert_close(model, _reference(3, 4))
     assert inner.step_optimizer
+
+
+def test_a_step_with_no_gradients_at_all_is_a_plain_step():
+    # Nothing ran a backward (a frozen model, a step that skipped its loss): the step finds no
+    # gradient to divide and steps nothing, as optimizer.step() would.
+    class NoBackward(SimpleTrainer):
+        def run_step(self):
+            pass
+
+    model = Model()
+    before = model.lin.weight.detach().clone()
+    trainer = NoBackward(model, _data(1, B), torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer.register_hooks([OptimizationHook(accumulate_grad_steps=2)])
+    trainer.train(0, 4)
+    assert torch.equal(model.lin.weight, before)

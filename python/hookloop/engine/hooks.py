@@ -201,6 +201,7 @@ class PeriodicWriter(HookBase):
         self._period = period
 
     def before_train(self) -> None:
+        self._waits = hasattr(self.trainer, "_wait_for_metric_writes")
         for writer in self._writers:
             # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
             bind = getattr(writer, "_bind_trainer", None)
@@ -226,14 +227,21 @@ class PeriodicWriter(HookBase):
             return self._period
         return None
 
+    # Whether the trainer has _wait_for_metric_writes (read in before_train: a missing
+    # attribute looked up every iteration costs an AttributeError); None: not known yet.
+    _waits: Optional[bool] = None
+
     def after_step(self) -> None:
         trainer = self.trainer
-        if _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
+        # Period 1 is due at every iteration (a live ProgressBar): no need to ask the core.
+        if self._period == 1 or _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
             # SimpleTrainer(async_write_metrics=True): the losses of this iteration may still
             # be on their way to the storage; detectron2 writes without them.
-            wait = getattr(trainer, "_wait_for_metric_writes", None)
-            if wait is not None:
-                wait()
+            waits = self._waits
+            if waits is None:
+                waits = hasattr(trainer, "_wait_for_metric_writes")
+            if waits:
+                trainer._wait_for_metric_writes()
             for writer in self._writers:
                 writer.write()
 
@@ -1373,6 +1381,8 @@ class OptimizationHook(HookBase):
         else:
             self.grad_scaler = None
         self._ddp = self._model_ddp() if self.accumulate_grad_steps > 1 else None
+        # Read once: a per-iteration read through the trainer's weak proxy costs more.
+        self._max_iter = trainer.max_iter
         optimizer.zero_grad()
         self._enter_no_sync(trainer.start_iter)
 
@@ -1389,12 +1399,16 @@ class OptimizationHook(HookBase):
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
+    _max_iter: Optional[int] = None
+
     def _due(self, iteration: int) -> bool:
-        return _core.periodic_due(iteration, self.accumulate_grad_steps, self.trainer.max_iter)
+        max_iter = self._max_iter if self._max_iter is not None else self.trainer.max_iter
+        return _core.periodic_due(iteration, self.accumulate_grad_steps, max_iter)
 
     def after_step(self) -> None:
         trainer = self.trainer
         iteration = trainer.iter
+        n = self.accumulate_grad_steps
         if not self._trainer_backward:
             outputs = getattr(trainer, "step_outputs", None)
             try:
@@ -1405,15 +1419,19 @@ class OptimizationHook(HookBase):
                     f"iter {iteration} (a run_step that runs only the forward leaves the loss "
                     f"there)"
                 ) from None
-            if self.accumulate_grad_steps > 1:
-                loss = loss / self.accumulate_grad_steps
+            if n > 1:
+                loss = loss / n
             if self.grad_scaler is not None:
                 loss = self.grad_scaler.scale(loss)
             loss.backward()
-        self._exit_no_sync()
-        if self._due(iteration):
+        ddp = self._ddp
+        if ddp is not None:
+            self._exit_no_sync()
+        max_iter = self._max_iter if self._max_iter is not None else trainer.max_iter
+        if _core.periodic_due(iteration, n, max_iter):
             self._step()
-        self._enter_no_sync(iteration + 1)
+        if ddp is not None:
+            self._enter_no_sync(iteration + 1)
 
     def _step(self) -> None:
         optimizer = self._optimizer
@@ -1424,7 +1442,7 @@ class OptimizationHook(HookBase):
             self._trainer_backward and self.accumulate_grad_steps > 1
         ):
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if self._trainer_backward and self.accumulate_grad_steps > 1:
+            if self._trainer_backward and self.accumulate_grad_steps > 1 and params:
                 # The trainer's backward summed N losses; the step is that of their mean.
                 torch._foreach_div_([p.grad for p in params], float(self.accumulate_grad_steps))
             if self.grad_clipper is not None:

@@ -126,9 +126,10 @@ def _demo(args: argparse.Namespace) -> int:
 
         @classmethod
         def test(cls, cfg: TrainConfig, model: nn.Module) -> Any:
+            net: Any = model
             model.eval()
             with torch.no_grad():
-                logits = model.cls(model.body(val_x))
+                logits = net.cls(net.body(val_x))
                 accuracy = (logits.argmax(1) == val_y).float().mean().item()
                 loss = nn.functional.cross_entropy(logits, val_y).item()
             model.train()

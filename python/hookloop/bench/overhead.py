@@ -1221,9 +1221,7 @@ def main(argv: Optional[Sequence[str]] = None, command: str = "benches/bench_ove
     tmpdir = tempfile.mkdtemp(prefix="hookloop-bench-")
     t0 = time.perf_counter()
     try:
-        rows = run_all(
-            cfg, tmpdir, log=lambda s: print(s, file=sys.stderr, flush=True), only=only
-        )
+        rows = run_all(cfg, tmpdir, log=lambda s: print(s, file=sys.stderr, flush=True), only=only)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     info["seconds"] = round(time.perf_counter() - t0, 1)

@@ -241,7 +241,7 @@ class PeriodicWriter(HookBase):
             if waits is None:
                 waits = hasattr(trainer, "_wait_for_metric_writes")
             if waits:
-                trainer._wait_for_metric_writes()
+                trainer._wait_for_metric_writes()  # type: ignore[attr-defined]
             for writer in self._writers:
                 writer.write()
 
@@ -757,7 +757,7 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         trainer = self.trainer
         if getattr(trainer, "iters_per_epoch", None) is None:
             return None
-        return int(trainer.epoch)
+        return int(trainer.epoch)  # type: ignore[attr-defined]
 
     def after_step(self) -> None:
         # step(self.trainer.iter, epoch), inlined. No way to use **kwargs.

@@ -1279,7 +1279,9 @@ class OptimizationHook(HookBase):
     * A trainer whose ``run_step`` runs only the forward and leaves the loss in
       ``trainer.step_outputs["loss_for_backward"]``: ``after_step`` also runs the backward
       of that loss divided by N (scaled by the hook's own ``GradScaler`` when
-      ``mixed_precision``; the trainer runs its forward under ``torch.autocast``).
+      ``mixed_precision``; the trainer runs its forward under ``torch.autocast``). A
+      ``SimpleTrainer`` subclass that overrides ``run_step`` (cvpods' runners) is told
+      apart at its first step: a loss left in ``step_outputs`` makes it this kind.
 
     Accumulating N steps of batch B gives the update of one step of batch N*B for losses that
     are means over the batch. Under DDP, iterations that do not step run inside
@@ -1333,6 +1335,14 @@ class OptimizationHook(HookBase):
                 return t
         return None
 
+    @staticmethod
+    def _runs_own_step(trainer: SimpleTrainer) -> bool:
+        """Whether ``trainer.run_step`` is SimpleTrainer's or AMPTrainer's own (which run the
+        backward). A subclass's may run only the forward, as cvpods' runners do: the first
+        ``after_step`` then looks for the loss in ``step_outputs``."""
+        # __class__, not type(): the trainer is usually a weak proxy.
+        return trainer.__class__.run_step in (SimpleTrainer.run_step, AMPTrainer.run_step)
+
     def _model_ddp(self) -> Optional[DistributedDataParallel]:
         model = getattr(self._inner() or self.trainer, "model", None)
         return model if isinstance(model, DistributedDataParallel) else None
@@ -1344,7 +1354,8 @@ class OptimizationHook(HookBase):
             stage == "after_step"
             and type(self).after_step is OptimizationHook.after_step
             and self.trainer is not None
-            and self._inner() is not None
+            and (inner := self._inner()) is not None
+            and self._runs_own_step(inner)
             and self._model_ddp() is None
         ):
             return self.accumulate_grad_steps
@@ -1361,9 +1372,13 @@ class OptimizationHook(HookBase):
             )
         self._optimizer = optimizer
         self._trainer_backward = inner is not None
+        # A SimpleTrainer subclass with its own run_step: its first step tells which kind.
+        self._undecided = inner is not None and not self._runs_own_step(inner)
         if inner is not None:
             if isinstance(inner, AMPTrainer):
                 self.grad_scaler = inner.grad_scaler
+            elif self._undecided:
+                self.grad_scaler = None
             elif self.mixed_precision:
                 raise ValueError(
                     "OptimizationHook(mixed_precision=True) with a SimpleTrainer: its backward "
@@ -1409,6 +1424,8 @@ class OptimizationHook(HookBase):
         trainer = self.trainer
         iteration = trainer.iter
         n = self.accumulate_grad_steps
+        if self._undecided:
+            self._decide(trainer)
         if not self._trainer_backward:
             outputs = getattr(trainer, "step_outputs", None)
             try:
@@ -1432,6 +1449,27 @@ class OptimizationHook(HookBase):
             self._step()
         if ddp is not None:
             self._enter_no_sync(iteration + 1)
+
+    _undecided = False
+
+    def _decide(self, trainer: Any) -> None:
+        """After the first step of a SimpleTrainer subclass with its own ``run_step``: a loss
+        left in ``step_outputs["loss_for_backward"]`` means it ran only the forward, and this
+        hook runs the backward; otherwise the trainer ran it, as SimpleTrainer's does."""
+        self._undecided = False
+        outputs = getattr(trainer, "step_outputs", None)
+        if isinstance(outputs, Mapping) and "loss_for_backward" in outputs:
+            self._trainer_backward = False
+            if self.mixed_precision and self.grad_scaler is None:
+                if self._own_scaler is None:
+                    device = _params_device(self._optimizer)
+                    self._own_scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
+                self.grad_scaler = self._own_scaler
+        elif self.mixed_precision and self.grad_scaler is None:
+            raise ValueError(
+                "OptimizationHook(mixed_precision=True) with a SimpleTrainer: its backward "
+                "is not scaled; use AMPTrainer, whose grad_scaler the hook then uses"
+            )
 
     def _step(self) -> None:
         optimizer = self._optimizer

@@ -5,7 +5,9 @@ optimizer step, with gradient accumulation), ``LRScheduler``, ``IterationTimer``
 ``PreciseBN``, an epoch-aware ``PeriodicCheckpointer``, ``EvalHook``, a save-best hook, a
 ``PeriodicWriter`` every log window and a writer of every step; their trainer's ``run_step``
 runs only the forward and leaves the loss in ``trainer.step_outputs["loss_for_backward"]``, and
-counts epochs over a finite loader. The run is checked against a hand-written loop.
+counts epochs over a finite loader. Two such trainers, one on ``TrainerBase`` (xmodaler's
+kind, its epoch from the iteration) and one subclassing ``SimpleTrainer`` (cvpods' kind, the
+trainer's own epochs), are each checked against a hand-written loop.
 """
 
 from __future__ import annotations
@@ -90,6 +92,30 @@ class Runner(TrainerBase):
         self.step_outputs = {"loss_for_backward": sum(losses.values())}
 
 
+class SimpleRunner(SimpleTrainer):
+    """cvpods style: a SimpleTrainer subclass whose ``run_step`` runs only the forward; the
+    trainer's own epochs (the next pass over the finite loader, ``set_epoch``)."""
+
+    def __init__(self, model, data_loader, optimizer, scheduler):
+        super().__init__(model, data_loader, optimizer)
+        self.scheduler = scheduler
+        self.step_outputs = {}
+
+    def run_step(self):
+        start = time.perf_counter()
+        try:
+            batch = next(self._data_loader_iter)
+        except StopIteration:
+            batch = self._next_epoch()  # SimpleTrainer's: epoch += 1, set_epoch, a new pass
+        data_time = time.perf_counter() - start
+        losses = _losses(self.model, batch)
+        self.write_metrics(losses, data_time, self.iter)
+        self.step_outputs = {"loss_for_backward": sum(losses.values())}
+
+
+RUNNERS = {"TrainerBase": Runner, "SimpleTrainer": SimpleRunner}
+
+
 def _hand_written_loop():
     """The same training without hooks: accumulate 2, step, zero, schedule; per iteration the
     loss; and every weight update exactly as the hooks should make it."""
@@ -112,13 +138,13 @@ def _hand_written_loop():
     return model, losses
 
 
-@pytest.fixture
-def run(tmp_path, caplog):
+@pytest.fixture(params=list(RUNNERS))
+def run(request, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hookloop")
     dataset = _data()
     model = _model()
     optimizer, scheduler = _optimizer_and_schedule(model)
-    trainer = Runner(model, _loader(dataset), optimizer, scheduler)
+    trainer = RUNNERS[request.param](model, _loader(dataset), optimizer, scheduler)
     checkpointer = Checkpointer(model, str(tmp_path), trainer=trainer)
 
     evals = []  # (iteration, val loss, the weights evaluated)
@@ -190,7 +216,7 @@ def test_checkpoints_are_named_by_epoch_and_the_final_one_resumes(run):
     saved = torch.load(out / "model_Epoch_00001_Iter_0000019.pth", weights_only=False)
     assert saved["trainer"]["iteration"] == 19
     # A new runner resumes from last_checkpoint at the end of the run.
-    again = Runner(_model(), _loader(_data()), *_optimizer_and_schedule(_model()))
+    again = type(trainer)(_model(), _loader(_data()), *_optimizer_and_schedule(_model()))
     resumed = Checkpointer(again.model, str(out), trainer=again)
     resumed.resume_or_load("", resume=True)
     assert again.iter == MAX_ITER - 1

@@ -82,6 +82,7 @@ def test_bench_quick_prints_a_table_and_json_and_measures_a_hook(
     proc = capsys.readouterr()
     table = [line for line in proc.out.splitlines() if line.startswith("|")]
     assert table[0].startswith("| section | measurement | unit | bare loop | hookloop | reference")
+    assert table[0].endswith("| n × repeats | target | met |")
     sections = {line.split("|")[1].strip() for line in table[2:]}
     assert sections == {"dispatch", "stack", "mlp", "storage", "hook"}
     assert "build_profile: release" in proc.out
@@ -101,12 +102,97 @@ def test_bench_quick_prints_a_table_and_json_and_measures_a_hook(
         by_section.setdefault(r["section"], r)  # each section's first row
     assert _finite(by_section["dispatch"]["reference"]) and _finite(by_section["dispatch"]["bare"])
     assert by_section["mlp"]["higher_is_better"] and _finite(by_section["mlp"]["reference"])
+    _check_mlp_rows(data["rows"], table)
     hook_rows = [r for r in data["rows"] if r["section"] == "hook"]
     assert len(hook_rows) == 2 and "user_hooks:CountSteps" in hook_rows[0]["what"]
     # one untimed warm-up run and the timed repetitions, each a full train() with the hook
     runs = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(runs) == 1 + data["sizes"]["hook_repeats"]
     assert all(r["calls"] == 2 * r["max_iter"] == 2 * data["sizes"]["hook_n"] for r in runs)
+
+
+MLP_ROWS = [
+    # (what the row names, its unit, its target)
+    ("SimpleTrainer, no hooks", "× hand loop's steps/s", 0.99),
+    ("LRScheduler(MultiStepLR)", "× hand loop's steps/s", 0.97),
+    ("the user's own bookkeeping", "× bookkeeping hand loop's steps/s", 0.99),
+    ("LRScheduler(LRMultiplier(WarmupParamScheduler(MultiStepParamScheduler))",
+     "× hand loop's steps/s", 0.98),
+]  # fmt: skip
+
+
+def _check_mlp_rows(rows: List[dict], table: List[str]) -> None:
+    """The mlp section's four rows, in order, each with its goal; met is hookloop's median
+    against it (no timing is asserted: only that the verdict follows from the figures)."""
+    mlp = [r for r in rows if r["section"] == "mlp"]
+    assert len(mlp) == len(MLP_ROWS)
+    for row, (what, unit, target) in zip(mlp, MLP_ROWS):
+        assert what in row["what"] and row["unit"] == unit, row
+        assert row["higher_is_better"] and row["target_value"] == target
+        assert row["target"] == f"≥ {target:g}"
+        assert row["met"] == (row["hookloop"]["median"] >= target)
+        assert _finite(row["hookloop"]) and _finite(row["reference"]), row
+    # the two floors: the hand-written loops' steps/s
+    assert _finite(mlp[0]["bare"]) and _finite(mlp[2]["bare"])
+    lines = [line for line in table if line.startswith("| mlp |")]
+    for line, row in zip(lines, mlp):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[-2:] == [row["target"], "yes" if row["met"] else "**no**"]
+
+
+def test_native_schedule_gives_multistep_lrs(tmp_path: Path) -> None:
+    """The native-schedule rows compare like with like: every trained iteration gets the LR
+    torch's MultiStepLR gives it, for hookloop's schedule classes and the reference's."""
+    from hookloop.bench import tiny_mlp
+
+    n = 45
+
+    def lrs(sched: Any, opt: torch.optim.Optimizer) -> List[float]:
+        out = []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    _, opt, sched = tiny_mlp.build()
+    expected = lrs(sched, opt)
+    for impl in ("hl", "ref"):
+        _, opt, _ = tiny_mlp.build()
+        assert lrs(tiny_mlp.native_scheduler(impl, opt, n), opt) == expected, impl
+    assert tiny_mlp.native_available("hl") and tiny_mlp.native_available("ref")
+    # and the trainer built with it puts those LRs
+    t = tiny_mlp.make_trainer("hl", torch.device("cpu"), tiny_mlp.make_batches(count=4), n,
+                              str(tmp_path), "native")  # fmt: skip
+    t.train(0, n)
+    assert [v for v, _ in t.storage.history("lr").values()] == expected
+
+
+def test_bookkeeping_loop_reads_and_logs_every_20_steps(monkeypatch: Any) -> None:
+    import logging
+
+    from hookloop.bench import tiny_mlp
+
+    log = tiny_mlp.hand_logger()
+    assert not log.propagate and log.isEnabledFor(logging.INFO)
+    assert any(isinstance(h, logging.NullHandler) for h in log.handlers)
+    records: List[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    reads: List[int] = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or item(self))
+    try:
+        model, opt, sched = tiny_mlp.build()
+        data = iter(tiny_mlp.make_batches(count=45))
+        tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, 45)
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage().split()[:2] for r in records] == [["iter:", "19"], ["iter:", "39"]]
+    assert "total_loss:" in records[0].getMessage() and "lr: 0.001" in records[0].getMessage()
+    assert len(reads) == 2
+    assert sched.last_epoch == 45  # stepped every step
 
 
 def _usage_error(capsys: Any, argv: List[str]) -> str:
@@ -168,6 +254,13 @@ FAKE_DETECTRON2 = {
     "utils/__init__.py": "",
     "utils/events.py": "from hookloop._d2_reference import CommonMetricPrinter, EventStorage, "
     "JSONWriter, TensorboardXWriter\n",
+    "solver/__init__.py": "from hookloop._d2_reference import LRMultiplier, WarmupParamScheduler\n",
+}
+# detectron2's schedules come from fvcore
+FAKE_FVCORE = {
+    "__init__.py": "",
+    "common/__init__.py": "",
+    "common/param_scheduler.py": "from hookloop._d2_reference import MultiStepParamScheduler\n",
 }
 
 
@@ -177,18 +270,21 @@ def fake_detectron2(tmp_path: Path, monkeypatch: Any) -> Iterator[None]:
     detectron2 column's code path here, where detectron2 is not installed."""
     from hookloop.bench import overhead, tiny_mlp
 
-    for name, text in FAKE_DETECTRON2.items():
-        path = tmp_path / "fake" / "detectron2" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+    for package, files in (("detectron2", FAKE_DETECTRON2), ("fvcore", FAKE_FVCORE)):
+        for name, text in files.items():
+            path = tmp_path / "fake" / package / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path / "fake"))
     overhead.engine.cache_clear()
+    tiny_mlp.native_available.cache_clear()
     try:
         yield
     finally:
-        for name in [m for m in sys.modules if m == "detectron2" or m.startswith("detectron2.")]:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("detectron2", "fvcore")]:
             del sys.modules[name]
         overhead.engine.cache_clear()
+        tiny_mlp.native_available.cache_clear()
         tiny_mlp._TIMED.clear()
 
 
@@ -203,6 +299,7 @@ def test_detectron2_gets_a_column_when_importable(tmp_path: Path, capsys: Any) -
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["engines"] == ["hookloop", "reference", "detectron2"]
     assert {r["section"] for r in data["rows"]} == {"dispatch", "mlp"}
+    # every row, the native-schedule one too (detectron2.solver's and fvcore's classes)
     assert all(_finite(r["detectron2"]) for r in data["rows"])
 
 
@@ -232,6 +329,7 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     assert "| hookloop AMPTrainer + default stack | 42 of 45 | 0 | 0 | finished |" in out
     assert "not checked (--cpu-dry-run" in out
     assert "| bfloat16 |" in out
+    assert "| bookkeeping hand loop |" in out and "hookloop + stack, × the bookkeeping loop" in out
     # armed on the 42 iterations of 45 where PeriodicWriter(period 20) writes nothing, in
     # each trainer's "warn" and "error" runs (the hand-written loops arm "warn" once each)
     modes = gpu_check.dry_run_modes

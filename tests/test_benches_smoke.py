@@ -66,7 +66,7 @@ def test_default_stack_writes_the_same_files(bench: Any, tmp_path: Path) -> None
 
 def test_every_benchmark_runs(bench: Any, tmp_path: Path) -> None:
     rows = bench.run_all(bench.Config.tiny(), str(tmp_path))
-    assert {r.section for r in rows} == {"1", "2", "3", "4", "5", "6", "6b"}
+    assert {r.section for r in rows} == {"1", "2", "3", "3b", "4", "5", "6", "6b"}
     for r in rows:
         assert r.hookloop is not None
         for stat in (r.hookloop, r.reference):
@@ -81,3 +81,11 @@ def test_main_refuses_a_debug_build(bench: Any, monkeypatch: Any, capsys: Any) -
     monkeypatch.setattr(bench.hookloop, "BUILD_PROFILE", "debug")
     assert bench.main(["--quick"]) == 2
     assert "debug" in capsys.readouterr().err
+
+
+def test_only_runs_the_sections_named(bench: Any, tmp_path: Path) -> None:
+    rows = bench.run_all(bench.Config.tiny(), str(tmp_path), only=["idle_hooks"])
+    assert {r.section for r in rows} == {"3b"} and len(rows) == 5
+    assert all(r.met is not None for r in rows if r.target)
+    with pytest.raises(ValueError, match="unknown sections"):
+        bench.run_all(bench.Config.tiny(), str(tmp_path), only=["nope"])

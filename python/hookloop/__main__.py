@@ -1,8 +1,10 @@
 """``python -m hookloop`` / ``hookloop``: the command line.
 
-``hookloop demo`` trains a small model on generated data with ``SimpleTrainer`` and the
-default hooks, printing detectron2-style progress lines and writing ``metrics.json`` and
-TensorBoard event files into its output directory.
+``hookloop demo`` trains a small model on generated data with ``DefaultTrainer`` (warmup +
+cosine schedule, evaluation on held-out data, periodic and best checkpoints), printing
+detectron2-style progress lines (and a live progress bar on a terminal) and writing
+``metrics.json``, TensorBoard event files and checkpoints into its output directory;
+``--resume`` continues from the last checkpoint.
 
 ``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop, the
 pure-Python detectron2-semantics reference and detectron2 (when importable) side by side over
@@ -27,15 +29,11 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from hookloop.checkpoint import Checkpointer
     from hookloop.data import TrainingSampler
-    from hookloop.engine import AMPTrainer, SimpleTrainer, hooks
+    from hookloop.engine import DefaultTrainer, TrainConfig, hooks
     from hookloop.engine.train_loop import HookBase
-    from hookloop.solver import LRMultiplier, WarmupParamScheduler
-    from hookloop.solver.param_scheduler import CosineParamScheduler
-    from hookloop.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
+    from hookloop.utils.progress import ProgressBar
 
-    torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,45 +112,63 @@ def _demo(args: argparse.Namespace) -> int:
             if self.trainer.iter == args.interrupt_at - 1:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    model = Model().to(device)
+    class DemoTrainer(DefaultTrainer):
+        """DefaultTrainer with the demo's model, data and evaluation; its default hooks plus
+        the weight images, a live progress line on a terminal and --interrupt-at."""
 
-    def evaluate() -> Any:
-        model.eval()
-        with torch.no_grad():
-            h = model.body(val_x)
-            accuracy = (model.cls(h).argmax(1) == val_y).float().mean().item()
-            loss = nn.functional.cross_entropy(model.cls(h), val_y).item()
-        model.train()
-        return {"val": {"accuracy": accuracy, "loss_cls": loss}}
+        @classmethod
+        def build_model(cls, cfg: TrainConfig) -> nn.Module:
+            return Model().to(device)
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    trainer_cls = AMPTrainer if args.amp else SimpleTrainer
-    trainer = trainer_cls(model, Batches(), optimizer)
-    warmup = max(1, min(100, args.iters // 10))
-    schedule = WarmupParamScheduler(
-        CosineParamScheduler(1.0, 0.0), 0.001, warmup / args.iters, rescale_interval=True
+        @classmethod
+        def build_train_loader(cls, cfg: TrainConfig) -> Any:
+            return Batches()
+
+        @classmethod
+        def test(cls, cfg: TrainConfig, model: nn.Module) -> Any:
+            net: Any = model
+            model.eval()
+            with torch.no_grad():
+                logits = net.cls(net.body(val_x))
+                accuracy = (logits.argmax(1) == val_y).float().mean().item()
+                loss = nn.functional.cross_entropy(logits, val_y).item()
+            model.train()
+            return {"val": {"accuracy": accuracy, "loss_cls": loss}}
+
+        def build_hooks(self) -> List[Optional[HookBase]]:
+            ret = super().build_hooks()
+            # Before the writers, so that its images are written with the iteration's metrics.
+            writer_at = next(
+                (i for i, h in enumerate(ret) if isinstance(h, hooks.PeriodicWriter)), len(ret)
+            )
+            ret.insert(writer_at, Visualize(max(self.cfg.max_iter // 10, 1)))
+            if sys.stderr.isatty():
+                # Redrawn at most every 0.1 s; between redraws a write is one clock read.
+                ret.append(hooks.PeriodicWriter([ProgressBar(self.cfg.max_iter)], period=1))
+            if args.interrupt_at:
+                ret.append(Interrupt())
+            return ret
+
+    cfg = TrainConfig(
+        max_iter=args.iters,
+        output_dir=str(out),
+        checkpoint_period=args.checkpoint_period,
+        max_to_keep=3,
+        eval_period=args.eval_period,
+        log_period=args.period,
+        amp=args.amp,
+        base_lr=args.lr,
+        weight_decay=0.0,
+        warmup_iters=max(1, min(100, args.iters // 10)),
+        rescale_interval=True,
+        best_metric="val/accuracy",
+        best_mode="max",
+        seed=args.seed,
     )
-    scheduler = LRMultiplier(optimizer, schedule, args.iters)
-    checkpointer = Checkpointer(model, str(out), trainer=trainer)
-    writers = [
-        CommonMetricPrinter(args.iters),
-        JSONWriter(out / "metrics.json"),
-        TensorboardXWriter(out),
-    ]
-    trainer.register_hooks(
-        [
-            hooks.IterationTimer(),
-            hooks.LRScheduler(scheduler=scheduler),
-            Visualize(max(args.iters // 10, 1)),
-            hooks.PeriodicCheckpointer(checkpointer, args.checkpoint_period, max_to_keep=3),
-            hooks.EvalHook(args.eval_period, evaluate),
-            hooks.BestCheckpointer(args.eval_period, checkpointer, "val/accuracy", mode="max"),
-            hooks.PeriodicWriter(writers, period=args.period),
-            *([Interrupt()] if args.interrupt_at else []),
-        ]
-    )
-    checkpointer.resume_or_load("", resume=args.resume)
-    start_iter = trainer.iter + 1 if args.resume and checkpointer.has_checkpoint() else 0
+    trainer = DemoTrainer(cfg)
+    trainer.resume_or_load(resume=args.resume)
+    start_iter = trainer.start_iter
+    checkpointer = trainer.checkpointer
     if start_iter >= args.iters:
         print(f"hookloop demo: {out} already holds a run of {args.iters} iterations")
         return 0
@@ -160,7 +176,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"hookloop demo: resuming from {checkpointer.get_checkpoint_file()}")
     start = time.perf_counter()
     try:
-        trainer.train(start_iter, args.iters)
+        trainer.train()
     except KeyboardInterrupt:
         print(
             f"\nhookloop demo: interrupted at iteration {trainer.iter}; the last checkpoint is "

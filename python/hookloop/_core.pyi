@@ -271,7 +271,11 @@ class CommonMetricPrinter:
         cls, max_iter: Optional[int] = None, window_size: int = 20, epoch: Optional[int] = None
     ) -> CommonMetricPrinter: ...
     def format(
-        self, storage: EventStorage, max_mem_mb: Optional[float], now: float
+        self,
+        storage: EventStorage,
+        max_mem_mb: Optional[float],
+        now: float,
+        epoch: Optional[Tuple[int, int]] = None,
     ) -> Optional[str]: ...
     def _get_eta(self, storage: EventStorage, now: float) -> Optional[str]: ...
     @property

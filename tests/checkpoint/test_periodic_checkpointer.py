@@ -133,8 +133,10 @@ def test_async_max_to_keep_deletes_after_the_new_file_is_written(tmp_path):
 
 def test_step_passes_extra_data(tmp_path):
     periodic = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path)), 2)
-    periodic.step(1, epoch=7)
-    assert torch.load(tmp_path / "model_0000001.pth", weights_only=False)["epoch"] == 7
+    periodic.step(1, epoch=7, note="x")
+    # An epoch names the file, and is saved with the extra data as fvcore's keyword was.
+    saved = torch.load(tmp_path / "model_Epoch_00007_Iter_0000001.pth", weights_only=False)
+    assert (saved["epoch"], saved["note"], saved["iteration"]) == (7, "x", 1)
     periodic.save("manual", a=1)
     assert (tmp_path / "manual.pth").exists()
 
@@ -157,6 +159,8 @@ def test_no_save_dir_means_no_files_and_no_errors(tmp_path):
         ({"max_iter": "5"}, TypeError, "max_iter must be an int"),
         ({"file_prefix": ""}, ValueError, "file_prefix"),
         ({"file_prefix": "a/b"}, ValueError, "file_prefix"),
+        ({"max_epoch": 0}, ValueError, "max_epoch must be positive"),
+        ({"max_epoch": 2.0}, TypeError, "max_epoch must be an int"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, exc, match):
@@ -173,3 +177,71 @@ def test_bad_checkpointer_and_state():
         periodic.load_state_dict({"recent_checkpoints": [1]})
     with pytest.raises(TypeError, match="iteration must be an int"):
         periodic.step("3")
+    with pytest.raises(TypeError, match="epoch must be an int"):
+        periodic.step(3, epoch=1.0)
+    with pytest.raises(ValueError, match="epoch must be >= 0, got -1"):
+        periodic.step(3, epoch=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# epoch-based names (xmodaler / cvpods runners)
+
+
+def test_epoch_names_periodic_files_and_the_final_one_stays_final(tmp_path):
+    periodic = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path)), 5, max_iter=20)
+    for iteration in range(20):
+        periodic.step(iteration, epoch=iteration // 8)
+    assert _pth(tmp_path) == [
+        "model_Epoch_00000_Iter_0000004.pth",
+        "model_Epoch_00001_Iter_0000009.pth",
+        "model_Epoch_00001_Iter_0000014.pth",
+        "model_Epoch_00002_Iter_0000019.pth",
+        "model_final.pth",
+    ]
+    assert (tmp_path / "last_checkpoint").read_text() == "model_final.pth"
+    final = torch.load(tmp_path / "model_final.pth", weights_only=False)
+    assert (final["iteration"], final["epoch"]) == (19, 2)
+
+
+def test_max_epoch_derives_the_epoch_when_step_is_not_told(tmp_path):
+    # 22 iterations in 4 epochs: ceil(22 / 4) = 6 iterations each (the last one shorter).
+    periodic = PeriodicCheckpointer(
+        Checkpointer(_model(), str(tmp_path)), 4, max_iter=22, max_epoch=4, file_prefix="m"
+    )
+    for iteration in range(22):
+        periodic.step(iteration)
+    assert _pth(tmp_path) == [
+        "m_Epoch_00000_Iter_0000003.pth",
+        "m_Epoch_00001_Iter_0000007.pth",
+        "m_Epoch_00001_Iter_0000011.pth",
+        "m_Epoch_00002_Iter_0000015.pth",
+        "m_Epoch_00003_Iter_0000019.pth",
+        "m_final.pth",
+    ]
+    # Without max_iter there is nothing to split: detectron2's names.
+    periodic = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path / "b")), 4, max_epoch=4)
+    periodic.step(3)
+    assert _pth(tmp_path / "b") == ["model_0000003.pth"]
+
+
+def test_max_to_keep_counts_both_naming_styles(tmp_path):
+    others = _other_owners(tmp_path)
+    # A run that saved iteration-style files, then a restart that names them by epoch.
+    first = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path)), 10, max_to_keep=3)
+    for iteration in range(30):
+        first.step(iteration)
+    second = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path)), 10, max_to_keep=3)
+    second.load_state_dict(first.state_dict())
+    second.step(39, epoch=3)
+    assert _pth(tmp_path) == sorted(
+        others + ["model_0000019.pth", "model_0000029.pth", "model_Epoch_00003_Iter_0000039.pth"]
+    )
+    # A third process without the keep-list: older files of both styles go, oldest first.
+    third = PeriodicCheckpointer(Checkpointer(_model(), str(tmp_path)), 10, max_to_keep=2)
+    third.step(49, epoch=4)
+    assert _pth(tmp_path) == sorted(
+        others + ["model_Epoch_00003_Iter_0000039.pth", "model_Epoch_00004_Iter_0000049.pth"]
+    )
+    assert third.state_dict() == {"recent_checkpoints": ["model_Epoch_00004_Iter_0000049.pth"]}
+    ckpt = Checkpointer(_model(), str(tmp_path))
+    assert ckpt.get_checkpoint_file() == str(tmp_path / "model_Epoch_00004_Iter_0000049.pth")

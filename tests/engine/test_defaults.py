@@ -399,6 +399,34 @@ def test_short_run_writes_metrics_events_and_checkpoints(tmp_path):
     assert state["iteration"] == 19 and state["trainer"]["_trainer"]["iteration"] == 19
 
 
+def test_a_finite_loader_runs_epochs_named_in_checkpoints_and_log_lines(tmp_path, caplog):
+    class EpochTrainer(ToyTrainer):
+        @classmethod
+        def build_train_loader(cls, cfg: TrainConfig) -> Any:
+            g = torch.Generator().manual_seed(123)
+            xs = torch.randn(64, DIM, generator=g)
+            return DataLoader(TensorDataset(xs, xs.sum(1, keepdim=True)), batch_size=8)
+
+    caplog.set_level(logging.INFO, logger="hookloop")
+    trainer = EpochTrainer(config(tmp_path))  # 20 iterations of 8 batches: 3 epochs
+    assert (trainer.iters_per_epoch, trainer.epoch) == (8, 0)
+    trainer.train()
+    assert trainer.epoch == 2
+    names = sorted(p.name for p in tmp_path.glob("*.pth"))
+    assert names == [
+        "model_Epoch_00001_Iter_0000009.pth",
+        "model_Epoch_00002_Iter_0000019.pth",
+        "model_final.pth",
+    ]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hookloop.utils.events"]
+    assert [line.split("  iter: ")[1].split("  total_loss")[0] for line in lines] == [
+        "4  epoch: 1/3",
+        "9  epoch: 2/3",
+        "14  epoch: 2/3",
+        "19  epoch: 3/3",
+    ]
+
+
 class StopAt(HookBase):
     """Fails the run at the start of iteration `at` (a crash after a checkpoint)."""
 

@@ -85,3 +85,88 @@ def test_a_loader_with_no_batches_is_a_clear_error():
     trainer = SimpleTrainer(model, [], torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="yields no batches"):
         trainer.train(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# PeriodicCheckpointer names files by epoch when the trainer runs epochs
+
+
+def _pth(d):
+    return sorted(p.name for p in d.glob("*.pth"))
+
+
+def test_periodic_checkpointer_hook_names_files_by_the_trainers_epoch(tmp_path):
+    from hookloop.checkpoint import Checkpointer
+    from hookloop.engine import hooks
+
+    trainer, model, _ = make()
+    ckpt = Checkpointer(model, str(tmp_path), trainer=trainer)
+    trainer.register_hooks([hooks.PeriodicCheckpointer(ckpt, 6, max_to_keep=3)])
+    trainer.train(0, 30)  # 10 batches an epoch: iteration 9 is the last one of epoch 0
+    assert _pth(tmp_path) == [
+        "model_Epoch_00001_Iter_0000017.pth",
+        "model_Epoch_00002_Iter_0000023.pth",
+        "model_Epoch_00002_Iter_0000029.pth",
+        "model_final.pth",
+    ]
+    assert ckpt.get_checkpoint_file() == str(tmp_path / "model_final.pth")
+
+
+def test_periodic_checkpointer_hook_without_epochs_keeps_detectron2_names(tmp_path):
+    from hookloop.checkpoint import Checkpointer
+    from hookloop.engine import hooks
+
+    model = Model()
+
+    def forever():
+        while True:
+            yield (torch.ones(2),)
+
+    trainer = SimpleTrainer(model, forever(), torch.optim.SGD(model.parameters(), lr=0.01))
+    assert trainer.iters_per_epoch is None
+    ckpt = Checkpointer(model, str(tmp_path), trainer=trainer)
+    trainer.register_hooks([hooks.PeriodicCheckpointer(ckpt, 5)])
+    trainer.train(0, 10)
+    assert _pth(tmp_path) == ["model_0000004.pth", "model_0000009.pth", "model_final.pth"]
+
+
+def test_stop_checkpoint_named_by_epoch_and_resume_finds_it(tmp_path):
+    """request_stop() at iteration 13 (4 batches into epoch 1) saves an epoch-named file;
+    a new process resumes from last_checkpoint and ends where an uninterrupted run does."""
+    from hookloop.checkpoint import Checkpointer
+    from hookloop.engine import hooks
+
+    straight, model_a, _ = make()
+    straight.train(0, 30)
+
+    class StopAt(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 13:
+                self.trainer.request_stop()
+
+    first, model_b, _ = make()
+    ckpt = Checkpointer(model_b, str(tmp_path), trainer=first)
+    first.register_hooks([hooks.PeriodicCheckpointer(ckpt, 10), StopAt()])
+    first.train(0, 30)
+    assert first.iter == 13 and first.epoch == 1
+    assert _pth(tmp_path) == [
+        "model_Epoch_00000_Iter_0000009.pth",
+        "model_Epoch_00001_Iter_0000013.pth",
+    ]
+
+    second, model_c, sampler = make()
+    ckpt = Checkpointer(model_c, str(tmp_path), trainer=second)
+    second.register_hooks([hooks.PeriodicCheckpointer(ckpt, 10)])
+    assert ckpt.get_checkpoint_file() == str(tmp_path / "model_Epoch_00001_Iter_0000013.pth")
+    ckpt.resume_or_load("", resume=True)
+    assert (second.iter, second.epoch) == (13, 1)
+    second.train(second.iter + 1, 30)
+    assert model_b.seen + model_c.seen == model_a.seen
+    assert torch.equal(model_c.w, model_a.w)
+    assert _pth(tmp_path) == [
+        "model_Epoch_00000_Iter_0000009.pth",
+        "model_Epoch_00001_Iter_0000013.pth",
+        "model_Epoch_00001_Iter_0000019.pth",
+        "model_Epoch_00002_Iter_0000029.pth",
+        "model_final.pth",
+    ]

@@ -266,3 +266,50 @@ def test_a_wrapped_simple_trainer_is_used_as_in_default_trainer():
     trainer.train(0, 12)
     _assert_close(model, _reference(3, 4))
     assert inner.step_optimizer
+
+
+def test_a_step_with_no_gradients_at_all_is_a_plain_step():
+    # Nothing ran a backward (a frozen model, a step that skipped its loss): the step finds no
+    # gradient to divide and steps nothing, as optimizer.step() would.
+    class NoBackward(SimpleTrainer):
+        def run_step(self):
+            pass
+
+    model = Model()
+    before = model.lin.weight.detach().clone()
+    trainer = NoBackward(model, _data(1, B), torch.optim.SGD(model.parameters(), lr=0.1))
+    trainer.register_hooks([OptimizationHook(accumulate_grad_steps=2)])
+    trainer.train(0, 4)
+    assert torch.equal(model.lin.weight, before)
+
+
+def test_a_simple_trainer_subclass_whose_run_step_runs_only_the_forward():
+    """cvpods' runners subclass their SimpleTrainer and override run_step with the forward
+    alone: the hook sees the loss in step_outputs and runs the backward itself."""
+
+    class Runner(SimpleTrainer):
+        def run_step(self):
+            try:
+                batch = next(self._data_loader_iter)
+            except StopIteration:
+                batch = self._next_epoch()
+            self.step_outputs = {"loss_for_backward": self.model(batch)}
+
+    model = Model()
+    trainer = Runner(model, _data(4, B), _sgd(model))  # 2 epochs of 4 batches
+    trainer.register_hooks([OptimizationHook(accumulate_grad_steps=4)])
+    trainer.train(0, 8)
+    assert trainer.epoch == 1
+    _assert_close(model, _two_steps_of_4b_twice())
+    assert trainer.step_optimizer is True  # restored after training
+
+
+def _two_steps_of_4b_twice():
+    # 8 iterations of batch B, accumulating 4: one step per epoch over the same 4 batches, as
+    # two plain steps of batch 4B over those batches.
+    model = Model()
+    batches = _data(4, B)
+    big = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    trainer = SimpleTrainer(model, [big, big], _sgd(model))
+    trainer.train(0, 2)
+    return model

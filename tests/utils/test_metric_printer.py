@@ -291,3 +291,77 @@ def test_loss_format_examples(log, value, text):
         CommonMetricPrinter().write()
     assert f" loss: {text}  " in _lines(log)[-1]
     assert format(value, ".4g") == text
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's epochs (PeriodicWriter gives the printer its trainer)
+
+
+def _epoch_run(log, iters_per_epoch, max_iter=25, period=10):
+    from hookloop.engine import PeriodicWriter, TrainerBase
+
+    class Runner(TrainerBase):
+        """Counts epochs as SimpleTrainer does over a finite loader of 10 batches."""
+
+        epoch = 0
+
+        def run_step(self):
+            if iters_per_epoch:
+                self.epoch = self.iter // iters_per_epoch
+            self.storage.put_scalars(total_loss=0.75, time=0.5)
+
+    trainer = Runner()
+    trainer.iters_per_epoch = iters_per_epoch
+    trainer.register_hooks([PeriodicWriter([CommonMetricPrinter(max_iter)], period=period)])
+    trainer.train(0, max_iter)
+    return _lines(log)
+
+
+def test_line_shows_the_trainers_epoch(log):
+    mem = _max_mem_mb()
+    tail = "" if mem is None else f"max_mem: {mem:.0f}M"
+    # 25 iterations of a 10-batch loader: 3 epochs; written at 9, 19 and 24 (the last).
+    assert _epoch_run(log, 10) == [
+        " eta: 0:00:07  iter: 9  epoch: 1/3  total_loss: 0.75    time: 0.5000  "
+        "last_time: 0.5000   lr: N/A  " + tail,
+        " eta: 0:00:02  iter: 19  epoch: 2/3  total_loss: 0.75    time: 0.5000  "
+        "last_time: 0.5000   lr: N/A  " + tail,
+        " eta: 0:00:00  iter: 24  epoch: 3/3  total_loss: 0.75    time: 0.5000  "
+        "last_time: 0.5000   lr: N/A  " + tail,
+    ]
+
+
+def test_line_without_epochs_is_detectron2s(log):
+    lines = _epoch_run(log, None)
+    oracle = ref.CommonMetricPrinterRef(25)
+    with EventStorage(9) as s:
+        for i in range(10):
+            s.iter = i
+            s.put_scalars(total_loss=0.75, time=0.5)
+        expected, _ = oracle.line(s, _max_mem_mb())
+    assert lines[0] == expected
+    assert "epoch" not in "".join(lines)
+
+
+def test_printer_holds_its_trainer_weakly(log):
+    import gc
+
+    from hookloop.engine import TrainerBase
+
+    class Runner(TrainerBase):
+        iters_per_epoch, epoch, max_iter = 10, 1, 30
+
+        def run_step(self):
+            pass
+
+    printer, trainer = CommonMetricPrinter(30), Runner()
+    printer._bind_trainer(trainer)
+    with EventStorage(12) as s:
+        s.put_scalar("total_loss", 0.5)
+        printer.write()
+        del trainer
+        gc.collect()
+        printer.write()  # the trainer is gone: the line has no epoch, and nothing raises
+    first, second = _lines(log)
+    assert " iter: 12  epoch: 2/3  total_loss: 0.5  " in first
+    assert " iter: 12  total_loss: 0.5  " in second

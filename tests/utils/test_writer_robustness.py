@@ -44,21 +44,20 @@ def _records(path):
     return out, len(data) - pos
 
 
-# Lines and records of about 3 KiB: under the 4 KiB the guarantee covers, long enough that a
-# batch of them spans many pages.
+# Lines and records of 0.2 to 3 KiB: several to a page, and many that cross a page boundary.
 KILLED = """
     import sys
     from hookloop.utils.events import EventStorage, JSONWriter, TensorboardXWriter
 
     out = sys.argv[1]
-    pad = "p" * 3000
+    pads = ["p" * n for n in (200, 3000, 700, 1500, 300)]
     json_writer = JSONWriter(out + "/metrics.json", fsync="never")
     tb_writer = TensorboardXWriter(out + "/tb", window_size=1, fsync="never")
     with EventStorage() as s:
         i = 0
         while True:
             s.iter = i
-            s.put_scalar(pad, float(i), smoothing_hint=False)
+            s.put_scalar(pads[i % len(pads)], float(i), smoothing_hint=False)
             json_writer.write()
             tb_writer.write()
             i += 1
@@ -84,8 +83,7 @@ def test_sigkill_leaves_only_whole_lines_and_records(tmp_path):
             proc.wait(TIMEOUT)
             proc.stderr.close()
         # The documented guarantee: whole lines (records), in order; at most the last one
-        # torn, and then cut at a page boundary of the file (a line that crosses one, caught
-        # by the kill while the first page was copied), never inside a page.
+        # torn, and then only one that crosses a 4096-aligned offset of the file, cut at it.
         data = metrics.read_bytes()
         whole, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
         rows = [json.loads(line) for line in whole.splitlines()]
@@ -93,12 +91,15 @@ def test_sigkill_leaves_only_whole_lines_and_records(tmp_path):
         assert len(rows) > 100
         if tail:
             assert len(data) % PAGE == 0, f"torn inside a page: ...{tail[-40:]!r}"
-            assert tail.startswith(b"{") and len(tail) <= PAGE
+            assert tail.startswith(b"{"), "torn between lines"
+            assert len(whole) // PAGE == len(data) // PAGE - 1, "the torn line crosses no page"
         (events,) = (out / "tb").glob("events.out.tfevents.*")
         records, torn = _records(events)
         assert len(records) > 100
         if torn:
-            assert events.stat().st_size % PAGE == 0, "a record torn inside a page"
+            size = events.stat().st_size
+            assert size % PAGE == 0, "a record torn inside a page"
+            assert (size - torn) // PAGE == size // PAGE - 1, "the torn record crosses no page"
 
 
 FILE_SIZE_LIMIT = """
@@ -461,48 +462,145 @@ def test_iterations_beyond_2_53_are_refused_not_rounded():
         assert s.history("a").values() == [(1.0, 2**53)]
 
 
+def test_every_entry_point_of_an_iteration_refuses_beyond_2_53():
+    from hookloop import _core
+    from hookloop.engine import TrainerBase
+
+    # One rule (the core's exact_iter), named by the argument at each entry point.
+    for bad in (2**53 + 1, -(2**53) - 1, 2**63 - 1):
+        with pytest.raises(OverflowError, match="start_iter .*2\\*\\*53"):
+            EventStorage(start_iter=bad)
+        with pytest.raises(OverflowError, match="iteration .*2\\*\\*53"):
+            _core.HistoryBuffer().update(1.0, bad)
+    assert EventStorage(start_iter=2**53).iter == 2**53
+    assert EventStorage(start_iter=-(2**53)).iter == -(2**53)
+    # A saved state with an iteration beyond it (hand-made: no storage can produce one).
+    with EventStorage(start_iter=7) as s:
+        s.put_scalar("a", 1.0)
+        state = s._state()
+    bad_iter = dict(state, iter=2**53 + 1)
+    with pytest.raises(OverflowError, match="iter .*2\\*\\*53"):
+        EventStorage()._load_state(bad_iter)
+    (name, hint, value, _, hist) = state["scalars"][0]
+    bad_latest = dict(state, scalars=[(name, hint, value, 2**53 + 1, hist)])
+    with pytest.raises(OverflowError, match="iteration .*2\\*\\*53"):
+        EventStorage()._load_state(bad_latest)
+    loaded = EventStorage()
+    loaded._load_state(state)
+    assert loaded.iter == 7 and loaded.latest()["a"] == (1.0, 7)
+    # The trainer's start_iter reaches the storage, its max_iter the dispatcher.
+    with pytest.raises(OverflowError, match="start_iter .*2\\*\\*53"):
+        TrainerBase().train(2**53 + 1, 2**53 + 2)
+    with pytest.raises(OverflowError, match="max_iter .*2\\*\\*53"):
+        TrainerBase().train(0, 2**60)
+
+
+def _fill(storage, n=300):
+    """`n` lines of 4 KiB for a JSONWriter: far more than a pipe holds (64 KiB)."""
+    for i in range(n):
+        storage.put_scalar(f"{i:04d}" + "x" * 4000, float(i), smoothing_hint=False, cur_iter=i)
+
+
+def _drain_until_closed(reader):
+    """Reads the FIFO until its last writer closed it (bounded)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if not os.read(reader, 1 << 16):
+                return
+        except BlockingIOError:
+            time.sleep(0.01)
+    raise AssertionError("the FIFO's writer never closed it")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
-def test_a_blocked_file_gets_a_bounded_wait_naming_it(tmp_path):
+def test_a_blocked_file_fails_its_own_flush_and_stalls_no_other_writer(tmp_path):
     from hookloop import _core
 
     fifo = tmp_path / "metrics.fifo"
     os.mkfifo(fifo)
-    blocked = JSONWriter(fifo, fsync="never")
-    other = JSONWriter(tmp_path / "other.json", fsync="never")
+    # A reader that never reads: once the pipe is full, the writer's next write blocks.
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    _core._set_writer_timeout(0.3)
-    storage = EventStorage().__enter__()  # leaving it flushes, which would wait on the FIFO
+    blocked = JSONWriter(fifo, fsync="never")
+    json_writer = JSONWriter(tmp_path / "metrics.json", fsync="never")
+    tb_writer = TensorboardXWriter(tmp_path / "tb", window_size=1, fsync="never")
+    storage = EventStorage().__enter__()  # leaving it flushes every writer, the FIFO's too
     try:
-        for i in range(200):  # 200 lines of 1 KiB: more than the pipe holds
-            storage.put_scalar(f"{i}" + "x" * 1000, float(i), smoothing_hint=False, cur_iter=i)
+        _fill(storage)
+        _core._set_writer_timeout(1.0)
         blocked.write()
         with pytest.raises(OSError) as info:
             blocked.flush()
         assert info.value.filename == str(fifo)
         assert "blocked" in str(info.value)
-        # The writer thread is shared: another writer's flush waits as long, naming the FIFO.
-        with pytest.raises(OSError, match="metrics.fifo"):
-            other.flush()
-    finally:
-        # Drain the FIFO (short flushes in between) so the writer thread can finish.
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if not os.read(reader, 1 << 16):
-                    break
-            except BlockingIOError:
-                try:
-                    _core.flush_writers()
-                    break
-                except OSError:
-                    pass
+        # The FIFO holds only its own thread: the other writers write and flush in full.
         _core._set_writer_timeout(None)
-        storage.__exit__(None, None, None)
-        blocked.close()
-        other.close()
+        json_writer.write()
+        tb_writer.write()
+        json_writer.flush()
+        tb_writer.flush()
+        # Interpreter exit's flush fails naming the FIFO (at once: it is still blocked).
+        with pytest.raises(OSError, match="metrics.fifo"):
+            _core.flush_writers()
+        with pytest.raises(OSError, match="metrics.fifo"):
+            blocked.close()
+        json_writer.close()
+        tb_writer.close()
+    finally:
+        _core._set_writer_timeout(None)
+        _drain_until_closed(reader)  # the FIFO's thread finishes, then closes it
         os.close(reader)
+        storage.__exit__(None, None, None)
+        for w in (blocked, json_writer, tb_writer):
+            w.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.json").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(300))
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    records, torn = _records(events)
+    assert torn == 0 and len(records) == 1 + 300  # the file version, then one per scalar
     with pytest.raises(ValueError):
         _core._set_writer_timeout(-1.0)
+
+
+BLOCKED_AT_EXIT = """
+    import os, sys
+    from hookloop.utils.events import EventStorage, JSONWriter
+
+    fifo, other = sys.argv[1], sys.argv[2]
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # never read: the pipe fills
+    blocked = JSONWriter(fifo, fsync="never")
+    fine = JSONWriter(other, fsync="never")
+    storage = EventStorage().__enter__()  # never left: exit is the only flush
+    for i in range(300):
+        storage.put_scalar(f"{i:04d}" + "x" * 4000, float(i), smoothing_hint=False, cur_iter=i)
+    blocked.write()
+    try:
+        blocked.flush()  # waits the writer timeout: the FIFO blocks for good
+    except OSError:
+        pass
+    fine.write()  # after the FIFO blocked: written all the same
+    # exit without close(): the atexit flush waits for the FIFO at most the writer timeout
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_exit_with_a_blocked_file_is_bounded_logs_it_and_flushes_the_others(tmp_path):
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    other = tmp_path / "metrics.json"
+    env = dict(os.environ, HOOKLOOP_WRITER_TIMEOUT="1")
+    done = subprocess.run(
+        _child(BLOCKED_AT_EXIT, fifo, other),
+        capture_output=True,
+        timeout=TIMEOUT,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr  # an atexit handler cannot change it
+    assert "writers not flushed at exit" in done.stderr
+    assert f"blocked writing '{fifo}'" in done.stderr
+    rows = [json.loads(line) for line in other.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(300))
 
 
 @pytest.mark.parametrize("period", [1, 5])

@@ -527,6 +527,121 @@ def bench_loop(cfg: Config, tmpdir: str) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------
+# 3b. hooks that do nothing on most iterations: their cost per iteration there
+
+
+class _FreeLoss:
+    """A loss whose division and backward() cost nothing: what OptimizationHook adds to a
+    forward-only trainer's iteration, without the backward itself."""
+
+    def __truediv__(self, other: Any) -> _FreeLoss:
+        return self
+
+    def backward(self) -> None:
+        pass
+
+
+class _HLForwardOnly(hl_loop.TrainerBase):
+    """A runner-style trainer: run_step leaves the loss in step_outputs (here: once)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.step_outputs = {"loss_for_backward": _FreeLoss()}
+
+    def run_step(self) -> None:
+        pass
+
+
+def bench_idle_hooks(cfg: Config) -> List[Row]:
+    """Hooks whose work is rare, on the iterations without it: OptimizationHook on iterations
+    that do not step, PreemptionHandler without a signal, ProgressBar between redraws."""
+    import io
+
+    from hookloop.utils.progress import ProgressBar
+
+    n = cfg.loop_n
+    # Steps once, at the last iteration (the core's period rule): its one step is included.
+    never = 10 * n
+
+    def simple() -> hl_loop.SimpleTrainer:
+        # A plain SimpleTrainer (OptimizationHook leaves it the backward and is skipped on the
+        # iterations that do not step), whose step does nothing: replaced on the instance,
+        # which the hook does not look at (a subclass's run_step would make it look).
+        model = torch.nn.Linear(1, 1)
+        t = hl_loop.SimpleTrainer(model, [None], torch.optim.SGD(model.parameters(), lr=0.1))
+        t.run_step = lambda: None  # type: ignore[method-assign]
+        return t
+
+    sim0, sim_opt = simple(), simple()
+    sim_opt.register_hooks([hl_hooks.OptimizationHook(accumulate_grad_steps=never)])
+    param = torch.nn.Parameter(torch.zeros(1))
+    fwd0 = _HLForwardOnly(torch.optim.SGD([param], lr=0.1))
+    fwd_opt = _HLForwardOnly(torch.optim.SGD([param], lr=0.1))
+    fwd_opt.register_hooks([hl_hooks.OptimizationHook(accumulate_grad_steps=never)])
+    hl0, pre, bar_t = _HLNoOp(), _HLNoOp(), _HLNoOp()
+    pre.register_hooks([hl_hooks.PreemptionHandler()])
+    # A bar on a "terminal" that redraws at most once an hour: drawn once here, before the
+    # timed runs, so that every timed write() is one between redraws.
+    bar = ProgressBar(n, file=io.StringIO(), terminal=True, refresh_interval=3600.0)
+    with hl_events.EventStorage(0):
+        bar.write()
+    bar_t.register_hooks([hl_hooks.PeriodicWriter([bar], period=1)])
+    has_bar = bar._enabled
+
+    def train(t: Any) -> Callable[[], float]:
+        def f() -> float:
+            t0 = perf_ns()
+            t.train(0, n)
+            return (perf_ns() - t0) / n
+
+        return f
+
+    def bar_writes() -> float:
+        write = bar.write
+        with hl_events.EventStorage(0):
+            t0 = perf_ns()
+            for _ in range(n):
+                write()
+            return (perf_ns() - t0) / n
+
+    def floor() -> float:
+        f = _HLNoOp().run_step
+        t0 = perf_ns()
+        for _ in range(n):
+            f()
+        return (perf_ns() - t0) / n
+
+    variants = {
+        "sim0": train(sim0), "sim_opt": train(sim_opt), "fwd0": train(fwd0),
+        "fwd_opt": train(fwd_opt), "hl0": train(hl0), "pre": train(pre),
+        "bar": train(bar_t), "bar_writes": bar_writes, "floor": floor,
+    }  # fmt: skip
+    res = _interleaved(variants, cfg.repeats)
+
+    def diff(a: str, b: str) -> Stat:
+        return Stat.over(res[a], res[b])
+
+    nn = f"{n:,} × {cfg.repeats}"
+    no_bar = "" if has_bar else " (tqdm not installed: the bar is off)"
+    return [
+        Row("3b", "OptimizationHook, SimpleTrainer (runs the backward), iterations that do not "
+            "step, extra over no hooks (includes its one step, at the last iteration)",
+            "ns/iter", diff("sim_opt", "sim0"), None, nn, "≤ 500 ns", 500.0),
+        Row("3b", "OptimizationHook, forward-only trainer (step_outputs['loss_for_backward'], "
+            "a loss whose backward() is free), iterations that do not step, extra over no "
+            "hooks", "ns/iter", diff("fwd_opt", "fwd0"), None, nn, "≤ 500 ns", 500.0),
+        Row("3b", "PreemptionHandler, no signal, extra over no hooks", "ns/iter",
+            diff("pre", "hl0"), None, nn, "≤ 500 ns", 500.0),
+        Row("3b", "ProgressBar between redraws, in PeriodicWriter(period=1), extra over no "
+            "hooks" + no_bar, "ns/iter", diff("bar", "hl0"), None, nn, "≤ 500 ns", 500.0),
+        Row("3b", "ProgressBar.write() between redraws, per call (a Python loop of calls, "
+            "over the same loop of no-op calls)" + no_bar, "ns/call",
+            diff("bar_writes", "floor"), None, nn),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # 4. SimpleTrainer.write_metrics
 
 
@@ -1021,28 +1136,49 @@ def machine_info(argv: Sequence[str]) -> Dict[str, Any]:
     }
 
 
-SECTIONS = ("put_scalar", "memory", "loop", "write_metrics", "writers", "stack", "breakdown")
+SECTIONS = (
+    "put_scalar",
+    "memory",
+    "loop",
+    "idle_hooks",
+    "write_metrics",
+    "writers",
+    "stack",
+    "breakdown",
+)
 
 
-def run_all(cfg: Config, tmpdir: str, log: Callable[[str], None] = lambda s: None) -> List[Row]:
-    """Runs every section; memory first, while the heap is fresh. Returns rows in table order."""
+def run_all(
+    cfg: Config,
+    tmpdir: str,
+    log: Callable[[str], None] = lambda s: None,
+    only: Optional[Sequence[str]] = None,
+) -> List[Row]:
+    """Runs every section (or those in ``only``); memory first, while the heap is fresh.
+    Returns rows in table order."""
     found: Dict[str, List[Row]] = {}
     steps: List[Tuple[str, Callable[[], List[Row]]]] = [
         ("memory", lambda: bench_memory(cfg)),
         ("put_scalar", lambda: bench_put_scalar(cfg)),
         ("loop", lambda: bench_loop(cfg, tmpdir)),
+        ("idle_hooks", lambda: bench_idle_hooks(cfg)),
         ("write_metrics", lambda: bench_write_metrics(cfg)),
         ("writers", lambda: bench_writers(cfg, tmpdir)),
         ("stack", lambda: bench_stack(cfg, tmpdir)),
         ("breakdown", lambda: bench_breakdown(cfg, tmpdir)),
     ]
+    if only is not None:
+        unknown = [x for x in only if x not in SECTIONS]
+        if unknown:
+            raise ValueError(f"unknown sections {unknown}; the sections are {list(SECTIONS)}")
+        steps = [(name, fn) for name, fn in steps if name in only]
     with printer_logging():
         for name, fn in steps:
             gc.collect()
             t0 = time.perf_counter()
             found[name] = fn()
             log(f"  {name}: {time.perf_counter() - t0:.1f} s")
-    return [r for name in SECTIONS for r in found[name]]
+    return [r for name in SECTIONS if name in found for r in found[name]]
 
 
 def main(argv: Optional[Sequence[str]] = None, command: str = "benches/bench_overhead.py") -> int:
@@ -1052,7 +1188,18 @@ def main(argv: Optional[Sequence[str]] = None, command: str = "benches/bench_ove
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller n (about 30 s)")
     p.add_argument("--json", metavar="OUT", help="also write the rows and machine as JSON")
+    p.add_argument(
+        "--only",
+        metavar="SECTIONS",
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
+    )
     args = p.parse_args(argv)
+    only = None
+    if args.only is not None:
+        only = [x.strip() for x in args.only.split(",") if x.strip()]
+        unknown = [x for x in only if x not in SECTIONS]
+        if unknown or not only:
+            p.error(f"--only {args.only!r}: the sections are {', '.join(SECTIONS)}")
 
     if hookloop.BUILD_PROFILE != "release":
         print(
@@ -1072,7 +1219,7 @@ def main(argv: Optional[Sequence[str]] = None, command: str = "benches/bench_ove
     tmpdir = tempfile.mkdtemp(prefix="hookloop-bench-")
     t0 = time.perf_counter()
     try:
-        rows = run_all(cfg, tmpdir, log=lambda s: print(s, file=sys.stderr, flush=True))
+        rows = run_all(cfg, tmpdir, log=lambda s: print(s, file=sys.stderr, flush=True), only=only)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     info["seconds"] = round(time.perf_counter() - t0, 1)

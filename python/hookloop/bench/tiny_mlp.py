@@ -2,15 +2,18 @@
 
 Linear 32→64, ReLU, Linear 64→1 on batches of 16, SGD with momentum, four losses: a step
 cheap enough (a few hundred µs on one CPU thread) that the training loop's bookkeeping shows.
-The same model calls are made three ways: by a hand-written loop (:func:`hand_loop`, the
-floor: data, forward, sum, zero_grad, backward, step), by each engine's ``SimpleTrainer`` or
-``AMPTrainer`` (:func:`make_trainer`), and each is timed to the end of its last iteration
+The same model calls are made by a hand-written loop (:func:`hand_loop`, the floor: data,
+forward, sum, zero_grad, backward, step), by a hand-written loop that also does a user's own
+bookkeeping (:func:`hand_loop_bookkeeping`), and by each engine's ``SimpleTrainer`` or
+``AMPTrainer`` (:func:`make_trainer`); each is timed to the end of its last iteration
 (:func:`time_hand`, :func:`time_trainer`), after waiting for the device.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -25,6 +28,9 @@ __all__ = [
     "make_batches",
     "build",
     "hand_loop",
+    "hand_loop_bookkeeping",
+    "native_scheduler",
+    "native_available",
     "make_trainer",
     "time_hand",
     "time_trainer",
@@ -116,19 +122,141 @@ def hand_loop(
         scaler.update()
 
 
+# The bookkeeping loop's log period (PeriodicWriter's in the default stack).
+LOG_PERIOD = 20
+
+
+@functools.cache
+def hand_logger() -> logging.Logger:
+    """The bookkeeping loop's logger: enabled at INFO, not propagated, with one NullHandler.
+    Each line is built (as the printer builds its own) and becomes a LogRecord that reaches
+    the handler, which drops it: no Formatter runs and nothing is written, as for the
+    printers' lines under ``overhead.printer_logging``."""
+    lg = logging.getLogger("hookloop.bench.hand_loop")
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+    if not lg.handlers:
+        lg.addHandler(logging.NullHandler())
+    return lg
+
+
+def _log_line(log: logging.Logger, it: int, kept: List[torch.Tensor], opt: Any) -> None:
+    loss = torch.stack(kept).mean().item()
+    kept.clear()
+    log.info(f"iter: {it}  total_loss: {loss:.4g}  lr: {opt.param_groups[0]['lr']:.5g}")
+
+
+def hand_loop_bookkeeping(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    data: Iterator[Batch],
+    n: int,
+    amp: bool = False,
+    scaler: Optional[Any] = None,
+    period: int = LOG_PERIOD,
+) -> None:
+    """:func:`hand_loop` plus the bookkeeping of a user who logs by hand: ``sched.step()``
+    after every step; the total loss kept, detached, every step; and every ``period`` steps
+    one read of the kept losses (their mean: one ``.item()``) and one log line (iteration,
+    that mean, the LR) to :func:`hand_logger`."""
+    log = hand_logger()
+    kept: List[torch.Tensor] = []
+    model.train()
+    if not amp:
+        for i in range(n):
+            loss_dict = model(next(data))
+            losses = sum(loss_dict.values())
+            opt.zero_grad()
+            losses.backward()  # type: ignore[union-attr]
+            opt.step()
+            sched.step()
+            kept.append(losses.detach())  # type: ignore[union-attr]
+            if (i + 1) % period == 0:
+                _log_line(log, i, kept, opt)
+        return
+    device_type, dtype, _ = amp_settings(next(model.parameters()).device)
+    assert scaler is not None
+    for i in range(n):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            loss_dict = model(next(data))
+            losses = sum(loss_dict.values())
+        opt.zero_grad()
+        scaler.scale(losses).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        kept.append(losses.detach())  # type: ignore[union-attr]
+        if (i + 1) % period == 0:
+            _log_line(log, i, kept, opt)
+
+
+def _schedule_classes(impl: str) -> Tuple[Any, Any, Any]:
+    """LRMultiplier, WarmupParamScheduler, MultiStepParamScheduler of engine ``impl``: hookloop's
+    (evaluated in Rust), the reference's (detectron2's and fvcore's code, in Python), or
+    detectron2's and fvcore's themselves."""
+    if impl == "hl":
+        from hookloop import solver
+        from hookloop.solver import param_scheduler as ps
+
+        return solver.LRMultiplier, solver.WarmupParamScheduler, ps.MultiStepParamScheduler
+    if impl == "ref":
+        from hookloop import _d2_reference as ref
+
+        return ref.LRMultiplier, ref.WarmupParamScheduler, ref.MultiStepParamScheduler
+    if impl == "d2":
+        from detectron2 import solver as d2_solver
+        from fvcore.common import param_scheduler as fv
+
+        return d2_solver.LRMultiplier, d2_solver.WarmupParamScheduler, fv.MultiStepParamScheduler
+    raise ValueError(f"unknown engine {impl!r}")
+
+
+@functools.cache
+def native_available(impl: str) -> bool:
+    """Whether engine ``impl``'s schedules import here (detectron2's need detectron2.solver and
+    fvcore)."""
+    try:
+        _schedule_classes(impl)
+    except ImportError:
+        return False
+    return True
+
+
+def native_scheduler(impl: str, opt: torch.optim.Optimizer, n: int) -> Any:
+    """detectron2's way to schedule, with engine ``impl``'s classes:
+    ``LRMultiplier(opt, WarmupParamScheduler(MultiStepParamScheduler(...)), n)``, giving on
+    every trained iteration the LR of :func:`build`'s MultiStepLR (a warmup of factor 1 over
+    0.1% of the run; the one milestone is reached only by the step after the last
+    iteration)."""
+    multiplier_cls, warmup_cls, multi_step_cls = _schedule_classes(impl)
+    multi_step = multi_step_cls([1.0, 0.1], num_updates=n + 1, milestones=[n])
+    return multiplier_cls(opt, warmup_cls(multi_step, 1.0, 0.001), n)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_hand(device: torch.device, batches: Sequence[Batch], n: int, amp: bool = False) -> float:
-    """Seconds for ``n`` steps of :func:`hand_loop` on a fresh model."""
-    model, opt, _ = build(device)
+def time_hand(
+    device: torch.device,
+    batches: Sequence[Batch],
+    n: int,
+    amp: bool = False,
+    bookkeeping: bool = False,
+) -> float:
+    """Seconds for ``n`` steps of :func:`hand_loop` (:func:`hand_loop_bookkeeping` with
+    ``bookkeeping``) on a fresh model."""
+    model, opt, sched = build(device)
     data = itertools.cycle(batches)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_settings(device)[2]) if amp else None
     _sync(device)
     t0 = time.perf_counter()
-    hand_loop(model, opt, data, n, amp, scaler)
+    if bookkeeping:
+        hand_loop_bookkeeping(model, opt, sched, data, n, amp, scaler)
+    else:
+        hand_loop(model, opt, data, n, amp, scaler)
     _sync(device)
     return time.perf_counter() - t0
 
@@ -212,12 +340,17 @@ def make_trainer(
 ) -> Any:
     """Engine ``impl``'s trainer on a fresh tiny model. ``hooks``: ``"stack"`` for
     IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
-    ``period``) in detectron2's order (``writers`` picks a subset), ``"none"`` for none;
-    ``extra`` makes more hooks (registered after those)."""
+    ``period``) in detectron2's order (``writers`` picks a subset), ``"native"`` for the same
+    with :func:`native_scheduler` in place of MultiStepLR, ``"none"`` for none; ``extra``
+    makes more hooks (registered after those)."""
+    if hooks not in ("none", "stack", "native"):
+        raise ValueError(f"hooks must be 'none', 'stack' or 'native', got {hooks!r}")
     model, opt, sched = build(device)
+    if hooks == "native":
+        sched = native_scheduler(impl, opt, n)
     t = _trainer_cls(impl, amp)(model, itertools.cycle(batches), opt)
     hs: List[Any] = []
-    if hooks == "stack":
+    if hooks != "none":
         e = overhead.engine(impl)
         d = tempfile.mkdtemp(prefix=f"mlp-{impl}-", dir=tmpdir)
         hs = overhead.stack_hooks(e, opt, sched, period, n, d, writers)

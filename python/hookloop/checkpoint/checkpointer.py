@@ -697,9 +697,18 @@ class PeriodicCheckpointer:
             "{file_prefix}_final" will be saved.
         max_to_keep (int): maximum number of most current checkpoints to keep, previous
             checkpoints will be deleted. Periodic files of this prefix left by an earlier run
-            in the same directory count as older ones; ``{file_prefix}_final`` and files of
-            other prefixes are never deleted.
+            in the same directory count as older ones, in both naming styles;
+            ``{file_prefix}_final`` and files of other prefixes are never deleted.
         file_prefix (str): the prefix of checkpoint's filename
+        max_epoch (int): the number of epochs of the run, for epoch-based training when
+            :meth:`step` is not told the epoch: it is then ``iteration // ceil(max_iter /
+            max_epoch)`` (iterations split evenly; needs ``max_iter``).
+
+    Periodic files are named ``{file_prefix}_{iteration:07d}`` (detectron2's), or, when an
+    epoch is known (given to :meth:`step`, or derived from ``max_epoch``),
+    ``{file_prefix}_Epoch_{epoch:05d}_Iter_{iteration:07d}`` as runner-style codebases
+    (xmodaler) name them; epochs count from 0, as ``trainer.epoch`` does. The final one is
+    ``{file_prefix}_final`` either way.
     """
 
     def __init__(
@@ -709,6 +718,7 @@ class PeriodicCheckpointer:
         max_iter: Optional[int] = None,
         max_to_keep: Optional[int] = None,
         file_prefix: str = "model",
+        max_epoch: Optional[int] = None,
     ) -> None:
         if not callable(getattr(checkpointer, "save", None)):
             raise TypeError(
@@ -726,6 +736,12 @@ class PeriodicCheckpointer:
                 raise ValueError(
                     f"PeriodicCheckpointer max_to_keep must be positive, got {max_to_keep}"
                 )
+        if max_epoch is not None:
+            max_epoch = _as_int("PeriodicCheckpointer max_epoch", max_epoch)
+            if max_epoch <= 0:
+                raise ValueError(
+                    f"PeriodicCheckpointer max_epoch must be positive, got {max_epoch}"
+                )
         if not isinstance(file_prefix, str) or not file_prefix:
             raise ValueError(f"file_prefix must be a non-empty str, got {file_prefix!r}")
         if os.path.basename(file_prefix) != file_prefix:
@@ -738,21 +754,36 @@ class PeriodicCheckpointer:
         self.recent_checkpoints: List[str] = []
         self.path_manager: Any = getattr(checkpointer, "path_manager", None) or LocalPathManager()
         self.file_prefix = file_prefix
-        self._periodic_name = re.compile(re.escape(file_prefix) + r"_\d{7,}\.pth")
+        self.max_epoch = max_epoch
+        # Both naming styles: a run may switch between them (or a directory hold both).
+        self._periodic_name = re.compile(
+            re.escape(file_prefix) + r"_(?:\d{7,}|Epoch_\d{5,}_Iter_\d{7,})\.pth"
+        )
 
-    def step(self, iteration: int, **kwargs: Any) -> None:
+    def step(self, iteration: int, epoch: Optional[int] = None, **kwargs: Any) -> None:
         """Perform the appropriate action at the given iteration.
 
         Args:
             iteration (int): the current iteration, ranged in [0, max_iter-1].
+            epoch (int): the current epoch (from 0), for epoch-based training: periodic files
+                are then named ``{file_prefix}_Epoch_{epoch:05d}_Iter_{iteration:07d}``.
+                Without it, it is derived from ``max_epoch`` when that is set. A given epoch
+                is also saved with the extra data (as fvcore saves an ``epoch=`` keyword).
             kwargs (Any): extra data to save, same as in :meth:`Checkpointer.save`.
         """
         iteration = _as_int("iteration", iteration)
-        additional_state = {"iteration": iteration}
+        if epoch is not None:
+            epoch = _as_int("epoch", epoch)
+            if epoch < 0:
+                raise ValueError(f"PeriodicCheckpointer.step() epoch must be >= 0, got {epoch}")
+        additional_state: Dict[str, Any] = {"iteration": iteration}
+        if epoch is not None:
+            # Saved too, as fvcore saves an `epoch=` keyword with the extra data.
+            additional_state["epoch"] = epoch
         additional_state.update(kwargs)
 
         if (iteration + 1) % self.period == 0:
-            self._save_periodic(iteration, additional_state)
+            self._save_periodic(iteration, additional_state, epoch)
 
         if self.max_iter is not None and iteration >= self.max_iter - 1:
             self.checkpointer.save(f"{self.file_prefix}_final", **additional_state)
@@ -767,8 +798,27 @@ class PeriodicCheckpointer:
         """
         self.checkpointer.save(name, **kwargs)
 
-    def _save_periodic(self, iteration: int, additional_state: Dict[str, Any]) -> None:
-        name = "{}_{:07d}".format(self.file_prefix, iteration)
+    def _epoch_of(self, iteration: int) -> Optional[int]:
+        """The epoch of ``iteration`` from ``max_epoch`` (iterations split evenly), or None."""
+        if self.max_epoch is None or self.max_iter is None or self.max_iter <= 0:
+            return None
+        per_epoch = -(-self.max_iter // self.max_epoch)  # ceil
+        return min(iteration // per_epoch, self.max_epoch - 1)
+
+    def _name_of(self, iteration: int, epoch: Optional[int] = None) -> str:
+        """The name (without ``.pth``) of the periodic checkpoint of ``iteration``:
+        ``{file_prefix}_{iteration:07d}``, or with an epoch (given, or derived from
+        ``max_epoch``) ``{file_prefix}_Epoch_{epoch:05d}_Iter_{iteration:07d}``."""
+        if epoch is None:
+            epoch = self._epoch_of(iteration)
+        if epoch is None:
+            return "{}_{:07d}".format(self.file_prefix, iteration)
+        return "{}_Epoch_{:05d}_Iter_{:07d}".format(self.file_prefix, epoch, iteration)
+
+    def _save_periodic(
+        self, iteration: int, additional_state: Dict[str, Any], epoch: Optional[int] = None
+    ) -> None:
+        name = self._name_of(iteration, epoch)
         ckpt = self.checkpointer
         if self.max_to_keep is None or not _saves_to_disk(ckpt):
             ckpt.save(name, **additional_state)

@@ -513,6 +513,7 @@ class DefaultTrainer(TrainerBase):
         checkpointer (Checkpointer): saves the model and this trainer into ``cfg.output_dir``.
         cfg (TrainConfig):
         model, optimizer, data_loader: the wrapped trainer's (``self._trainer``), settable.
+        epoch, iters_per_epoch: the wrapped trainer's (read-only), for epoch-based training.
     """
 
     # The last test() results (set by the evaluation hook).
@@ -696,6 +697,16 @@ class DefaultTrainer(TrainerBase):
     @data_loader.setter
     def data_loader(self, value: Iterable[Any]) -> None:
         self._trainer.data_loader = value
+
+    @property
+    def epoch(self) -> int:
+        """The wrapped trainer's epoch (0 for the first pass over a finite loader)."""
+        return self._trainer.epoch
+
+    @property
+    def iters_per_epoch(self) -> Optional[int]:
+        """The wrapped trainer's ``iters_per_epoch``: ``len(data_loader)``, or None."""
+        return self._trainer.iters_per_epoch
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

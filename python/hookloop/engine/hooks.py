@@ -184,6 +184,17 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
 _PER_STEP_STAGES = ("before_step", "after_backward", "after_step")
 
 
+def _metric_writes_owner(trainer: Any) -> int:
+    """Where ``_wait_for_metric_writes`` is (asynchronous metric writes to wait for before a
+    write): 1 on the trainer, 2 on the trainer a DefaultTrainer wraps, 0 nowhere. A number,
+    not the bound method: a hook holding its trainer's method would make a reference cycle."""
+    if hasattr(trainer, "_wait_for_metric_writes"):
+        return 1
+    if hasattr(getattr(trainer, "_trainer", None), "_wait_for_metric_writes"):
+        return 2
+    return 0
+
+
 class PeriodicWriter(HookBase):
     """Write events to EventStorage (by calling ``writer.write()``) periodically.
 
@@ -196,6 +207,9 @@ class PeriodicWriter(HookBase):
     previous write, in milliseconds, as unsmoothed scalars named
     ``hooks/<HookClass>/<stage>_ms`` (``<HookClass>.1`` for a second hook of one class): the
     writers then show them (TensorBoard plots them next to the losses).
+
+    In ``before_train`` it gives each writer that has ``_bind_trainer`` the trainer (a weak
+    proxy): :class:`CommonMetricPrinter` then shows the trainer's epoch.
     """
 
     def __init__(
@@ -227,6 +241,12 @@ class PeriodicWriter(HookBase):
 
     def before_train(self) -> None:
         self._stats_seen = {}  # hook_stats() counts from each train()'s start
+        self._waits = _metric_writes_owner(self.trainer)
+        for writer in self._writers:
+            # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
+            bind = getattr(writer, "_bind_trainer", None)
+            if bind is not None:
+                bind(self.trainer)
         start_iter = self.trainer.start_iter
         if start_iter > 0:
             # A resumed run: drop what a killed run wrote for iterations >= start_iter, so the
@@ -247,14 +267,23 @@ class PeriodicWriter(HookBase):
             return self._period
         return None
 
+    # Who has _wait_for_metric_writes (see _metric_writes_owner; read in before_train: a
+    # missing attribute looked up every iteration costs an AttributeError); None: not known yet.
+    _waits: Optional[int] = None
+
     def after_step(self) -> None:
         trainer = self.trainer
-        if _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
+        # Period 1 is due at every iteration (a live ProgressBar): no need to ask the core.
+        if self._period == 1 or _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
             # SimpleTrainer(async_write_metrics=True): the losses of this iteration may still
             # be on their way to the storage; detectron2 writes without them.
-            wait = getattr(trainer, "_wait_for_metric_writes", None)
-            if wait is not None:
-                wait()
+            waits = self._waits
+            if waits is None:
+                waits = _metric_writes_owner(trainer)
+            if waits:
+                # The trainer, or the one a DefaultTrainer wraps (``trainer._trainer``).
+                owner = trainer if waits == 1 else trainer._trainer
+                owner._wait_for_metric_writes()
             if self._hook_stats:
                 self._put_hook_stats()
             for writer in self._writers:
@@ -770,6 +799,12 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     ``<file_prefix>_<iter:07d>`` of the stop iteration (unless its period just saved it), the
     newest checkpoint a resume continues from at the next iteration. ``after_train`` waits for
     an ``async_save`` checkpointer's save in flight.
+
+    When the trainer runs epochs (a finite data loader: ``trainer.iters_per_epoch`` is not
+    None), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
+    checkpoint) are named ``<file_prefix>_Epoch_<epoch:05d>_Iter_<iter:07d>``, as xmodaler's
+    and cvpods' epoch checkpointers name them; otherwise ``max_epoch``, when given, derives
+    the epoch from the iteration.
     """
 
     def before_train(self) -> None:
@@ -787,11 +822,18 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
             return self.period
         return None
 
+    def _trainer_epoch(self) -> Optional[int]:
+        """``trainer.epoch`` when the trainer runs epochs, else None (read only on saves)."""
+        trainer = self.trainer
+        if getattr(trainer, "iters_per_epoch", None) is None:
+            return None
+        return int(trainer.epoch)  # type: ignore[attr-defined]
+
     def after_step(self) -> None:
-        # step(self.trainer.iter), inlined. No way to use **kwargs.
+        # step(self.trainer.iter, epoch), inlined. No way to use **kwargs.
         iteration = self.trainer.iter
         if (iteration + 1) % self.period == 0:
-            self._save_periodic(iteration, {"iteration": iteration})
+            self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
         if self.max_iter is not None and iteration >= self.max_iter - 1:
             self.checkpointer.save(f"{self.file_prefix}_final", iteration=iteration)
 
@@ -800,7 +842,7 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         stopped = bool(getattr(trainer, "stopped_early", False))
         iteration = trainer.iter
         if stopped and iteration >= trainer.start_iter and (iteration + 1) % self.period != 0:
-            self._save_periodic(iteration, {"iteration": iteration})
+            self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
         _wait_for_saves(self.checkpointer, _training_finished(trainer) or stopped)
 
 
@@ -1307,7 +1349,9 @@ class OptimizationHook(HookBase):
     * A trainer whose ``run_step`` runs only the forward and leaves the loss in
       ``trainer.step_outputs["loss_for_backward"]``: ``after_step`` also runs the backward
       of that loss divided by N (scaled by the hook's own ``GradScaler`` when
-      ``mixed_precision``; the trainer runs its forward under ``torch.autocast``).
+      ``mixed_precision``; the trainer runs its forward under ``torch.autocast``). A
+      ``SimpleTrainer`` subclass that overrides ``run_step`` (cvpods' runners) is told
+      apart at its first step: a loss left in ``step_outputs`` makes it this kind.
 
     Accumulating N steps of batch B gives the update of one step of batch N*B for losses that
     are means over the batch. Under DDP, iterations that do not step run inside
@@ -1361,6 +1405,14 @@ class OptimizationHook(HookBase):
                 return t
         return None
 
+    @staticmethod
+    def _runs_own_step(trainer: SimpleTrainer) -> bool:
+        """Whether ``trainer.run_step`` is SimpleTrainer's or AMPTrainer's own (which run the
+        backward). A subclass's may run only the forward, as cvpods' runners do: the first
+        ``after_step`` then looks for the loss in ``step_outputs``."""
+        # __class__, not type(): the trainer is usually a weak proxy.
+        return trainer.__class__.run_step in (SimpleTrainer.run_step, AMPTrainer.run_step)
+
     def _model_ddp(self) -> Optional[DistributedDataParallel]:
         model = getattr(self._inner() or self.trainer, "model", None)
         return model if isinstance(model, DistributedDataParallel) else None
@@ -1372,7 +1424,8 @@ class OptimizationHook(HookBase):
             stage == "after_step"
             and type(self).after_step is OptimizationHook.after_step
             and self.trainer is not None
-            and self._inner() is not None
+            and (inner := self._inner()) is not None
+            and self._runs_own_step(inner)
             and self._model_ddp() is None
         ):
             return self.accumulate_grad_steps
@@ -1389,9 +1442,13 @@ class OptimizationHook(HookBase):
             )
         self._optimizer = optimizer
         self._trainer_backward = inner is not None
+        # A SimpleTrainer subclass with its own run_step: its first step tells which kind.
+        self._undecided = inner is not None and not self._runs_own_step(inner)
         if inner is not None:
             if isinstance(inner, AMPTrainer):
                 self.grad_scaler = inner.grad_scaler
+            elif self._undecided:
+                self.grad_scaler = None
             elif self.mixed_precision:
                 raise ValueError(
                     "OptimizationHook(mixed_precision=True) with a SimpleTrainer: its backward "
@@ -1409,6 +1466,8 @@ class OptimizationHook(HookBase):
         else:
             self.grad_scaler = None
         self._ddp = self._model_ddp() if self.accumulate_grad_steps > 1 else None
+        # Read once: a per-iteration read through the trainer's weak proxy costs more.
+        self._max_iter = trainer.max_iter
         optimizer.zero_grad()
         self._enter_no_sync(trainer.start_iter)
 
@@ -1425,12 +1484,18 @@ class OptimizationHook(HookBase):
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
+    _max_iter: Optional[int] = None
+
     def _due(self, iteration: int) -> bool:
-        return _core.periodic_due(iteration, self.accumulate_grad_steps, self.trainer.max_iter)
+        max_iter = self._max_iter if self._max_iter is not None else self.trainer.max_iter
+        return _core.periodic_due(iteration, self.accumulate_grad_steps, max_iter)
 
     def after_step(self) -> None:
         trainer = self.trainer
         iteration = trainer.iter
+        n = self.accumulate_grad_steps
+        if self._undecided:
+            self._decide(trainer)
         if not self._trainer_backward:
             outputs = getattr(trainer, "step_outputs", None)
             try:
@@ -1441,15 +1506,40 @@ class OptimizationHook(HookBase):
                     f"iter {iteration} (a run_step that runs only the forward leaves the loss "
                     f"there)"
                 ) from None
-            if self.accumulate_grad_steps > 1:
-                loss = loss / self.accumulate_grad_steps
+            if n > 1:
+                loss = loss / n
             if self.grad_scaler is not None:
                 loss = self.grad_scaler.scale(loss)
             loss.backward()
-        self._exit_no_sync()
-        if self._due(iteration):
+        ddp = self._ddp
+        if ddp is not None:
+            self._exit_no_sync()
+        max_iter = self._max_iter if self._max_iter is not None else trainer.max_iter
+        if _core.periodic_due(iteration, n, max_iter):
             self._step()
-        self._enter_no_sync(iteration + 1)
+        if ddp is not None:
+            self._enter_no_sync(iteration + 1)
+
+    _undecided = False
+
+    def _decide(self, trainer: Any) -> None:
+        """After the first step of a SimpleTrainer subclass with its own ``run_step``: a loss
+        left in ``step_outputs["loss_for_backward"]`` means it ran only the forward, and this
+        hook runs the backward; otherwise the trainer ran it, as SimpleTrainer's does."""
+        self._undecided = False
+        outputs = getattr(trainer, "step_outputs", None)
+        if isinstance(outputs, Mapping) and "loss_for_backward" in outputs:
+            self._trainer_backward = False
+            if self.mixed_precision and self.grad_scaler is None:
+                if self._own_scaler is None:
+                    device = _params_device(self._optimizer)
+                    self._own_scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
+                self.grad_scaler = self._own_scaler
+        elif self.mixed_precision and self.grad_scaler is None:
+            raise ValueError(
+                "OptimizationHook(mixed_precision=True) with a SimpleTrainer: its backward "
+                "is not scaled; use AMPTrainer, whose grad_scaler the hook then uses"
+            )
 
     def _step(self) -> None:
         optimizer = self._optimizer
@@ -1460,7 +1550,7 @@ class OptimizationHook(HookBase):
             self._trainer_backward and self.accumulate_grad_steps > 1
         ):
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if self._trainer_backward and self.accumulate_grad_steps > 1:
+            if self._trainer_backward and self.accumulate_grad_steps > 1 and params:
                 # The trainer's backward summed N losses; the step is that of their mean.
                 torch._foreach_div_([p.grad for p in params], float(self.accumulate_grad_steps))
             if self.grad_clipper is not None:

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -272,10 +273,11 @@ class JSONWriter(_NativeFileWriter):
     ``window_size`` iterations per their smoothing hint, with an ``"iteration"`` key and sorted
     keys: byte-identical to detectron2's ``json.dumps(..., sort_keys=True)``.
 
-    Formatting and I/O happen on hookloop's writer thread; ``write()`` only takes a snapshot.
-    Lines reach the file in write calls of whole lines and at most 4 KiB (a longer line gets
-    its own). A process killed with SIGKILL can still leave its last line torn at a 4 KiB
-    offset of the file (rarely: the kill must land while the line crossing that offset is
+    Formatting and I/O happen on the writer's own thread; ``write()`` only takes a snapshot.
+    Lines reach the file in write calls of whole lines that lie within one 4 KiB page of the
+    file; a line that crosses a page boundary gets a write call of its own. A process killed
+    with SIGKILL can still leave its last line torn, only a line that crosses a 4096-aligned
+    offset of the file and cut at that offset (rarely: the kill must land while that line is
     copied); a reader that skips an unterminated last line sees only whole lines, and opening
     the file again (the next run's ``JSONWriter``) cuts the torn tail off. Opening keeps a
     whole last object that lacks its newline, and refuses (``ValueError``) a file whose first
@@ -496,7 +498,15 @@ class CommonMetricPrinter(EventWriter):
             given, ETA will not be printed.
         window_size (int): the losses will be median-smoothed by this window size
         epoch (int): the number of epochs of the run (as runner-style trainers pass it);
-            with ``max_iter`` it adds ``epoch: e/E`` to the line.
+            with ``max_iter`` it adds ``epoch: e/E`` to the line, splitting the iterations
+            evenly.
+
+    Epochs of the trainer: a :class:`~hookloop.engine.hooks.PeriodicWriter` gives its writers
+    the trainer in ``before_train`` (``_bind_trainer``, kept as a weak reference). When that
+    trainer runs epochs (``trainer.iters_per_epoch`` is not None: a finite data loader), the
+    line shows ``epoch: e/E`` after ``iter``, with ``e = trainer.epoch + 1`` and ``E =
+    ceil(trainer.max_iter / trainer.iters_per_epoch)``; this takes the place of the even
+    split of ``epoch``. Without epochs the line is detectron2's, unchanged.
     """
 
     def __init__(
@@ -505,6 +515,29 @@ class CommonMetricPrinter(EventWriter):
         self.logger = self._default_logger = logging.getLogger(__name__)
         self._native = _core.CommonMetricPrinter(max_iter, window_size, epoch)
         self._cuda = _cuda_available()
+        self._trainer: Any = None
+
+    def _bind_trainer(self, trainer: Any) -> None:
+        """The trainer whose epoch the line shows (``PeriodicWriter.before_train`` calls it).
+        Held weakly: the trainer owns its hooks, which own this printer."""
+        if trainer is not None and not isinstance(
+            trainer, (weakref.ProxyType, weakref.CallableProxyType)
+        ):
+            trainer = weakref.proxy(trainer)
+        self._trainer = trainer
+
+    def _trainer_epoch(self) -> Optional[Tuple[int, int]]:
+        """``(trainer.epoch + 1, epochs of the run)`` when the bound trainer runs epochs."""
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        try:
+            per_epoch = trainer.iters_per_epoch
+            if not per_epoch:
+                return None
+            return int(trainer.epoch) + 1, max(1, -(-int(trainer.max_iter) // int(per_epoch)))
+        except (ReferenceError, AttributeError, TypeError):
+            return None  # the trainer is gone, or is not one that counts epochs
 
     @property
     def _max_iter(self) -> Optional[int]:
@@ -539,7 +572,8 @@ class CommonMetricPrinter(EventWriter):
             import torch
 
             max_mem_mb = torch.cuda.max_memory_allocated() / 1024.0 / 1024.0
-        line = self._native.format(storage, max_mem_mb, time.perf_counter())
+        epoch = self._trainer_epoch() if self._trainer is not None else None
+        line = self._native.format(storage, max_mem_mb, time.perf_counter(), epoch)
         if line is None:
             return
         log = self.logger

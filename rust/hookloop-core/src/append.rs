@@ -1,14 +1,14 @@
 //! Appending whole lines (metrics.json) and whole records (event files): the one rule both
 //! sinks follow for what may reach a file, and what a failed write may take away.
 //!
-//! - **Page-bounded writes.** A batch goes to the file in write calls that each end on a unit
-//!   (line or record) boundary and hold at most [`PAGE`] bytes; a unit longer than a page gets
-//!   write calls of its own. Linux checks for SIGKILL between the pages (or folios) of one
-//!   `write`, so a large write can be cut part-way, at a page boundary; a write of at most one
-//!   page is cut, if ever, only where it crosses a page boundary of the file, which in
-//!   practice never happens (not once in our kill tests). So after `kill -9` a file holds
-//!   whole units up to 4 KiB; a longer unit may be torn at the end of the file, and the next
-//!   `JSONWriter` on it cuts it.
+//! - **Page-bounded writes.** A batch goes to the file in write calls that each hold whole
+//!   units (lines or records) and lie within one [`PAGE`] of the file (between two
+//!   4096-aligned offsets); a unit that crosses a page boundary of the file gets a write call
+//!   of its own. Linux checks for SIGKILL between the pages (or folios) of one `write`, so a
+//!   write can be cut only where it crosses a page boundary of the file: with this rule that
+//!   is only ever inside one unit, the one crossing it, whose two sides are copied back to
+//!   back. So after `kill -9` a file holds whole units, in order, except that the last may be
+//!   torn, cut at a 4096-aligned offset inside it; the next `JSONWriter` on the file cuts it.
 //! - **Disk full keeps what fits.** A write that fails part-way keeps every whole unit that
 //!   reached the file and removes only the torn bytes of the failed unit.
 //! - **A rollback removes only its own bytes**: it is measured from the end of this handle's
@@ -21,7 +21,7 @@ use std::path::Path;
 
 use crate::{Error, Result};
 
-/// The most bytes one write call carries when it holds more than one unit.
+/// A page of the file: a write call of more than one unit never crosses a multiple of it.
 pub const PAGE: usize = 4096;
 
 /// What an append needs of a file; a trait so tests can fill the disk or interleave another
@@ -79,22 +79,27 @@ impl AppendFailure {
     }
 }
 
-/// The write calls of a batch: `(start, end, units)` byte ranges of `data` that end on a unit
-/// boundary and hold at most [`PAGE`] bytes, or one unit longer than that. `ends` are the
-/// units' end offsets, ascending, the last one `data.len()`.
-pub fn chunks(ends: &[usize]) -> Vec<(usize, usize, usize)> {
+/// The write calls of a batch that starts at file offset `offset`: `(start, end, units)` byte
+/// ranges of `data` that hold whole units and lie within one [`PAGE`] of the file, or hold
+/// exactly one unit that crosses a page boundary. `ends` are the units' end offsets,
+/// ascending, the last one `data.len()`.
+pub fn chunks(ends: &[usize], offset: u64) -> Vec<(usize, usize, usize)> {
+    let page = |at: usize| (offset + at as u64) / PAGE as u64;
     let mut out = Vec::new();
-    let mut start = 0;
-    let mut end = 0;
-    let mut units = 0;
+    let (mut start, mut end, mut units) = (0, 0, 0);
     for &e in ends {
-        if units > 0 && e - start > PAGE {
+        let s = end;
+        let crosses = e > s && page(s) != page(e - 1);
+        if units > 0 && (crosses || page(start) != page(s)) {
             out.push((start, end, units));
-            start = end;
-            units = 0;
+            (start, units) = (s, 0);
         }
         end = e;
         units += 1;
+        if crosses {
+            out.push((start, end, units));
+            (start, units) = (end, 0);
+        }
     }
     if units > 0 {
         out.push((start, end, units));
@@ -103,7 +108,8 @@ pub fn chunks(ends: &[usize]) -> Vec<(usize, usize, usize)> {
 }
 
 /// Appends `data`, made of units ending at `ends`, in page-bounded write calls (see the
-/// module). `start_len` is the file's length when the batch began: no rollback goes below it.
+/// module). `start_len` is the file's length when the batch began: where the batch starts in
+/// the file (pages are counted from it), and the floor of any rollback.
 pub fn append_units<F: AppendFile>(
     file: &mut F,
     data: &[u8],
@@ -111,7 +117,7 @@ pub fn append_units<F: AppendFile>(
     start_len: u64,
 ) -> std::result::Result<(), AppendFailure> {
     let mut kept = 0;
-    for (start, end, units) in chunks(ends) {
+    for (start, end, units) in chunks(ends, start_len) {
         let chunk = &data[start..end];
         let mut written = 0;
         while written < chunk.len() {
@@ -232,6 +238,8 @@ mod tests {
     struct Mem {
         bytes: Vec<u8>,
         calls: Vec<usize>,
+        /// The file offset of each write call.
+        offsets: Vec<u64>,
         room: Option<usize>,
         pos: u64,
         /// Appended by someone else right after our next write call.
@@ -248,6 +256,7 @@ mod tests {
             if let Some(r) = &mut self.room {
                 *r -= n;
             }
+            self.offsets.push(self.bytes.len() as u64);
             self.bytes.extend_from_slice(&data[..n]);
             self.pos = self.bytes.len() as u64;
             self.calls.push(n);
@@ -314,6 +323,90 @@ mod tests {
         let mut f = Cell(Default::default());
         append_units(&mut f, &data, &ends, 0).unwrap();
         assert_eq!(f.0.into_inner().calls, [200, 3 * PAGE, 200]);
+    }
+
+    /// Appends `data` to a file already `at` bytes long; returns each write call's
+    /// `(offset, len)` after checking the file ends with `data`.
+    fn write_pattern(data: &[u8], ends: &[usize], at: usize) -> Vec<(u64, usize)> {
+        let mut f = Cell(std::cell::RefCell::new(Mem {
+            bytes: vec![b'\n'; at],
+            pos: at as u64,
+            ..Default::default()
+        }));
+        append_units(&mut f, data, ends, at as u64).unwrap();
+        let mem = f.0.into_inner();
+        assert_eq!(&mem.bytes[at..], data);
+        mem.offsets.into_iter().zip(mem.calls).collect()
+    }
+
+    #[test]
+    fn a_line_that_crosses_a_file_page_gets_its_own_write_call() {
+        // From offset 4000: a line within page 0, one across 4096, two within page 1.
+        let data = lines(4, 50);
+        let calls = write_pattern(&data, &line_ends(&data), 4000);
+        assert_eq!(calls, [(4000, 50), (4050, 50), (4100, 100)]);
+        // A line ending exactly at 4096: the next write starts the next page.
+        let data = lines(3, 48);
+        let calls = write_pattern(&data, &line_ends(&data), 4000);
+        assert_eq!(calls, [(4000, 96), (4096, 48)]);
+    }
+
+    /// Checks that every write call of `data` (units ending at `ends`) appended at `at` lies
+    /// within one page of the file or is exactly one unit.
+    fn assert_page_bounded(data: &[u8], ends: &[usize], at: usize) {
+        let mut next = at as u64;
+        for (offset, len) in write_pattern(data, ends, at) {
+            assert_eq!(offset, next, "write calls are back to back");
+            next += len as u64;
+            let (start, end) = ((offset as usize) - at, (offset as usize) - at + len);
+            assert!(ends.contains(&end), "a write call ends inside a unit");
+            let first_page = offset / PAGE as u64;
+            let last_page = (offset + len as u64 - 1) / PAGE as u64;
+            if first_page != last_page {
+                // Exactly one unit: it starts where the previous unit ends.
+                let one = ends.partition_point(|&e| e <= start);
+                assert_eq!(
+                    ends[one], end,
+                    "a write of several units crosses a page at {at}"
+                );
+                assert!(one == 0 || ends[one - 1] == start);
+            }
+        }
+    }
+
+    /// Widths of assorted sizes, some longer than a page.
+    fn widths() -> impl Iterator<Item = usize> {
+        (0..400usize).map(|i| {
+            if i % 37 == 5 {
+                4096 + i * 13
+            } else {
+                30 + (i * 7919) % 2500
+            }
+        })
+    }
+
+    const OFFSETS: [usize; 9] = [0, 1, 100, 2048, 4000, 4095, 4096, 5000, 3 * PAGE - 1];
+
+    #[test]
+    fn every_write_call_lies_within_one_file_page_or_is_exactly_one_line() {
+        let mut data = Vec::new();
+        for width in widths() {
+            data.extend(lines(1, width));
+        }
+        for at in OFFSETS {
+            assert_page_bounded(&data, &line_ends(&data), at);
+        }
+    }
+
+    #[test]
+    fn every_write_call_lies_within_one_file_page_or_is_exactly_one_record() {
+        let mut data = Vec::new();
+        for width in widths() {
+            crate::tfevents::append_record(&mut data, &vec![7; width]);
+        }
+        for at in OFFSETS {
+            assert_page_bounded(&data, &record_ends(&data), at);
+        }
     }
 
     #[test]

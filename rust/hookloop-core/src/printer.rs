@@ -51,12 +51,15 @@ impl Printer {
     /// `max_iter` (the printer reports progress only). May put `eta_seconds` into `storage`.
     ///
     /// `now` is the caller's monotonic clock in seconds (Python's `time.perf_counter()`), for
-    /// the ETA's wall-time fallback.
+    /// the ETA's wall-time fallback. `epoch`, `(current, total)` counted from 1, is the
+    /// trainer's own epoch (a finite loader): shown as `epoch: current/total`, in place of the
+    /// even split of `max_iter` that the printer's `epochs` gives.
     pub fn format(
         &mut self,
         storage: &mut Storage,
         max_mem_mb: Option<f64>,
         now: f64,
+        epoch: Option<(i64, i64)>,
     ) -> Result<Option<String>> {
         let iteration = storage.iter();
         if Some(iteration) == self.max_iter {
@@ -103,7 +106,9 @@ impl Printer {
             let _ = write!(line, "eta: {eta}  ");
         }
         let _ = write!(line, "iter: {iteration}  ");
-        if let (Some(epochs), Some(max_iter)) = (self.epochs, self.max_iter) {
+        if let Some((current, total)) = epoch {
+            let _ = write!(line, "epoch: {current}/{total}  ");
+        } else if let (Some(epochs), Some(max_iter)) = (self.epochs, self.max_iter) {
             // In i128: max_iter + epochs - 1 can pass i64::MAX.
             let (m, e) = (i128::from(max_iter), i128::from(epochs));
             let per_epoch = ((m + e - 1) / e).max(1);
@@ -177,7 +182,7 @@ mod tests {
     fn full_line_matches_detectron2_layout() {
         let mut s = storage();
         for i in 0..20 {
-            s.set_iter(i);
+            s.set_iter(i).unwrap();
             s.put_scalar("total_loss", 1.0 + i as f64, true, None)
                 .unwrap();
             s.put_scalar("[metric]acc", 0.5, true, None).unwrap();
@@ -186,7 +191,7 @@ mod tests {
             s.put_scalar("lr", 0.02, false, None).unwrap();
         }
         let mut p = Printer::new(Some(100), 20, None).unwrap();
-        let line = p.format(&mut s, None, 0.0).unwrap().unwrap();
+        let line = p.format(&mut s, None, 0.0, None).unwrap().unwrap();
         assert_eq!(
             line,
             " eta: 0:00:20  iter: 19  total_loss: 10.5  [metric]acc: 0.5  time: 0.2500  \
@@ -198,22 +203,25 @@ mod tests {
     #[test]
     fn minimal_line_and_end_of_training() {
         let mut s = storage();
-        s.set_iter(5);
+        s.set_iter(5).unwrap();
         let mut p = Printer::new(None, 20, None).unwrap();
         assert_eq!(
-            p.format(&mut s, Some(1024.4), 0.0).unwrap().unwrap(),
+            p.format(&mut s, Some(1024.4), 0.0, None).unwrap().unwrap(),
             " iter: 5       lr: N/A  max_mem: 1024M"
         );
         let mut p = Printer::new(Some(5), 20, None).unwrap();
-        assert_eq!(p.format(&mut s, None, 0.0).unwrap(), None);
+        assert_eq!(p.format(&mut s, None, 0.0, None).unwrap(), None);
     }
 
     #[test]
     fn epoch_field() {
         let mut s = storage();
-        s.set_iter(250);
+        s.set_iter(250).unwrap();
         let mut p = Printer::new(Some(1000), 20, Some(4)).unwrap();
-        let line = p.format(&mut s, None, 0.0).unwrap().unwrap();
+        let line = p.format(&mut s, None, 0.0, None).unwrap().unwrap();
         assert!(line.contains("iter: 250  epoch: 2/4  "), "{line}");
+        // The trainer's epoch wins over the even split.
+        let line = p.format(&mut s, None, 0.0, Some((3, 7))).unwrap().unwrap();
+        assert_eq!(line, " iter: 250  epoch: 3/7       lr: N/A  ");
     }
 }

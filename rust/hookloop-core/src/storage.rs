@@ -103,9 +103,11 @@ impl<T> Bounded<T> {
 }
 
 impl Storage {
-    /// A storage starting at `start_iter`. Histories keep `max_length` entries each; at most
-    /// `max_histograms` histograms wait for a writer (older ones are dropped first).
+    /// A storage starting at `start_iter` (within ±2**53, as every iteration). Histories keep
+    /// `max_length` entries each; at most `max_histograms` histograms wait for a writer (older
+    /// ones are dropped first).
     pub fn new(start_iter: i64, max_length: usize, max_histograms: usize) -> Result<Self> {
+        let start_iter = crate::history::exact_iter("start_iter", start_iter)?;
         if max_length == 0 {
             return Err(Error::BadMaxLength(0));
         }
@@ -123,9 +125,10 @@ impl Storage {
         self.iter
     }
 
-    /// Sets the current iteration.
-    pub fn set_iter(&mut self, iter: i64) {
-        self.iter = iter;
+    /// Sets the current iteration (within ±2**53, as every iteration).
+    pub fn set_iter(&mut self, iter: i64) -> Result<()> {
+        self.iter = crate::history::exact_iter("EventStorage.iter", iter)?;
+        Ok(())
     }
 
     /// Advances the current iteration by one; at `i64::MAX` that is an error, not a wrap.
@@ -390,6 +393,12 @@ impl Storage {
         if state.max_length == 0 {
             return Err(Error::BadMaxLength(0));
         }
+        let iter = crate::history::exact_iter("the state's iter", state.iter)?;
+        for s in &state.scalars {
+            if let Iter::Int(i) = s.latest.1 {
+                crate::history::exact_iter(&format!("the state's iteration of '{}'", s.name), i)?;
+            }
+        }
         let mut scalars = IndexMap::with_capacity_and_hasher(state.scalars.len(), FxBuildHasher);
         for s in state.scalars {
             let history = History::from_state(s.history)?;
@@ -403,7 +412,7 @@ impl Storage {
             );
         }
         self.scalars = scalars;
-        self.iter = state.iter;
+        self.iter = iter;
         self.max_length = state.max_length;
         Ok(())
     }
@@ -446,7 +455,7 @@ mod tests {
     fn hint_change_is_an_error_and_stores_nothing() {
         let mut s = storage();
         s.put_scalar("lr", 0.1, false, None).unwrap();
-        s.set_iter(120);
+        s.set_iter(120).unwrap();
         let err = s.put_scalar("lr", 0.2, true, None).unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -495,7 +504,7 @@ mod tests {
     fn latest_with_smoothing_hint_uses_iteration_window() {
         let mut s = storage();
         for i in 0..30 {
-            s.set_iter(i);
+            s.set_iter(i).unwrap();
             s.put_scalar("loss", i as f64, true, None).unwrap();
             s.put_scalar("lr", i as f64, false, None).unwrap();
         }
@@ -546,7 +555,7 @@ mod tests {
     fn state_round_trips() {
         let mut s = storage();
         for i in 0..30 {
-            s.set_iter(i);
+            s.set_iter(i).unwrap();
             s.put_scalar("loss", i as f64, true, None).unwrap();
             s.put_scalar("lr", 0.1, false, None).unwrap();
         }
@@ -570,8 +579,27 @@ mod tests {
 
     #[test]
     fn step_at_the_top_is_an_error() {
-        let mut s = Storage::new(i64::MAX, 4, 4).unwrap();
+        let top = crate::history::MAX_EXACT_ITER;
+        let mut s = Storage::new(top, 4, 4).unwrap();
         assert!(matches!(s.step(), Err(Error::OutOfRange { .. })));
-        assert_eq!(s.iter(), i64::MAX);
+        assert_eq!(s.iter(), top);
+    }
+
+    #[test]
+    fn every_way_in_of_an_iteration_keeps_it_exact() {
+        let top = crate::history::MAX_EXACT_ITER;
+        let out_of_range = |r: Result<()>, what: &str| match r {
+            Err(Error::OutOfRange { what: w, .. }) => assert_eq!(w, what),
+            other => panic!("{what}: {other:?}"),
+        };
+        for bad in [top + 1, -top - 1, i64::MAX, i64::MIN] {
+            out_of_range(Storage::new(bad, 4, 4).map(drop), "start_iter");
+            let mut s = Storage::new(-top, 4, 4).unwrap();
+            out_of_range(s.set_iter(bad), "EventStorage.iter");
+            assert_eq!(s.iter(), -top);
+            let mut state = s.state(None);
+            state.iter = bad;
+            out_of_range(s.load_state(state), "the state's iter");
+        }
     }
 }

@@ -1,23 +1,27 @@
-//! The writer thread: one background thread per process owns every open metrics file.
+//! The writer threads: each open metrics file has a background thread of its own.
 //!
 //! A writer's `write()` on the training thread takes a snapshot of what is new and sends it
-//! here; formatting (JSON, protobuf, PNG) and I/O happen on this thread. The thread drains
-//! everything queued before touching the disk, so a burst of writes costs one write call and at
-//! most one fsync per file. An I/O error is kept in the writer's `Status` and handed back to the
-//! training thread at its next `write()`, `flush()` or `close()`.
+//! to its file's thread; formatting (JSON, protobuf, PNG) and I/O happen there. A thread
+//! drains everything queued before touching the disk, so a burst of writes costs one batch of
+//! write calls and at most one fsync. An I/O error is kept in the writer's `Status` and handed
+//! back to the training thread at its next `write()`, `flush()` or `close()`.
 //!
-//! Durability: each batch reaches its file in page-bounded write calls that end on a line or
-//! record boundary (`crate::append`), so after SIGKILL a file holds only whole lines and
-//! records up to 4 KiB; the JSON sink cuts a torn longer line when the file is opened again.
+//! One thread per file, not one for all: a file that blocks (a hung network mount, a FIFO
+//! nobody reads) holds only its own thread, so the other writers keep writing and flushing,
+//! and a flush, close or exit waits for the blocked one at most [`writer_timeout`]. Order is
+//! kept per file (one queue, one thread), which is all a file needs.
+//!
+//! Durability: each batch reaches its file in write calls that end on a line or record
+//! boundary and stay within one 4 KiB page of the file (`crate::append`), so after SIGKILL a
+//! file holds only whole lines and records, but for a tear inside the one line or record that
+//! crosses a page boundary; the JSON sink cuts a torn last line when the file is opened again.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::Thread;
-use std::time::Duration;
-
-use rustc_hash::{FxHashMap, FxHashSet};
+use std::time::{Duration, Instant};
 
 use crate::jsonl::JsonRow;
 use crate::tfevents::{HistogramPoint, ImagePoint, ScalarPoint};
@@ -78,10 +82,11 @@ pub enum Payload {
 /// A file owned by the writer thread.
 pub trait Sink: Send {
     /// Formats a payload into the sink's buffer (no I/O; the thread calls `sync` once per
-    /// batch, so a burst of writes is one write call and at most one fsync).
+    /// batch, so a burst of writes is one batch of write calls and at most one fsync).
     fn write(&mut self, payload: Payload) -> Result<()>;
-    /// Appends the buffer to the file in one write call (on error nothing partial stays in
-    /// the file), then fsyncs if the policy says so after each batch.
+    /// Appends the buffer to the file in page-bounded write calls (`crate::append`: on error
+    /// the whole units that reached the file stay, a torn one is cut), then fsyncs if the
+    /// policy says so after each batch.
     fn sync(&mut self) -> Result<()>;
     /// Appends the buffer, syncs per policy, and closes.
     fn close(&mut self) -> Result<()>;
@@ -96,10 +101,13 @@ pub trait Sink: Send {
     }
 }
 
-/// A writer's error slot, shared with the thread.
+/// A writer's error slot, shared with its thread.
 #[derive(Default)]
 struct Status {
     error: Mutex<Option<Error>>,
+    /// Set by the thread when it ends (its writer closed or dropped), before it drops the
+    /// queue's receiver: a request dropped unanswered after that was not a panic.
+    ended: AtomicBool,
 }
 
 impl Status {
@@ -117,22 +125,21 @@ impl Status {
 }
 
 enum Msg {
-    Open(u64, Box<dyn Sink>, Arc<Status>, PathBuf),
-    Write(u64, Payload),
-    Purge(u64, f64, f64, SyncSender<Result<u64>>),
-    Close(u64, Ack),
+    Write(Payload),
+    Purge(f64, f64, SyncSender<Result<u64>>),
+    Close(Ack),
     Barrier(Ack),
 }
 
-/// A one-shot "done" signal from the writer thread.
+/// A one-shot "done" signal from a writer thread.
 type Ack = SyncSender<()>;
 
-/// How often the writer thread looks for new writes while writers are active.
+/// How often a writer thread looks for new writes while its writer is active.
 ///
 /// Writes do not wake the thread: waking a sleeping thread costs the sender a futex call and,
 /// on a VM, an inter-processor interrupt, ~15 µs measured here, more than the write itself.
-/// The thread polls instead, so a metric reaches the file within milliseconds. Open, close,
-/// flush and a full queue wake it at once.
+/// The thread polls instead, so a metric reaches the file within milliseconds. Close, flush
+/// and a full queue wake it at once.
 const POLL: Duration = Duration::from_millis(5);
 
 /// Empty polls after which the thread sleeps until woken: idle writers cost no wake-ups (the
@@ -140,67 +147,134 @@ const POLL: Duration = Duration::from_millis(5);
 const IDLE_POLLS: u32 = 40;
 
 /// Messages queued before a sender waits for the thread: a writer that cannot keep up slows
-/// training down instead of growing memory without limit.
+/// training down instead of growing memory without limit (and past the writer timeout,
+/// `write()` fails instead of waiting for a file that blocks).
 const MAX_QUEUED: usize = 16_384;
 
 /// Messages handled before the thread writes what they formatted: a writer that queues faster
 /// than the thread drains still sees its lines reach the file in bounded batches.
 const MAX_DRAIN: usize = 256;
 
-/// The senders' side of the writer thread.
+/// The senders' side of one file's writer thread.
 struct Queue {
     tx: SyncSender<Msg>,
     thread: Thread,
     /// Set by the thread before it sleeps without a timeout; a sender then wakes it.
     idle: Arc<AtomicBool>,
+    status: Arc<Status>,
+    path: PathBuf,
+    /// The process that started the thread (a forked child inherits the queue, not the thread).
+    pid: u32,
+    /// A request that timed out, while the thread may still be stuck on it: the check says
+    /// whether it has been answered since. Until it has, later requests fail at once instead
+    /// of each waiting the timeout again (interpreter exit meets every writer once or twice).
+    stalled: Mutex<Option<Box<dyn FnMut() -> bool + Send>>>,
 }
 
 impl Queue {
-    /// Queues `msg`; `urgent` wakes the thread at once. A full queue wakes it and waits.
-    fn push(&self, msg: Msg, urgent: bool) {
+    /// Queues `msg`; `urgent` wakes the thread at once. A full queue wakes it and waits, at
+    /// most the writer timeout. `Ok(false)`: the thread is gone (its writer was closed).
+    fn push(&self, msg: Msg, urgent: bool) -> Result<bool> {
         match self.tx.try_send(msg) {
             Ok(()) => {}
             Err(TrySendError::Full(msg)) => {
                 self.thread.unpark();
-                let _ = self.tx.send(msg);
+                return self.push_full(msg);
             }
-            // The thread never exits while a Queue exists; nothing to do if it did.
-            Err(TrySendError::Disconnected(_)) => return,
+            Err(TrySendError::Disconnected(_)) => return Ok(false),
         }
         if urgent || self.idle.swap(false, Ordering::AcqRel) {
             self.thread.unpark();
         }
+        Ok(true)
     }
 
-    /// Queues `make(ack)` and waits until the thread handled it, at most the writer timeout:
-    /// past it, the error names the file the thread is stuck on (a hung mount, a FIFO nobody
-    /// reads), or `own` if it is stuck nowhere in particular.
-    fn round_trip(&self, own: &Path, make: impl FnOnce(Ack) -> Msg) -> Result<()> {
-        let (ack_tx, ack_rx) = mpsc::sync_channel(1);
-        self.push(make(ack_tx), true);
+    /// The slow path of `push`: waits for room in the queue, at most the writer timeout (the
+    /// queue is full when the file is much slower than training, or blocks).
+    fn push_full(&self, mut msg: Msg) -> Result<bool> {
         let timeout = writer_timeout();
-        match ack_rx.recv_timeout(timeout) {
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let busy = BUSY.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                Err(Error::Blocked {
-                    path: busy.unwrap_or_else(|| own.to_owned()),
-                    seconds: timeout.as_secs_f64(),
-                })
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.still_stalled() || Instant::now() >= deadline {
+                return Err(self.blocked(timeout));
             }
-            // The request was dropped unanswered: a sink panicked while it was handled.
+            std::thread::sleep(Duration::from_millis(1));
+            match self.tx.try_send(msg) {
+                Ok(()) => return Ok(true),
+                Err(TrySendError::Full(m)) => msg = m,
+                Err(TrySendError::Disconnected(_)) => return Ok(false),
+            }
+        }
+    }
+
+    fn blocked(&self, timeout: Duration) -> Error {
+        Error::Blocked {
+            path: self.path.clone(),
+            seconds: timeout.as_secs_f64(),
+        }
+    }
+
+    /// Whether a request that timed out is still unanswered (the file still blocks).
+    fn still_stalled(&self) -> bool {
+        let mut stalled = self.stalled.lock().unwrap_or_else(|e| e.into_inner());
+        let still = stalled.as_mut().is_some_and(|answered| !answered());
+        if !still {
+            *stalled = None;
+        }
+        still
+    }
+
+    /// Queues the request `make(reply)`, waking the thread. `Ok(None)`: the thread is gone.
+    /// While an earlier request is still stuck, the request is queued (the thread handles it
+    /// once the file unblocks) and the error returned at once.
+    fn ask<T>(&self, make: impl FnOnce(SyncSender<T>) -> Msg) -> Result<Option<Receiver<T>>> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let stalled = self.still_stalled();
+        if !self.push(make(tx), true)? {
+            return Ok(None);
+        }
+        if stalled {
+            return Err(self.blocked(writer_timeout()));
+        }
+        Ok(Some(rx))
+    }
+
+    /// Waits for the reply to a request until `deadline`: past it, the error names this file.
+    /// `Ok(None)`: the thread ended (its writer closed) before it reached the request.
+    fn answer<T: Send + 'static>(&self, rx: Receiver<T>, deadline: Instant) -> Result<Option<T>> {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(v) => Ok(Some(v)),
+            Err(mpsc::RecvTimeoutError::Disconnected)
+                if self.status.ended.load(Ordering::Acquire) =>
+            {
+                Ok(None)
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let answered = move || !matches!(rx.try_recv(), Err(TryRecvError::Empty));
+                *self.stalled.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(answered));
+                Err(self.blocked(writer_timeout()))
+            }
+            // The request was dropped unanswered: the sink panicked while it was handled.
             Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::WriterPanicked {
-                path: own.to_owned(),
+                path: self.path.clone(),
                 message: "the writer thread failed while handling this request".into(),
             }),
-            Ok(()) => Ok(()),
+        }
+    }
+
+    /// `ask`, then `answer` within the writer timeout. `Ok(None)`: the thread is gone.
+    fn round_trip<T: Send + 'static>(
+        &self,
+        make: impl FnOnce(SyncSender<T>) -> Msg,
+    ) -> Result<Option<T>> {
+        match self.ask(make)? {
+            Some(rx) => self.answer(rx, Instant::now() + writer_timeout()),
+            None => Ok(None),
         }
     }
 }
 
-/// The file the writer thread is writing now, if any (named when a wait times out).
-static BUSY: Mutex<Option<PathBuf>> = Mutex::new(None);
-
-/// How long `flush()`, `close()` and interpreter exit wait for the writer thread, in
+/// How long `flush()`, `close()` and interpreter exit wait for a blocked file, in
 /// milliseconds (0: the default).
 static TIMEOUT_MS: AtomicU64 = AtomicU64::new(0);
 
@@ -236,104 +310,130 @@ pub fn set_writer_timeout(seconds: Option<f64>) -> Result<()> {
     Ok(())
 }
 
-/// Marks the writer thread busy on `path` while `f` runs.
-fn busy_on<T>(path: &Path, f: impl FnOnce() -> T) -> T {
-    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = Some(path.to_owned());
-    let out = f();
-    *BUSY.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    out
-}
+/// The queues of this process's writers, for [`flush_all`] and [`take_errors`].
+static QUEUES: Mutex<Vec<Weak<Queue>>> = Mutex::new(Vec::new());
 
-struct ThreadHandle {
-    pid: u32,
-    queue: Arc<Queue>,
-}
+/// The process whose writers `QUEUES` holds (0: none yet), readable without the lock: a
+/// forked child may inherit `QUEUES` locked, and must not wait on it at exit.
+static QUEUES_PID: AtomicU32 = AtomicU32::new(0);
 
-static THREAD: Mutex<Option<ThreadHandle>> = Mutex::new(None);
-
-/// The process whose writer thread `THREAD` holds (0: none yet), readable without the lock: a
-/// forked child may inherit `THREAD` locked, and must not wait on it in `flush_all`.
-static THREAD_PID: AtomicU32 = AtomicU32::new(0);
-
-/// The queue of this process's writer thread, started on first use (and again in a forked
-/// child, which inherits the handle but not the thread).
-fn queue() -> Result<Arc<Queue>> {
-    let mut guard = THREAD.lock().unwrap_or_else(|e| e.into_inner());
-    let pid = std::process::id();
-    if let Some(h) = guard.as_ref() {
-        if h.pid == pid {
-            return Ok(h.queue.clone());
-        }
-    }
+/// Starts the writer thread of `sink` and registers its queue.
+fn start(sink: Box<dyn Sink>, path: PathBuf) -> Result<Arc<Queue>> {
     let (tx, rx) = mpsc::sync_channel(MAX_QUEUED);
     let idle = Arc::new(AtomicBool::new(false));
-    let thread_idle = idle.clone();
-    let handle = std::thread::Builder::new()
-        .name("hookloop-writer".into())
-        .spawn(move || run(&rx, &thread_idle))
-        .map_err(|e| Error::io("<hookloop writer thread>", e))?;
+    let status = Arc::new(Status::default());
+    let thread = {
+        let (idle, status, own) = (idle.clone(), status.clone(), path.clone());
+        std::thread::Builder::new()
+            .name("hookloop-writer".into())
+            .spawn(move || run(Some(sink), &rx, &idle, &status, &own))
+            .map_err(|e| Error::io(&path, e))?
+            .thread()
+            .clone()
+    };
+    let pid = std::process::id();
     let queue = Arc::new(Queue {
         tx,
-        thread: handle.thread().clone(),
+        thread,
         idle,
-    });
-    *guard = Some(ThreadHandle {
+        status,
+        path,
         pid,
-        queue: queue.clone(),
+        stalled: Mutex::new(None),
     });
-    THREAD_PID.store(pid, Ordering::Release);
+    let mut queues = QUEUES.lock().unwrap_or_else(|e| e.into_inner());
+    if QUEUES_PID.load(Ordering::Acquire) != pid {
+        queues.clear(); // a forked child: the parent's writers are not ours
+    }
+    queues.retain(|w| w.strong_count() > 0);
+    queues.push(Arc::downgrade(&queue));
+    QUEUES_PID.store(pid, Ordering::Release);
     Ok(queue)
 }
 
-struct Open {
-    sink: Box<dyn Sink>,
-    status: Arc<Status>,
-    path: PathBuf,
+/// This process's live writer queues (none in a forked child that opened no writer).
+fn live_queues() -> Vec<Arc<Queue>> {
+    let pid = std::process::id();
+    if QUEUES_PID.load(Ordering::Acquire) != pid {
+        return Vec::new();
+    }
+    let queues = QUEUES.lock().unwrap_or_else(|e| e.into_inner());
+    queues
+        .iter()
+        .filter_map(Weak::upgrade)
+        .filter(|q| q.pid == pid)
+        .collect()
 }
 
-/// The thread's loop: drain, write, sync; poll while active, sleep once idle.
-fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
-    let mut sinks: FxHashMap<u64, Open> = FxHashMap::default();
-    let mut dirty: FxHashSet<u64> = FxHashSet::default();
+/// One sink's thread: drain, write, sync; poll while active, sleep once idle. It ends when its
+/// writer is closed or dropped.
+fn run(
+    sink: Option<Box<dyn Sink>>,
+    rx: &Receiver<Msg>,
+    idle: &AtomicBool,
+    status: &Status,
+    path: &Path,
+) {
+    run_until_closed(sink, rx, idle, status, path);
+    status.ended.store(true, Ordering::Release);
+}
+
+fn run_until_closed(
+    mut sink: Option<Box<dyn Sink>>,
+    rx: &Receiver<Msg>,
+    idle: &AtomicBool,
+    status: &Status,
+    path: &Path,
+) {
     let mut empty_polls = 0u32;
     loop {
         let mut got = 0usize;
-        while got < MAX_DRAIN {
+        let mut dirty = false;
+        let mut done = false;
+        while got < MAX_DRAIN && !done {
             match rx.try_recv() {
                 Ok(msg) => {
                     got += 1;
-                    handle_guarded(msg, &mut sinks, &mut dirty);
+                    done = handle(msg, &mut sink, &mut dirty, status, path);
                 }
-                Err(mpsc::TryRecvError::Empty) => break,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    sync_dirty(&mut sinks, &mut dirty);
-                    return;
-                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => done = true,
             }
         }
-        sync_dirty(&mut sinks, &mut dirty);
+        if dirty {
+            guarded(&mut sink, status, path, |s| s.sync());
+        }
+        if done {
+            // Closed, or the writer dropped: what it queued is written.
+            return;
+        }
         if got == MAX_DRAIN {
             continue; // more is queued: write it without waiting for the next poll
         }
-        let got = got > 0;
-        empty_polls = if got {
+        empty_polls = if got > 0 {
             0
         } else {
             empty_polls.saturating_add(1)
         };
-        if sinks.is_empty() || empty_polls >= IDLE_POLLS {
+        if sink.is_none() || empty_polls >= IDLE_POLLS {
             idle.store(true, Ordering::Release);
             // A message sent between the drain and the store found `idle` false and did not
             // wake us: look once more before sleeping.
             match rx.try_recv() {
                 Ok(msg) => {
                     idle.store(false, Ordering::Release);
-                    handle_guarded(msg, &mut sinks, &mut dirty);
+                    let mut dirty = false;
+                    if handle(msg, &mut sink, &mut dirty, status, path) {
+                        return;
+                    }
+                    if dirty {
+                        guarded(&mut sink, status, path, |s| s.sync());
+                    }
                     empty_polls = 0;
                     continue;
                 }
-                Err(mpsc::TryRecvError::Empty) => std::thread::park(),
-                Err(mpsc::TryRecvError::Disconnected) => return,
+                Err(TryRecvError::Empty) => std::thread::park(),
+                Err(TryRecvError::Disconnected) => return,
             }
             idle.store(false, Ordering::Release);
             empty_polls = 0;
@@ -343,191 +443,189 @@ fn run(rx: &Receiver<Msg>, idle: &AtomicBool) {
     }
 }
 
-/// `handle`, with a panic in a sink turned into that writer's error: it must neither kill this
-/// thread (every later flush would wait forever) nor pass silently.
-fn handle_guarded(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
-    let id = match &msg {
-        Msg::Open(id, ..) | Msg::Write(id, _) | Msg::Close(id, _) | Msg::Purge(id, ..) => Some(*id),
-        Msg::Barrier(_) => None,
-    };
-    let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle(msg, sinks, dirty)));
-    if let Err(panic) = result {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "panic".into());
-        let failed = id.and_then(|id| sinks.remove(&id));
-        if let Some(open) = failed {
-            open.status.set(Error::WriterPanicked {
-                path: open.path.clone(),
-                message,
-            });
+/// Runs `f` on the sink, with an error kept for the writer and a panic turned into its error:
+/// a panic must neither kill the thread (every later flush would wait for it) nor pass
+/// silently. After a panic the sink is dropped; the thread still answers requests.
+fn guarded<T>(
+    sink: &mut Option<Box<dyn Sink>>,
+    status: &Status,
+    path: &Path,
+    f: impl FnOnce(&mut dyn Sink) -> Result<T>,
+) -> Option<T> {
+    let s = sink.as_mut()?;
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(s.as_mut()))) {
+        Ok(Ok(v)) => Some(v),
+        Ok(Err(e)) => {
+            status.set(e);
+            None
+        }
+        Err(panic) => {
+            panicked(sink, status, path, panic.as_ref());
+            None
         }
     }
 }
 
-fn sync_dirty(sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
-    for id in dirty.drain() {
-        if let Some(open) = sinks.get_mut(&id) {
-            if let Err(e) = busy_on(&open.path, || open.sink.sync()) {
-                open.status.set(e);
-            }
-        }
-    }
+/// A sink panicked: it is dropped and the panic becomes its writer's error.
+fn panicked(
+    sink: &mut Option<Box<dyn Sink>>,
+    status: &Status,
+    path: &Path,
+    panic: &(dyn std::any::Any + Send),
+) {
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into());
+    *sink = None;
+    status.set(Error::WriterPanicked {
+        path: path.to_owned(),
+        message,
+    });
 }
 
-fn handle(msg: Msg, sinks: &mut FxHashMap<u64, Open>, dirty: &mut FxHashSet<u64>) {
+/// Handles one message; returns whether the thread is done (the writer was closed).
+fn handle(
+    msg: Msg,
+    sink: &mut Option<Box<dyn Sink>>,
+    dirty: &mut bool,
+    status: &Status,
+    path: &Path,
+) -> bool {
     match msg {
-        Msg::Open(id, sink, status, path) => {
-            sinks.insert(id, Open { sink, status, path });
-        }
-        Msg::Write(id, payload) => {
-            if let Some(open) = sinks.get_mut(&id) {
-                match open.sink.write(payload) {
-                    Ok(()) => {
-                        dirty.insert(id);
-                    }
-                    Err(e) => open.status.set(e),
-                }
+        Msg::Write(payload) => {
+            if guarded(sink, status, path, |s| s.write(payload)).is_some() {
+                *dirty = true;
             }
+            false
         }
-        Msg::Purge(id, wall_time, from, reply) => {
-            let result = match sinks.get_mut(&id) {
-                Some(open) => open
-                    .sink
-                    .sync()
-                    .and_then(|()| open.sink.purge(wall_time, from)),
-                None => Ok(0),
+        Msg::Purge(wall_time, from, reply) => {
+            *dirty = false;
+            let Some(s) = sink.as_mut() else {
+                let _ = reply.send(Ok(0));
+                return false;
             };
-            dirty.remove(&id);
-            let _ = reply.send(result);
-        }
-        Msg::Close(id, ack) => {
-            dirty.remove(&id);
-            if let Some(mut open) = sinks.remove(&id) {
-                if let Err(e) = busy_on(&open.path, || open.sink.close()) {
-                    open.status.set(e);
+            // The purge's own error goes to its caller, not to the writer's slot.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                s.sync().and_then(|()| s.purge(wall_time, from))
+            }));
+            match result {
+                Ok(result) => {
+                    let _ = reply.send(result);
                 }
+                // The reply is dropped unanswered: the caller reports the panic.
+                Err(panic) => panicked(sink, status, path, panic.as_ref()),
             }
+            false
+        }
+        Msg::Close(ack) => {
+            *dirty = false;
+            guarded(sink, status, path, |s| s.close());
+            *sink = None;
             let _ = ack.send(());
+            true
         }
         Msg::Barrier(ack) => {
-            sync_dirty(sinks, dirty);
-            for open in sinks.values_mut() {
-                if let Err(e) = open.sink.verify() {
-                    open.status.set(e);
-                }
+            if std::mem::take(dirty) {
+                guarded(sink, status, path, |s| s.sync());
             }
+            guarded(sink, status, path, |s| s.verify());
             let _ = ack.send(());
+            false
         }
     }
 }
 
 /// Waits until everything queued so far by any writer of this process is written (and
-/// synced per each writer's policy). Interpreter exit calls this.
+/// synced per each writer's policy), at most the writer timeout for all of them together; a
+/// file that blocks fails it with an error naming that file, and the other writers are still
+/// flushed. Interpreter exit calls this.
 pub fn flush_all() -> Result<()> {
-    if THREAD_PID.load(Ordering::Acquire) != std::process::id() {
-        return Ok(()); // no writer thread in this process (none yet, or a forked child)
+    let deadline = Instant::now() + writer_timeout();
+    let asked: Vec<_> = live_queues()
+        .into_iter()
+        .map(|q| {
+            let rx = q.ask(Msg::Barrier);
+            (q, rx)
+        })
+        .collect();
+    let mut first = Ok(());
+    for (q, rx) in asked {
+        let done = match rx {
+            Ok(Some(rx)) => q.answer(rx, deadline).map(|_| ()),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if let (Err(e), Ok(())) = (done, &first) {
+            first = Err(e);
+        }
     }
-    let guard = THREAD.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(h) = guard.as_ref().filter(|h| h.pid == std::process::id()) else {
-        return Ok(());
-    };
-    let queue = h.queue.clone();
-    drop(guard);
-    queue.round_trip(Path::new("<hookloop writers>"), Msg::Barrier)
+    first
 }
 
-/// The error slots of the sinks opened in this process, for [`take_errors`].
-static OPEN_STATUSES: Mutex<Vec<std::sync::Weak<Status>>> = Mutex::new(Vec::new());
-
-fn register(status: &Arc<Status>) {
-    let mut open = OPEN_STATUSES.lock().unwrap_or_else(|e| e.into_inner());
-    open.retain(|w| w.strong_count() > 0);
-    open.push(Arc::downgrade(status));
-}
-
-/// Removes and returns the errors the writer thread met that no `write()`, `flush()` or
-/// `close()` reported yet, for every writer of this process that still exists. Interpreter
-/// exit calls this after `flush_all`, to report an error after the last write.
-/// Tests that open sinks on the process's one writer thread take this first: `take_errors`
-/// takes every open sink's unreported error, so a test of it run beside a test that expects
-/// its own writer's error would steal that error.
+/// Tests that open sinks take this first: `take_errors` takes every open sink's unreported
+/// error, so a test of it run beside a test that expects its own writer's error would steal
+/// that error.
 #[cfg(test)]
 pub(crate) fn test_serial() -> std::sync::MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Removes and returns the errors the writer threads met that no `write()`, `flush()` or
+/// `close()` reported yet, for every writer of this process that still exists. Interpreter
+/// exit calls this after `flush_all`, to report an error after the last write.
 pub fn take_errors() -> Vec<Error> {
-    if THREAD_PID.load(Ordering::Acquire) != std::process::id() {
-        return Vec::new(); // a forked child: the errors are the parent's to report
-    }
-    let open = OPEN_STATUSES.lock().unwrap_or_else(|e| e.into_inner());
-    open.iter()
-        .filter_map(std::sync::Weak::upgrade)
-        .filter_map(|status| status.take())
+    live_queues()
+        .iter()
+        .filter_map(|q| q.status.take())
         .collect()
 }
 
 /// The training thread's side of one open sink.
 pub struct SinkHandle {
-    id: u64,
-    /// The process that opened it: a forked child inherits the handle but not the thread, so
-    /// it must not queue anything (nobody would write it, and a flush would wait forever).
-    pid: u32,
+    /// Its thread's queue. Its `pid` is the process that opened it: a forked child inherits
+    /// the handle but not the thread, so it must not queue anything (nobody would write it,
+    /// and a flush would wait for nothing).
     queue: Arc<Queue>,
-    status: Arc<Status>,
     kind: &'static str,
-    path: PathBuf,
     closed: bool,
 }
 
 impl SinkHandle {
-    /// Hands `sink` to the writer thread. `kind` and `path` name it in errors.
+    /// Starts a writer thread for `sink`. `kind` and `path` name it in errors.
     pub fn open(sink: Box<dyn Sink>, kind: &'static str, path: PathBuf) -> Result<SinkHandle> {
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        let queue = queue()?;
-        let status = Arc::new(Status::default());
-        register(&status);
-        queue.push(Msg::Open(id, sink, status.clone(), path.clone()), true);
         Ok(SinkHandle {
-            id,
-            pid: std::process::id(),
-            queue,
-            status,
+            queue: start(sink, path)?,
             kind,
-            path,
             closed: false,
         })
     }
 
     /// The file this sink writes.
     pub fn path(&self) -> &std::path::Path {
-        &self.path
+        &self.queue.path
     }
 
     /// Raises the error the thread met since the last call, if any.
     pub fn check(&self) -> Result<()> {
         let pid = std::process::id();
-        if self.pid != pid {
+        if self.queue.pid != pid {
             return Err(Error::ForkedChild {
                 writer: self.kind,
-                path: self.path.clone(),
-                owner: self.pid,
+                path: self.queue.path.clone(),
+                owner: self.queue.pid,
                 pid,
             });
         }
         if self.closed {
             return Err(Error::Closed {
                 writer: self.kind,
-                path: self.path.clone(),
+                path: self.queue.path.clone(),
             });
         }
-        match self.status.take() {
+        match self.queue.status.take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -536,25 +634,25 @@ impl SinkHandle {
     /// Queues a payload (after reporting any earlier error).
     pub fn send(&self, payload: Payload) -> Result<()> {
         self.check()?;
-        self.queue.push(Msg::Write(self.id, payload), false);
+        self.queue.push(Msg::Write(payload), false)?;
         Ok(())
     }
 
     /// A resumed run restarts at iteration `from`: the sink drops (or marks as stale) what
-    /// was written for iterations >= `from`, after writing what is queued. Waits for it and
-    /// returns how many entries were removed.
+    /// was written for iterations >= `from`, after writing what is queued. Waits for it (at
+    /// most the writer timeout) and returns how many entries were removed.
     pub fn purge(&self, wall_time: f64, from: f64) -> Result<u64> {
         self.check()?;
-        let (tx, rx) = mpsc::sync_channel(1);
-        self.queue
-            .push(Msg::Purge(self.id, wall_time, from, tx), true);
-        rx.recv().unwrap_or(Ok(0))
+        let removed = self
+            .queue
+            .round_trip(|reply| Msg::Purge(wall_time, from, reply))?;
+        removed.unwrap_or(Ok(0))
     }
 
-    /// Waits until everything this process queued is written.
+    /// Waits until everything this writer queued is in its file, at most the writer timeout.
     pub fn flush(&self) -> Result<()> {
         self.check()?;
-        self.queue.round_trip(&self.path, Msg::Barrier)?;
+        self.queue.round_trip(Msg::Barrier)?;
         self.check()
     }
 
@@ -565,23 +663,19 @@ impl SinkHandle {
             return Ok(());
         }
         self.closed = true;
-        if self.pid != std::process::id() {
-            return Ok(()); // the parent owns the file; see `pid`
+        if self.queue.pid != std::process::id() {
+            return Ok(()); // the parent owns the file; see `queue`
         }
-        let id = self.id;
-        self.queue
-            .round_trip(&self.path, |ack| Msg::Close(id, ack))?;
-        match self.status.take() {
+        self.queue.round_trip(Msg::Close)?;
+        match self.queue.status.take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
     }
-}
 
-impl SinkHandle {
     /// Whether `close()` was called (or the handle belongs to another process).
     pub fn is_closed(&self) -> bool {
-        self.closed || self.pid != std::process::id()
+        self.closed || self.queue.pid != std::process::id()
     }
 }
 
@@ -708,5 +802,66 @@ mod tests {
         other.send(Payload::Json(vec![row(1)])).unwrap();
         other.close().unwrap();
         let _ = h.close();
+    }
+
+    /// A sink whose sync blocks until released, like a file on a hung mount.
+    struct Hangs {
+        released: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    }
+
+    impl Sink for Hangs {
+        fn write(&mut self, _payload: Payload) -> Result<()> {
+            Ok(())
+        }
+        fn sync(&mut self) -> Result<()> {
+            let (lock, cvar) = &*self.released;
+            let mut released = lock.lock().unwrap();
+            while !*released {
+                released = cvar.wait(released).unwrap();
+            }
+            Ok(())
+        }
+        fn close(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn purge(&mut self, _wall_time: f64, _from: f64) -> Result<u64> {
+            Ok(0)
+        }
+    }
+
+    #[test]
+    fn a_blocked_sink_fails_its_own_flush_and_stalls_no_other() {
+        let _serial = crate::writer::test_serial();
+        let released = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let hangs = Hangs {
+            released: released.clone(),
+        };
+        let mut hung = SinkHandle::open(Box::new(hangs), "test", "/hung".into()).unwrap();
+        let log = Arc::new(Mutex::new(vec![]));
+        let fine = Recording { log: log.clone() };
+        let mut fine = SinkHandle::open(Box::new(fine), "test", "/fine".into()).unwrap();
+        set_writer_timeout(Some(0.2)).unwrap();
+        hung.send(Payload::Json(vec![row(0)])).unwrap();
+        let blocked = |r: Result<()>| matches!(r, Err(Error::Blocked { path, .. }) if path == Path::new("/hung"));
+        assert!(blocked(hung.flush()));
+        set_writer_timeout(None).unwrap();
+        // Still blocked: every later wait on it fails at once, naming it.
+        assert!(blocked(flush_all()));
+        assert!(blocked(hung.flush()));
+        // The other sink has a thread of its own.
+        fine.send(Payload::Json(vec![row(1)])).unwrap();
+        fine.flush().unwrap();
+        assert_eq!(log.lock().unwrap()[..2], ["write 1", "sync"]);
+        // Unblocked, the stuck requests are answered and the sink works again.
+        *released.0.lock().unwrap() = true;
+        released.1.notify_all();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while blocked(hung.flush()) {
+            assert!(Instant::now() < deadline, "the sink never recovered");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        hung.close().unwrap();
+        fine.close().unwrap();
+        flush_all().unwrap();
     }
 }

@@ -21,6 +21,7 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::int64;
 use crate::errors::to_py;
+use crate::errors::IntoPyResult;
 use crate::storage::PyEventStorage;
 
 /// What an entry calls: a function with the hook as its one argument (a Python method,
@@ -128,10 +129,11 @@ impl PyDispatcher {
         Ok(())
     }
 
-    fn set_storage_iter(&self, py: Python<'_>, iter: i64) {
+    fn set_storage_iter(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
         let storage = Self::lock(&self.storage).as_ref().map(|s| s.clone_ref(py));
-        if let Some(storage) = storage {
-            storage.get().set_iter(iter);
+        match storage {
+            Some(storage) => storage.get().set_iter(iter),
+            None => Ok(()),
         }
     }
 
@@ -139,7 +141,7 @@ impl PyDispatcher {
     /// hooks run. The one implementation, for the loop and for a subclass's `super()` call.
     fn do_before_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
         self.iter.store(iter, Ordering::Relaxed);
-        self.set_storage_iter(py, iter);
+        self.set_storage_iter(py, iter)?;
         self.call(py, Stage::BeforeStep, iter)
     }
 
@@ -181,8 +183,10 @@ impl PyDispatcher {
         storage: Py<PyEventStorage>,
         max_iter: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        self.max_iter
-            .store(int64("max_iter", max_iter)?, Ordering::Relaxed);
+        // The last iteration is max_iter - 1: it must be exact like every iteration.
+        let max_iter = int64("max_iter", max_iter)?;
+        hookloop_core::history::exact_iter("max_iter", max_iter).py_err()?;
+        self.max_iter.store(max_iter, Ordering::Relaxed);
         let old = Self::lock(&self.storage).replace(storage);
         drop(old);
         self.rebuild(py, hooks.unbind())?;
@@ -195,7 +199,7 @@ impl PyDispatcher {
 
     /// TrainerBase's `after_train`: the storage's iteration is set to `iter`, then the hooks.
     fn after_train(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
-        self.set_storage_iter(py, iter);
+        self.set_storage_iter(py, iter)?;
         self.call(py, Stage::AfterTrain, iter)
     }
 

@@ -64,8 +64,8 @@ impl PyEventStorage {
     }
 
     /// Sets the iteration: the training loop's per-step call, without a Python frame.
-    pub fn set_iter(&self, iter: i64) {
-        self.with(|s| s.set_iter(iter));
+    pub fn set_iter(&self, iter: i64) -> PyResult<()> {
+        self.with(|s| s.set_iter(iter)).py_err()
     }
 }
 
@@ -448,9 +448,7 @@ impl PyEventStorage {
             }
             Err(_) => int64("EventStorage.iter", val)?,
         };
-        let it = hookloop_core::history::exact_iter("EventStorage.iter", it).py_err()?;
-        self.set_iter(it);
-        Ok(())
+        self.set_iter(it)
     }
 
     /// The current iteration (detectron2's backward-compatible alias of `iter`).

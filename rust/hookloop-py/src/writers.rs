@@ -411,20 +411,22 @@ impl PyMetricPrinter {
         })
     }
 
-    /// The line for the storage's current iteration, or None at `max_iter`.
-    #[pyo3(signature = (storage, max_mem_mb, now))]
+    /// The line for the storage's current iteration, or None at `max_iter`. `epoch`:
+    /// the trainer's `(current, total)` epoch, counted from 1, or None.
+    #[pyo3(signature = (storage, max_mem_mb, now, epoch = None))]
     fn format(
         &self,
         storage: &Bound<'_, PyEventStorage>,
         max_mem_mb: Option<f64>,
         now: f64,
+        epoch: Option<(i64, i64)>,
     ) -> PyResult<Option<String>> {
         storage.get().settle(storage.py())?;
         let mut guard = lock(&self.inner);
         let printer: &mut Printer = &mut guard;
         storage
             .get()
-            .with(|core| printer.format(core, max_mem_mb, now))
+            .with(|core| printer.format(core, max_mem_mb, now, epoch))
             .py_err()
     }
 

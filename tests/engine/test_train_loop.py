@@ -1407,3 +1407,71 @@ def test_amp_trainer_cuda_float16():
     assert scales[0] == 2.0**16
     assert history_iters(trainer.storage, "total_loss") == list(range(5))
     assert "grad_scaler" in trainer.state_dict()
+
+
+def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(monkeypatch):
+    """At METRICS_READ_EVERY recorded iterations, CUDA losses start a non-blocking copy to the
+    host instead of being read (no synchronization on an iteration nothing reads); the first
+    read of the storage waits for the copies, in order. Simulated on the CPU: the CUDA test is
+    the one below, and benches/gpu_check.py checks it with torch's sync debug mode."""
+    from hookloop.engine import train_loop
+
+    started, waited = [], []
+
+    class FakeCopy:
+        def __init__(self, tensors):
+            started.append(len(tensors))
+            self._tensors = tensors
+
+        def values(self):
+            waited.append(len(self._tensors))
+            return [t.item() for t in self._tensors]
+
+    monkeypatch.setattr(train_loop, "_is_cuda", lambda v: isinstance(v, torch.Tensor))
+    monkeypatch.setattr(train_loop, "_HostCopy", FakeCopy)
+    reads = []
+
+    class Reader(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 44:
+                reads.append(len(waited))
+                reads.append(history_iters(self.trainer.storage, "total_loss"))
+                reads.append(len(waited))
+
+    trainer = simple_trainer()
+    trainer.register_hooks([Reader()])
+    trainer.train(0, 50)
+    n = len(trainer._pending_metrics)  # nothing pending after training
+    assert n == 0 and trainer._in_flight == []
+    per_iter = started[0] // 20
+    assert started == [20 * per_iter, 20 * per_iter]  # at iterations 19 and 39
+    # Nothing waited for until the hook read the storage at 44; then both copies, in order.
+    assert reads == [0, list(range(45)), 2]
+    # Identical to reading every step.
+    reference = simple_trainer(check_finite_every_step=True)
+    reference.train(0, 50)
+    for name in ("total_loss", "loss_a", "loss_b"):
+        assert trainer.storage.history(name).values() == reference.storage.history(name).values()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_steps_make_no_synchronization_until_the_storage_is_read():
+    model = LinearModel().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = [tuple(t.cuda() for t in batch(i)) for i in range(8)]
+    trainer = SimpleTrainer(model, itertools.cycle(data), opt)
+
+    class SyncGuard(HookBase):
+        def before_train(self):
+            torch.cuda.set_sync_debug_mode("error")
+
+        def after_train(self):
+            torch.cuda.set_sync_debug_mode("default")
+
+    trainer.register_hooks([SyncGuard()])
+    try:
+        trainer.train(0, 45)  # two copies started at the cap, none waited for in the loop
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert history_iters(trainer.storage, "total_loss") == list(range(45))

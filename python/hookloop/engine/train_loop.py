@@ -648,6 +648,8 @@ class SimpleTrainer(TrainerBase):
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
         # Losses recorded but not read yet: (iteration, data_time, loss_dict, prefix).
         self._pending_metrics: List[Tuple[int, float, Mapping[str, Any], str]] = []
+        # Losses of earlier iterations on their way to the host (a CUDA copy not waited for).
+        self._in_flight: List[Tuple[List[Tuple[int, float, Mapping[str, Any], str]], Any]] = []
         self._deferring = False
         this = weakref.ref(self)  # the storage holds this function: no trainer <-> storage cycle
 
@@ -861,7 +863,7 @@ class SimpleTrainer(TrainerBase):
                 if len(pending) == 1:
                     self.storage._defer(self._settler)
                 elif len(pending) >= self.METRICS_READ_EVERY:
-                    self.storage._settle()
+                    self._read_pending()
                 return
             try:
                 SimpleTrainer.write_metrics(loss_dict, data_time, iter, prefix)
@@ -869,22 +871,47 @@ class SimpleTrainer(TrainerBase):
                 logger.exception("Exception in writing metrics: ")
                 raise
 
+    #: At most this many batches of CUDA losses are copied to the host without being waited for
+    #: (until something reads the storage); then they are read.
+    MAX_IN_FLIGHT = 50
+
+    def _read_pending(self) -> None:
+        """The pending losses are METRICS_READ_EVERY iterations long. CUDA losses start their
+        copy to the host (one stack, one non-blocking copy into pinned memory, an event after
+        it) without waiting for it, so no iteration synchronizes until something reads the
+        storage; other losses are put now."""
+        pending = self._pending_metrics
+        first = next(iter(pending[0][2].values()), None)
+        if len(self._in_flight) < self.MAX_IN_FLIGHT and _is_cuda(first):
+            tensors = [v for _, _, losses, _ in pending for v in losses.values()]
+            if all(_is_cuda(v) for v in tensors):
+                self._pending_metrics = []
+                self._in_flight.append((pending, _HostCopy(tensors)))
+                return  # the storage's deferred flag stays set: a read completes the copy
+        self.storage._settle()
+
     def _settle_metrics(self) -> None:
         """Puts the pending losses of every recorded iteration with the one write_metrics
-        rule, in one call into the core. Losses on a device are read in one batch (one stack,
-        one copy to the host: one synchronization); on the CPU the core reads each with
-        ``item()``, which costs less than stacking many small tensors."""
+        rule, in one call into the core per batch. Losses on a device are read in one batch
+        (one stack, one copy to the host: one synchronization, or a wait for a copy started
+        earlier); on the CPU the core reads each with ``item()``, which costs less than
+        stacking many small tensors."""
+        in_flight, self._in_flight = self._in_flight, []
         pending, self._pending_metrics = self._pending_metrics, []
-        if not pending:
-            return
-        values: Optional[List[float]] = None
-        first = next(iter(pending[0][2].values()), None)
-        if isinstance(first, torch.Tensor) and first.device.type != "cpu":
-            tensors = [v for _, _, losses, _ in pending for v in losses.values()]
-            if all(isinstance(v, torch.Tensor) for v in tensors):
-                values = _read_all(tensors)
+        batches: List[Tuple[List[Any], Optional[List[float]]]] = [
+            (entries, copy.values()) for entries, copy in in_flight
+        ]
+        if pending:
+            values: Optional[List[float]] = None
+            first = next(iter(pending[0][2].values()), None)
+            if isinstance(first, torch.Tensor) and first.device.type != "cpu":
+                tensors = [v for _, _, losses, _ in pending for v in losses.values()]
+                if all(isinstance(v, torch.Tensor) for v in tensors):
+                    values = _read_all(tensors)
+            batches.append((pending, values))
         try:
-            self.storage._write_metrics_batch(pending, values)
+            for entries, values in batches:
+                self.storage._write_metrics_batch(entries, values)
         except Exception:
             logger.exception("Exception in writing metrics: ")
             raise
@@ -1019,6 +1046,34 @@ def _read_all(tensors: List[torch.Tensor]) -> List[float]:
 
 
 _END = object()
+
+
+def _is_cuda(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda
+
+
+class _HostCopy:
+    """Single-element CUDA tensors on their way to the host: stacked, converted to float64 on
+    the device and copied without blocking into pinned memory, with an event recorded after
+    the copy. :meth:`values` waits for that event only (not for the whole device)."""
+
+    def __init__(self, tensors: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            flat = torch.stack(tensors).reshape(len(tensors), -1)
+            if flat.shape[1] != 1:
+                raise TypeError(
+                    "a loss must be a single-element tensor, got one with "
+                    f"{flat.shape[1]} elements"
+                )
+            flat = flat.to(torch.float64)
+            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def values(self) -> List[float]:
+        self._event.synchronize()
+        return self._host.reshape(-1).tolist()
 
 
 def _losses(out: Any, who: str) -> Tuple[Mapping[str, torch.Tensor], torch.Tensor]:

@@ -4,6 +4,8 @@ code the test chooses. The real thing on two gloo ranks is in test_ddp.py."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hookloop.engine import (
@@ -126,6 +128,18 @@ def test_async_writes_take_the_agreed_stop_one_period_later(monkeypatch):
 
 
 def test_default_trainer_stop_rides_on_its_wrapped_trainer(tmp_path, monkeypatch):
+    # DefaultTrainer calls setup_logger() when hookloop's logger would drop INFO records (the
+    # logger then stops propagating, which later tests' caplog would miss).
+    log = logging.getLogger("hookloop")
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        _default_trainer_stop(tmp_path, monkeypatch)
+    finally:
+        log.setLevel(level)
+
+
+def _default_trainer_stop(tmp_path, monkeypatch):
     class Toy(DefaultTrainer):
         @classmethod
         def build_model(cls, cfg):

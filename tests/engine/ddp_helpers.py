@@ -167,10 +167,12 @@ def train(out_dir: str, results_dir: str, opts: Dict[str, Any]) -> None:
     ckpt.resume_or_load("", resume=True)  # on every rank
     start = trainer.iter + 1 if ckpt.has_checkpoint() else 0
     result: Dict[str, Any] = {"rank": rank, "start": start, "preempted": None}
+    preempted = None
     try:
         trainer.train(start, opts["max_iter"])
     except hooks.Preempted as e:
         result["preempted"] = e.code
+        preempted = e
     result.update(
         iter=trainer.iter,
         stopped_early=trainer.stopped_early,
@@ -185,6 +187,8 @@ def train(out_dir: str, results_dir: str, opts: Dict[str, Any]) -> None:
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     comm.synchronize()
+    if preempted is not None:
+        raise preempted  # as a training script would: launch() raises it too
 
 
 class BNModel(torch.nn.Module):

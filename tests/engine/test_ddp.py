@@ -14,7 +14,7 @@ from pathlib import Path
 import ddp_helpers
 import pytest
 import torch.distributed as dist
-from hookloop.engine import launch
+from hookloop.engine import Preempted, launch
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,17 +38,22 @@ def cpu_workers():
         yield
 
 
-def run(func, out: Path, *args) -> list:
+def run(func, out: Path, *args, raises=None) -> list:
     results = out.parent / (out.name + "-results")
     shutil.rmtree(results, ignore_errors=True)
     results.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
-    launch(func, 2, dist_url="auto", args=(str(out), str(results), *args), timeout=TIMEOUT)
+    args = (str(out), str(results), *args)
+    if raises is None:
+        launch(func, 2, dist_url="auto", args=args, timeout=TIMEOUT)
+    else:
+        with pytest.raises(raises):
+            launch(func, 2, dist_url="auto", args=args, timeout=TIMEOUT)
     return [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def train(out: Path, **opts) -> list:
-    return run(ddp_helpers.train, out, {**OPTS, **opts})
+def train(out: Path, raises=None, **opts) -> list:
+    return run(ddp_helpers.train, out, {**OPTS, **opts}, raises=raises)
 
 
 def metrics(out: Path) -> list:
@@ -156,7 +161,8 @@ def test_sigterm_on_one_rank_preempts_both_at_the_same_iteration(tmp_path, strai
     out = tmp_path / "sigterm"
     # SIGTERM to rank 1 in iteration 6: its PreemptionHandler asks at the end of iteration 6
     # (or 7, if the handler runs late); either way the next collective is at iteration 8.
-    results = train(out, interrupt=["sigterm", 1, 6])
+    # Both ranks raise Preempted (which the workers let out), and so does launch().
+    results = train(out, raises=Preempted, interrupt=["sigterm", 1, 6])
     _check_stopped_together(out, results, 8, 143)
     _check_resumed_exactly(out, straight, 8)
 

@@ -35,6 +35,11 @@ class FakeWorld:
         monkeypatch.setattr(comm, "get_world_size", lambda: 2)
         monkeypatch.setattr(comm, "get_rank", lambda: 0)
         monkeypatch.setattr(train_loop, "_all_gather_floats", self.gather)
+        self.barriers = 0
+        monkeypatch.setattr(comm, "synchronize", self.barrier)
+
+    def barrier(self):
+        self.barriers += 1
 
     def gather(self, values, n_losses, cur_iter):
         self.gathers.append(cur_iter)
@@ -82,6 +87,8 @@ def test_a_stop_waits_for_the_next_collective_and_is_sent_in_it(monkeypatch):
     assert world.gathers == [4]
     assert world.sent == [1]
     assert (t.iter, t.stopped_early, t.stop_requested) == (4, True, True)
+    # The ranks leave train() together, after the main process saved the stop's checkpoint.
+    assert world.barriers == 1
 
 
 def test_a_peers_stop_stops_this_rank_at_the_same_iteration(monkeypatch):
@@ -115,6 +122,7 @@ def test_no_collective_left_training_finishes(monkeypatch):
     t.train(0, 18)
     assert world.gathers == [4, 9, 14]
     assert (t.iter, t.stopped_early) == (18, False)
+    assert world.barriers == 0
 
 
 def test_async_writes_take_the_agreed_stop_one_period_later(monkeypatch):

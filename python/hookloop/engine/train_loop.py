@@ -402,6 +402,11 @@ class TrainerBase:
             self._end_loop(hooks)
             self.after_train()
         after_stop, self._raise_after_train = self._raise_after_train, None
+        if self.stopped_early and self._stop_rides_collective():
+            # Every rank stopped after the same iteration: none leaves before the main
+            # process's checkpoint of it is on disk (when one process exits, launch() and
+            # torchrun stop the others).
+            comm.synchronize()
         if after_stop is not None and self.stopped_early:
             raise after_stop
 

@@ -396,6 +396,11 @@ class PreciseBN(HookBase):
     average, and put true averages to every BN layer in the given model.
 
     It is executed every ``period`` iterations and after the last iteration.
+
+    Across processes it runs on every rank (register it on all), each over its own
+    ``data_loader`` and without a collective of its own, as detectron2's does: the ranks'
+    statistics then differ, and the main process checkpoints its own. A DDP model with
+    ``broadcast_buffers=True`` (torch's default) broadcasts rank 0's buffers at each forward.
     """
 
     def __init__(
@@ -982,7 +987,9 @@ class EvalHook(HookBase):
         Note:
             This hook must be enabled in all or none workers. If you would like only certain
             workers to perform evaluation, give other workers a no-op function
-            (``eval_function=lambda: None``).
+            (``eval_function=lambda: None``). The function runs on every rank; after it the
+            ranks meet at a barrier (``comm.synchronize()``), so that they start the next
+            iteration together.
         """
         self._period = _int_arg("EvalHook", "eval_period", eval_period, 0)
         if not callable(eval_function):

@@ -149,12 +149,12 @@ def _check_resumed_exactly(out: Path, straight, at: int) -> None:
     assert files(out) == files(ref_out) | {f"model_{at:07d}.pth"}
 
 
-def test_request_stop_on_one_rank_stops_both_at_the_next_collective(tmp_path, straight):
+def test_request_stop_on_one_rank_stops_both_at_the_next_collective(tmp_path):
     out = tmp_path / "stop"
-    # Rank 1 asks after iteration 3; the next metric collective is at iteration 5.
+    # Rank 1 asks after iteration 3; the next metric collective is at iteration 5. (The
+    # resume from such a stop is checked after the SIGTERM below: the same checkpoint.)
     results = train(out, interrupt=["stop", 1, 3])
     _check_stopped_together(out, results, 5, None)
-    _check_resumed_exactly(out, straight, 5)
 
 
 def test_sigterm_on_one_rank_preempts_both_at_the_same_iteration(tmp_path, straight):

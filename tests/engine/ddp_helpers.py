@@ -110,7 +110,8 @@ def _dataset(n: int = 96) -> torch.utils.data.TensorDataset:
 def train(out_dir: str, results_dir: str, opts: Dict[str, Any]) -> None:
     """A two-rank DDP run of the tiny MLP with detectron2's hooks, resuming from ``out_dir``
     when it holds a checkpoint. ``opts``: ``max_iter``, ``period`` (gather_metric_period),
-    and optionally ``interrupt`` = [how, rank, iteration] (see :class:`Interrupt`).
+    and optionally ``interrupt`` = [how, rank, iteration] (see :class:`Interrupt`) and
+    ``async`` (``async_write_metrics``).
 
     The checkpointer saves to disk on every rank (``Checkpointer``'s default): the
     checkpointing hooks, registered on every rank, save once. The writers are on the main
@@ -130,7 +131,13 @@ def train(out_dir: str, results_dir: str, opts: Dict[str, Any]) -> None:
     loader = torch.utils.data.DataLoader(
         data, batch_size=4, sampler=TrainingSampler(len(data), seed=3), num_workers=0
     )
-    trainer = SimpleTrainer(ddp, loader, opt, gather_metric_period=opts["period"])
+    trainer = SimpleTrainer(
+        ddp,
+        loader,
+        opt,
+        gather_metric_period=opts["period"],
+        async_write_metrics=opts.get("async", False),
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=6, gamma=0.5)
     ckpt = Checkpointer(ddp, out_dir, trainer=trainer)
     evals: List[int] = []

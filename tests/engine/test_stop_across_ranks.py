@@ -30,6 +30,7 @@ class FakeWorld:
     def __init__(self, monkeypatch, peer_stop=None):
         self.peer_stop = dict(peer_stop or {})
         self.gathers = []
+        self.groups = []
         self.sent = []
         monkeypatch.setattr(comm, "_initialized", lambda: True)
         monkeypatch.setattr(comm, "get_world_size", lambda: 2)
@@ -37,12 +38,14 @@ class FakeWorld:
         monkeypatch.setattr(train_loop, "_all_gather_floats", self.gather)
         self.barriers = 0
         monkeypatch.setattr(comm, "synchronize", self.barrier)
+        monkeypatch.setattr(comm, "_get_off_thread_group", lambda: "off-thread group")
 
     def barrier(self):
         self.barriers += 1
 
-    def gather(self, values, n_losses, cur_iter):
+    def gather(self, values, n_losses, cur_iter, group=None):
         self.gathers.append(cur_iter)
+        self.groups.append(group)
         self.sent.append(int(values[-1]))
         peer = list(values[:-1]) + [float(self.peer_stop.get(cur_iter, 0))]
         return [list(values), peer]
@@ -133,6 +136,8 @@ def test_async_writes_take_the_agreed_stop_one_period_later(monkeypatch):
     # on the training thread, where every rank waits for that collective.
     assert world.gathers == [4, 9]
     assert (t.iter, t.stopped_early) == (9, True)
+    # Off the training thread, the collective has a group of its own (not DDP's).
+    assert world.groups == ["off-thread group"] * 2
 
 
 def test_default_trainer_stop_rides_on_its_wrapped_trainer(tmp_path, monkeypatch):

@@ -773,9 +773,14 @@ class SimpleTrainer(TrainerBase):
             agreed, self._async_stop = self._async_stop, 0
             if agreed:
                 owner._stop_agreed(agreed)
+            # Its own group: on the default one, this thread's collective could meet DDP's
+            # all-reduces in a different order on each rank (made here, on the training
+            # thread, where every rank reaches the first one at the same point).
+            group = comm._get_off_thread_group()
+            stop = owner._outgoing_stop()
             self._pending_writes.append(
                 self.concurrent_executor.submit(
-                    self._write_metrics_async, loss_dict, data_time, it, owner._outgoing_stop()
+                    self._write_metrics_async, loss_dict, data_time, it, stop, group
                 )
             )
             return
@@ -964,14 +969,19 @@ class SimpleTrainer(TrainerBase):
         return comm._initialized() and comm.get_world_size() > 1
 
     def _write_metrics_async(
-        self, loss_dict: Mapping[str, torch.Tensor], data_time: float, iter: int, stop: int
+        self,
+        loss_dict: Mapping[str, torch.Tensor],
+        data_time: float,
+        iter: int,
+        stop: int,
+        group: Any,
     ) -> None:
         """``_write_metrics`` on the executor thread, with the stop code the training thread
         read at this step; the agreed code waits for the training thread (_submit_metrics)."""
         if (iter + 1) % self.gather_metric_period != 0:
             return
         try:
-            agreed = _write_metrics_across(loss_dict, data_time, iter, "", stop)
+            agreed = _write_metrics_across(loss_dict, data_time, iter, "", stop, group)
         except Exception:
             logger.exception("Exception in writing metrics: ")
             raise
@@ -1072,10 +1082,12 @@ def _write_metrics_across(
     cur_iter: int,
     prefix: str,
     stop: int,
+    group: Optional[Any] = None,
 ) -> int:
     """``SimpleTrainer.write_metrics``, which also carries this rank's stop code (see
-    ``TrainerBase._outgoing_stop``) in the packed collective: returns the largest any rank
-    sent (0 in one process, where a stop never waits for a collective)."""
+    ``TrainerBase._outgoing_stop``) in the packed collective (on ``group``, by default the
+    default group): returns the largest any rank sent (0 in one process, where a stop never
+    waits for a collective)."""
     # get_event_storage(), inlined: this runs every step.
     storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
     if type(loss_dict) is not dict:
@@ -1096,7 +1108,7 @@ def _write_metrics_across(
     # iteration, not on the main process alone while the others wait in their next
     # collective, and a stop asked for on one rank stops every rank after this iteration.
     packed = _read_all([v for v in loss_dict.values()]) + [float(data_time), float(stop)]
-    gathered = _all_gather_floats(packed, len(names), cur_iter)
+    gathered = _all_gather_floats(packed, len(names), cur_iter, group)
     # data_time among workers can have high variance. The actual latency caused by
     # data_time is the maximum among workers.
     max_data_time = max(row[-2] for row in gathered)
@@ -1114,17 +1126,19 @@ def _write_metrics_across(
     return agreed
 
 
-def _all_gather_floats(values: List[float], n_losses: int, cur_iter: int) -> List[List[float]]:
+def _all_gather_floats(
+    values: List[float], n_losses: int, cur_iter: int, group: Optional[Any] = None
+) -> List[List[float]]:
     """Every rank's ``values`` (losses, data time, stop code), with one all_gather of one
-    tensor."""
+    tensor on ``group`` (the default group when None)."""
     import torch.distributed as dist
 
     world = comm.get_world_size()
-    backend = dist.get_backend()
+    backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     chunks = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(chunks, mine)
+    dist.all_gather(chunks, mine, group=group)
     rows = torch.stack(chunks).cpu().tolist()
     if any(len(r) != n_losses + 2 for r in rows):  # pragma: no cover - shapes are fixed
         raise ValueError(f"ranks reported different numbers of losses at iteration {cur_iter}")

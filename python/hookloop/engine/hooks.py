@@ -735,8 +735,8 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     newest checkpoint a resume continues from at the next iteration. ``after_train`` waits for
     an ``async_save`` checkpointer's save in flight.
 
-    When the trainer runs epochs (a finite data loader: ``trainer.iters_per_epoch`` is not
-    None), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
+    When the trainer runs epochs (a finite data loader, ``trainer.iters_per_epoch``, that
+    ``max_iter`` goes over more than once), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
     checkpoint) are named ``<file_prefix>_Epoch_<epoch:05d>_Iter_<iter:07d>``, as xmodaler's
     and cvpods' epoch checkpointers name them; otherwise ``max_epoch``, when given, derives
     the epoch from the iteration.
@@ -762,9 +762,12 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         return None
 
     def _trainer_epoch(self) -> Optional[int]:
-        """``trainer.epoch`` when the trainer runs epochs, else None (read only on saves)."""
+        """``trainer.epoch`` when the trainer runs epochs (a finite loader that ``max_iter``
+        goes over more than once), else None: a run within one pass keeps detectron2's file
+        names. Read only on saves."""
         trainer = self.trainer
-        if getattr(trainer, "iters_per_epoch", None) is None:
+        per_epoch = getattr(trainer, "iters_per_epoch", None)
+        if not per_epoch or int(trainer.max_iter) <= int(per_epoch):
             return None
         return int(trainer.epoch)  # type: ignore[attr-defined]
 

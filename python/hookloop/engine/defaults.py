@@ -546,6 +546,8 @@ class DefaultTrainer(TrainerBase):
         # so the hooks' after_backward runs (detectron2's calls the wrapped trainer's, which
         # has no hooks). Without a strong reference back to this trainer.
         self._trainer.after_backward = _weak_after_backward(self)  # type: ignore[method-assign]
+        # A stop requested on this trainer rides on the wrapped trainer's metric collective.
+        self._trainer._stop_owner_ref = weakref.ref(self)
 
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = Checkpointer(
@@ -664,6 +666,9 @@ class DefaultTrainer(TrainerBase):
     def run_step(self) -> None:
         self._trainer.iter = self.iter
         self._trainer.run_step()
+
+    def _stop_rides_collective(self) -> bool:
+        return self._trainer._stop_rides_collective()
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()

@@ -481,6 +481,11 @@ class PreciseBN(HookBase):
     average, and put true averages to every BN layer in the given model.
 
     It is executed every ``period`` iterations and after the last iteration.
+
+    Across processes it runs on every rank (register it on all), each over its own
+    ``data_loader`` and without a collective of its own, as detectron2's does: the ranks'
+    statistics then differ, and the main process checkpoints its own. A DDP model with
+    ``broadcast_buffers=True`` (torch's default) broadcasts rank 0's buffers at each forward.
     """
 
     def __init__(
@@ -800,11 +805,15 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     newest checkpoint a resume continues from at the next iteration. ``after_train`` waits for
     an ``async_save`` checkpointer's save in flight.
 
-    When the trainer runs epochs (a finite data loader: ``trainer.iters_per_epoch`` is not
-    None), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
+    When the trainer runs epochs (a finite data loader, ``trainer.iters_per_epoch``, that
+    ``max_iter`` goes over more than once), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
     checkpoint) are named ``<file_prefix>_Epoch_<epoch:05d>_Iter_<iter:07d>``, as xmodaler's
     and cvpods' epoch checkpointers name them; otherwise ``max_epoch``, when given, derives
     the epoch from the iteration.
+
+    Across processes it saves on the main process only, whatever the checkpointer's
+    ``save_to_disk``: registered on every rank (or, as detectron2 does, on the main process
+    only), each checkpoint is written once.
     """
 
     def before_train(self) -> None:
@@ -823,13 +832,18 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         return None
 
     def _trainer_epoch(self) -> Optional[int]:
-        """``trainer.epoch`` when the trainer runs epochs, else None (read only on saves)."""
+        """``trainer.epoch`` when the trainer runs epochs (a finite loader that ``max_iter``
+        goes over more than once), else None: a run within one pass keeps detectron2's file
+        names. Read only on saves."""
         trainer = self.trainer
-        if getattr(trainer, "iters_per_epoch", None) is None:
+        per_epoch = getattr(trainer, "iters_per_epoch", None)
+        if not per_epoch or int(trainer.max_iter) <= int(per_epoch):
             return None
         return int(trainer.epoch)  # type: ignore[attr-defined]
 
     def after_step(self) -> None:
+        if not comm.is_main_process():
+            return
         # step(self.trainer.iter, epoch), inlined. No way to use **kwargs.
         iteration = self.trainer.iter
         if (iteration + 1) % self.period == 0:
@@ -841,7 +855,12 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         trainer = self.trainer
         stopped = bool(getattr(trainer, "stopped_early", False))
         iteration = trainer.iter
-        if stopped and iteration >= trainer.start_iter and (iteration + 1) % self.period != 0:
+        if (
+            stopped
+            and comm.is_main_process()
+            and iteration >= trainer.start_iter
+            and (iteration + 1) % self.period != 0
+        ):
             self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
         _wait_for_saves(self.checkpointer, _training_finished(trainer) or stopped)
 
@@ -883,6 +902,7 @@ class BestCheckpointer(HookBase):
     the best. Unlike detectron2's, saving the best model does not move ``last_checkpoint``:
     a resume continues from the newest periodic checkpoint. The best value and iteration are
     in :meth:`state_dict`, so a resumed run does not replace a better model with a worse one.
+    Across processes every rank keeps the record and the main process alone saves.
     """
 
     def __init__(
@@ -960,9 +980,13 @@ class BestCheckpointer(HookBase):
             return
         if self.best_metric is None or self._compare(latest_metric, self.best_metric):
             previous = self.best_metric, self.best_iter
-            _save_with(
-                self._checkpointer, self._file_prefix, {"iteration": metric_iter}, tag_last=False
-            )
+            if comm.is_main_process():
+                _save_with(
+                    self._checkpointer,
+                    self._file_prefix,
+                    {"iteration": metric_iter},
+                    tag_last=False,
+                )
             self.best_metric, self.best_iter = latest_metric, metric_iter
             if previous[0] is None:
                 self._logger.info(
@@ -1064,7 +1088,9 @@ class EvalHook(HookBase):
         Note:
             This hook must be enabled in all or none workers. If you would like only certain
             workers to perform evaluation, give other workers a no-op function
-            (``eval_function=lambda: None``).
+            (``eval_function=lambda: None``). The function runs on every rank; after it the
+            ranks meet at a barrier (``comm.synchronize()``), so that they start the next
+            iteration together.
         """
         self._period = _int_arg("EvalHook", "eval_period", eval_period, 0)
         if not callable(eval_function):
@@ -1151,9 +1177,13 @@ class PreemptionHandler(HookBase):
     arrives after the last step is ignored (training finished). Handlers are installed only
     from the main thread (Python's rule); elsewhere the hook logs a warning and does nothing.
 
-    Under DDP each process stops at the first boundary after its own signal: the processes
-    agree on the iteration only if they get the signal in the same step (the scheduler sends
-    it to all; a collective check is not done, it would cost a round trip per iteration).
+    Across processes (``SimpleTrainer``/``AMPTrainer``/``DefaultTrainer`` with more than one
+    rank) a signal on any rank stops every rank at the same iteration: the stop rides on the
+    next packed metric collective (one every ``gather_metric_period`` iterations, no extra
+    collective per step), so it takes effect at the next period boundary, every rank raises
+    ``Preempted`` and the main process saves the checkpoint. No collective before
+    ``max_iter``: training finishes. Give it a ``gather_metric_period`` short enough for the
+    grace period the scheduler allows between SIGTERM and SIGKILL.
 
     Args:
         signals: the signals to handle (numbers or ``signal.Signals``).

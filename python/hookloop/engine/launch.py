@@ -116,7 +116,10 @@ def launch(
     process; the process counts come from torchrun too.
 
     If a worker fails, the others are stopped (SIGTERM, then SIGKILL) and :class:`WorkerError`
-    is raised here with the worker's traceback, the worker's exception as its cause.
+    is raised here with the worker's traceback, the worker's exception as its cause. A worker
+    that left through a non-zero ``SystemExit`` (``hooks.Preempted``, which every rank raises
+    after a preemption stopped them together) has that exception raised here instead, so the
+    launching process exits with the same status.
 
     Args:
         main_func: a function that will be called by `main_func(*args)`; spawned workers pickle
@@ -224,6 +227,15 @@ def _distributed_worker(
         # (maskrcnn-benchmark issue 172).
         comm.synchronize()
         main_func(*args)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            raise
+        # A non-zero exit (hooks.Preempted: 128 + signum): recorded, so that launch() raises
+        # it as a process of one would, and left with its status, without the teardown.
+        _record_error(error_dir, global_rank, e)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
     except Exception as e:
         _record_error(error_dir, global_rank, e)
         traceback.print_exc()
@@ -298,6 +310,10 @@ def _supervise(context: Any, first_rank: int, timeout: timedelta, error_dir: str
             if os.path.exists(path):
                 os.unlink(path)
     if error is not None:
+        if isinstance(error.__cause__, SystemExit):
+            # A worker that exited (hooks.Preempted after a stop of every rank): the launcher
+            # exits the same way, as main_func does when launch() runs it in this process.
+            raise error.__cause__ from error
         raise error
 
 

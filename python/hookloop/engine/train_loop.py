@@ -329,6 +329,7 @@ class TrainerBase:
         self.iter = self.start_iter = start_iter
         self.max_iter = max_iter
         self._stop_requested = False
+        self._stop_applied = False
         self.stopped_early = False
         self._raise_after_train = None
         self._stats_carried = []
@@ -385,18 +386,24 @@ class TrainerBase:
             finally:
                 self._train_time[1] = time.perf_counter()
         after_stop, self._raise_after_train = self._raise_after_train, None
+        if self.stopped_early and self._stop_rides_collective():
+            # Every rank stopped after the same iteration: none leaves before the main
+            # process's checkpoint of it is on disk (when one process exits, launch() and
+            # torchrun stop the others).
+            comm.synchronize()
         if after_stop is not None and self.stopped_early:
             raise after_stop
 
     def _end_loop(self, hooks: List[Any]) -> None:
         """Leaves the loop: no stop can be requested any more, and a stop's hook is removed."""
         self._loop_hooks = None
-        if self._stop_requested:
+        if self._stop_applied:
             self._stats_carried += self._dispatcher.hook_stats()
             hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
 
     _loop_hooks: Optional[List[Any]] = None
     _stop_requested = False
+    _stop_applied = False
     _raise_after_train: Optional[BaseException] = None
     stopped_early = False
 
@@ -412,6 +419,17 @@ class TrainerBase:
         it, from which a resume continues at the next iteration). Called before the first
         step (in ``before_train``), no step runs. Costs nothing per iteration until called:
         the stop is a hook added to the list, which the dispatcher sees at its next stage.
+
+        Across processes (``SimpleTrainer``/``AMPTrainer``, also inside ``DefaultTrainer``, with
+        more than one rank) the stop is not taken alone: the request rides on the next packed
+        metric collective (the one every ``gather_metric_period`` iterations), and every rank
+        stops after that iteration, the same one. A stop requested on one rank therefore
+        takes effect at the next period boundary (at once when requested in ``run_step``
+        before that iteration's collective), and not at all when no collective remains before
+        ``max_iter`` (training then finishes). A preemption on one rank
+        (:class:`~hookloop.engine.hooks.Preempted`) makes every rank raise it. With
+        ``async_write_metrics`` the agreement of one period's collective is applied at the
+        next period boundary. Other trainers stop alone.
 
         Args:
             raise_after_train: an exception that ``train()`` raises after ``after_train``
@@ -435,8 +453,47 @@ class TrainerBase:
         if self._stop_requested:
             return
         self._stop_requested = True
+        if not self._stop_rides_collective():
+            self._apply_stop()
+        # Else the next packed collective carries it (_outgoing_stop), and _stop_agreed
+        # applies it on every rank at the same iteration.
+
+    def _stop_rides_collective(self) -> bool:
+        """Whether a stop request waits for the next packed metric collective (a trainer that
+        makes one, with more than one rank) instead of being taken at once."""
+        return False
+
+    def _apply_stop(self) -> None:
+        """Stops before the next step: the stop hook goes into the list, which the dispatcher
+        sees at its next stage."""
+        hooks = self._loop_hooks
+        if self._stop_applied or hooks is None:
+            return
+        self._stop_applied = True
         self._stats_carried = list(self._dispatcher.hook_stats())
         hooks.append(_StopBeforeNextStep())
+
+    def _outgoing_stop(self) -> int:
+        """What this rank puts in the next collective's stop slot: 0 (no stop pending), 1 (a
+        stop), or ``1 + signum`` for a preemption by that signal."""
+        if not self._stop_requested or self._stop_applied:
+            return 0
+        signum = getattr(self._raise_after_train, "signum", None)
+        if isinstance(self._raise_after_train, SystemExit) and isinstance(signum, int):
+            return 1 + signum
+        return 1
+
+    def _stop_agreed(self, code: int) -> None:
+        """The largest stop code any rank sent in this iteration's collective: every rank
+        stops after this iteration; a preemption anywhere is raised everywhere."""
+        if self._loop_hooks is None:
+            return
+        self._stop_requested = True
+        if code > 1 and self._raise_after_train is None:
+            from hookloop.engine.hooks import Preempted
+
+            self._raise_after_train = Preempted(code - 1)
+        self._apply_stop()
 
     def _on_exception(self, exc: BaseException) -> None:
         """Each hook's ``on_exception`` that overrides HookBase's, in registration order; their
@@ -702,10 +759,29 @@ class SimpleTrainer(TrainerBase):
     def _submit_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
         """Writes metrics on the executor thread, after re-raising any earlier write's error."""
         self._raise_async_errors()
-        self._pending_writes.append(
-            self.concurrent_executor.submit(
-                self._write_metrics, loss_dict, data_time, iter=self.iter
+        it = self.iter
+        if (it + 1) % self.gather_metric_period == 0 and self._stop_rides_collective():
+            # Across ranks: the stop agreed in the previous period's collective is taken
+            # here, at the same iteration on every rank (the wait is for a write a period
+            # old); this period's collective carries the stop code read now.
+            self._wait_for_metric_writes()
+            owner = self._stop_owner()
+            agreed, self._async_stop = self._async_stop, 0
+            if agreed:
+                owner._stop_agreed(agreed)
+            # Its own group: on the default one, this thread's collective could meet DDP's
+            # all-reduces in a different order on each rank (made here, on the training
+            # thread, where every rank reaches the first one at the same point).
+            group = comm._get_off_thread_group()
+            stop = owner._outgoing_stop()
+            self._pending_writes.append(
+                self.concurrent_executor.submit(
+                    self._write_metrics_async, loss_dict, data_time, it, stop, group
+                )
             )
+            return
+        self._pending_writes.append(
+            self.concurrent_executor.submit(self._write_metrics, loss_dict, data_time, iter=it)
         )
 
     def _wait_for_metric_writes(self) -> None:
@@ -865,11 +941,50 @@ class SimpleTrainer(TrainerBase):
                 elif len(pending) >= self.METRICS_READ_EVERY:
                     self._read_pending()
                 return
+            owner = self._stop_owner()
             try:
-                SimpleTrainer.write_metrics(loss_dict, data_time, iter, prefix)
+                agreed = _write_metrics_across(
+                    loss_dict, data_time, iter, prefix, owner._outgoing_stop()
+                )
             except Exception:
                 logger.exception("Exception in writing metrics: ")
                 raise
+            if agreed:
+                owner._stop_agreed(agreed)
+
+    def _stop_owner(self) -> TrainerBase:
+        """The trainer whose loop a stop ends: this one, or the ``DefaultTrainer``-style
+        wrapper that runs this one's steps (``_stop_owner_ref``)."""
+        ref = self._stop_owner_ref
+        owner = ref() if ref is not None else None
+        return self if owner is None else owner
+
+    _stop_owner_ref: Optional["weakref.ReferenceType[TrainerBase]"] = None
+
+    def _stop_rides_collective(self) -> bool:
+        return comm._initialized() and comm.get_world_size() > 1
+
+    def _write_metrics_async(
+        self,
+        loss_dict: Mapping[str, torch.Tensor],
+        data_time: float,
+        iter: int,
+        stop: int,
+        group: Any,
+    ) -> None:
+        """``_write_metrics`` on the executor thread, with the stop code the training thread
+        read at this step; the agreed code waits for the training thread (_submit_metrics)."""
+        if (iter + 1) % self.gather_metric_period != 0:
+            return
+        try:
+            agreed = _write_metrics_across(loss_dict, data_time, iter, "", stop, group)
+        except Exception:
+            logger.exception("Exception in writing metrics: ")
+            raise
+        if agreed:
+            self._async_stop = agreed
+
+    _async_stop = 0
 
     #: At most this many batches of CUDA losses are copied to the host without being waited for
     #: (until something reads the storage); then they are read.
@@ -934,39 +1049,7 @@ class SimpleTrainer(TrainerBase):
         on every rank; on the main process ``data_time`` (the max over ranks),
         ``{prefix}total_loss`` and, with several losses, each loss (the mean over ranks).
         """
-        # get_event_storage(), inlined: this runs every step.
-        storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
-        if type(loss_dict) is not dict:
-            if not isinstance(loss_dict, Mapping):
-                raise TypeError(
-                    f"write_metrics() needs a dict of losses, got {type(loss_dict).__name__}"
-                )
-            loss_dict = dict(loss_dict)
-        if not comm._initialized() or comm.get_world_size() == 1:
-            # One process: the reduced values are its own; the core reads each loss with
-            # item() (what detectron2's v.detach().cpu().item() computes, without the copies).
-            storage._write_metrics(loss_dict, data_time, data_time, cur_iter, prefix)
-            return
-        names = list(loss_dict)
-        # One packed collective: every rank's losses and data time in one float64 tensor,
-        # all-gathered once (detectron2 pickles a dict per rank through gather_object). Every
-        # rank gets every value, so a non-finite total fails on all ranks at this iteration,
-        # not on the main process alone while the others wait in their next collective.
-        packed = _read_all([v for v in loss_dict.values()]) + [float(data_time)]
-        gathered = _all_gather_floats(packed, len(names), cur_iter)
-        # data_time among workers can have high variance. The actual latency caused by
-        # data_time is the maximum among workers.
-        max_data_time = max(row[-1] for row in gathered)
-        reduced = {k: _mean([row[i] for row in gathered]) for i, k in enumerate(names)}
-        if comm.is_main_process():
-            storage._write_metrics(reduced, data_time, max_data_time, cur_iter, prefix)
-            return
-        storage._write_metrics(None, data_time, None, cur_iter, prefix)
-        total = sum(reduced.values())
-        if not math.isfinite(total):
-            raise FloatingPointError(
-                f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {reduced}"
-            )
+        _write_metrics_across(loss_dict, data_time, cur_iter, prefix, 0)
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
@@ -1012,18 +1095,71 @@ class SimpleTrainer(TrainerBase):
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
 
 
-def _all_gather_floats(values: List[float], n_losses: int, cur_iter: int) -> List[List[float]]:
-    """Every rank's ``values`` (losses, then data time), with one all_gather of one tensor."""
+def _write_metrics_across(
+    loss_dict: Mapping[str, torch.Tensor],
+    data_time: float,
+    cur_iter: int,
+    prefix: str,
+    stop: int,
+    group: Optional[Any] = None,
+) -> int:
+    """``SimpleTrainer.write_metrics``, which also carries this rank's stop code (see
+    ``TrainerBase._outgoing_stop``) in the packed collective (on ``group``, by default the
+    default group): returns the largest any rank sent (0 in one process, where a stop never
+    waits for a collective)."""
+    # get_event_storage(), inlined: this runs every step.
+    storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
+    if type(loss_dict) is not dict:
+        if not isinstance(loss_dict, Mapping):
+            raise TypeError(
+                f"write_metrics() needs a dict of losses, got {type(loss_dict).__name__}"
+            )
+        loss_dict = dict(loss_dict)
+    if not comm._initialized() or comm.get_world_size() == 1:
+        # One process: the reduced values are its own; the core reads each loss with
+        # item() (what detectron2's v.detach().cpu().item() computes, without the copies).
+        storage._write_metrics(loss_dict, data_time, data_time, cur_iter, prefix)
+        return 0
+    names = list(loss_dict)
+    # One packed collective: every rank's losses, data time and stop code in one float64
+    # tensor, all-gathered once (detectron2 pickles a dict per rank through gather_object).
+    # Every rank gets every value, so a non-finite total fails on all ranks at this
+    # iteration, not on the main process alone while the others wait in their next
+    # collective, and a stop asked for on one rank stops every rank after this iteration.
+    packed = _read_all([v for v in loss_dict.values()]) + [float(data_time), float(stop)]
+    gathered = _all_gather_floats(packed, len(names), cur_iter, group)
+    # data_time among workers can have high variance. The actual latency caused by
+    # data_time is the maximum among workers.
+    max_data_time = max(row[-2] for row in gathered)
+    agreed = int(max(row[-1] for row in gathered))
+    reduced = {k: _mean([row[i] for row in gathered]) for i, k in enumerate(names)}
+    if comm.is_main_process():
+        storage._write_metrics(reduced, data_time, max_data_time, cur_iter, prefix)
+        return agreed
+    storage._write_metrics(None, data_time, None, cur_iter, prefix)
+    total = sum(reduced.values())
+    if not math.isfinite(total):
+        raise FloatingPointError(
+            f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {reduced}"
+        )
+    return agreed
+
+
+def _all_gather_floats(
+    values: List[float], n_losses: int, cur_iter: int, group: Optional[Any] = None
+) -> List[List[float]]:
+    """Every rank's ``values`` (losses, data time, stop code), with one all_gather of one
+    tensor on ``group`` (the default group when None)."""
     import torch.distributed as dist
 
     world = comm.get_world_size()
-    backend = dist.get_backend()
+    backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     chunks = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(chunks, mine)
+    dist.all_gather(chunks, mine, group=group)
     rows = torch.stack(chunks).cpu().tolist()
-    if any(len(r) != n_losses + 1 for r in rows):  # pragma: no cover - shapes are fixed
+    if any(len(r) != n_losses + 2 for r in rows):  # pragma: no cover - shapes are fixed
         raise ValueError(f"ranks reported different numbers of losses at iteration {cur_iter}")
     return rows
 

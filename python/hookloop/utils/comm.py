@@ -158,6 +158,7 @@ def _reset() -> None:
     global _LOCAL_PROCESS_GROUP
     _LOCAL_PROCESS_GROUP = None
     _get_global_gloo_group.cache_clear()
+    _get_off_thread_group.cache_clear()
 
 
 def is_main_process() -> bool:
@@ -182,6 +183,15 @@ def _get_global_gloo_group() -> Any:
     if dist.get_backend() == "nccl":
         return dist.new_group(backend="gloo")
     return dist.group.WORLD
+
+
+@functools.lru_cache
+def _get_off_thread_group() -> Any:
+    """A gloo group over all ranks that is never the default group; cached. For collectives
+    made off the training thread (asynchronous metric writes): on the default group they
+    could interleave with DDP's all-reduces in a different order on each rank. Creating it is
+    a collective: every rank must make the first call at the same point."""
+    return dist.new_group(backend="gloo")
 
 
 def all_gather(data: Any, group: Optional[Any] = None) -> List[Any]:

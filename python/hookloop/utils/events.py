@@ -503,8 +503,8 @@ class CommonMetricPrinter(EventWriter):
 
     Epochs of the trainer: a :class:`~hookloop.engine.hooks.PeriodicWriter` gives its writers
     the trainer in ``before_train`` (``_bind_trainer``, kept as a weak reference). When that
-    trainer runs epochs (``trainer.iters_per_epoch`` is not None: a finite data loader), the
-    line shows ``epoch: e/E`` after ``iter``, with ``e = trainer.epoch + 1`` and ``E =
+    trainer runs epochs (a finite data loader, ``trainer.iters_per_epoch``, that ``max_iter``
+    goes over more than once), the line shows ``epoch: e/E`` after ``iter``, with ``e = trainer.epoch + 1`` and ``E =
     ceil(trainer.max_iter / trainer.iters_per_epoch)``; this takes the place of the even
     split of ``epoch``. Without epochs the line is detectron2's, unchanged.
     """
@@ -533,9 +533,9 @@ class CommonMetricPrinter(EventWriter):
             return None
         try:
             per_epoch = trainer.iters_per_epoch
-            if not per_epoch:
-                return None
-            return int(trainer.epoch) + 1, max(1, -(-int(trainer.max_iter) // int(per_epoch)))
+            if not per_epoch or int(trainer.max_iter) <= int(per_epoch):
+                return None  # no epochs, or a run within one pass: detectron2's line
+            return int(trainer.epoch) + 1, -(-int(trainer.max_iter) // int(per_epoch))
         except (ReferenceError, AttributeError, TypeError):
             return None  # the trainer is gone, or is not one that counts epochs
 

@@ -660,3 +660,22 @@ def test_one_process_trains_the_model_unwrapped(tmp_path):
     for w in writers:
         w.close()
     assert (tmp_path / "w" / "metrics.json").exists()
+
+
+def test_async_metric_writes_of_the_wrapped_trainer_are_waited_for(tmp_path):
+    """The periodic writer of a DefaultTrainer waits for its wrapped trainer's asynchronous
+    metric writes (they live on ``trainer._trainer``): each line carries its losses, as in
+    the synchronous mode."""
+
+    def run(out: Path, async_write: bool) -> List[Dict[str, Any]]:
+        t = ToyTrainer(config(out, log_period=1, checkpoint_period=100))
+        t._trainer.async_write_metrics = async_write
+        t.train()
+        rows = [json.loads(x) for x in (out / "metrics.json").read_text().splitlines()]
+        return [
+            {k: v for k, v in r.items() if "time" not in k and k != "eta_seconds"} for r in rows
+        ]
+
+    sync_rows = run(tmp_path / "sync", False)
+    assert all("loss_mse" in r for r in sync_rows)
+    assert run(tmp_path / "async", True) == sync_rows

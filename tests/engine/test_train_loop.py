@@ -1021,6 +1021,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
         assert storage.history("loss_a").values() == [(0.5, 0), (0.5, 1), (0.5, 2)]
         assert storage.history("total_loss").latest() == 1.0
 
+
 class RecordingExecutor(concurrent.futures.ThreadPoolExecutor):
     """A one-worker executor that records each submitted ``iter`` and the worker thread."""
 

@@ -170,8 +170,7 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
             # Per-hook timing (the dispatcher times every hook call unless turned off): one
             # row per hook and stage, slowest total first.
             lines = [
-                f"{'hook':<32} {'stage':<14} {'calls':>9} {'total s':>9} {'max ms':>8} "
-                f"{'share':>6}"
+                f"{'hook':<32} {'stage':<14} {'calls':>9} {'total s':>9} {'max ms':>8} {'share':>6}"
             ]
             for row in sorted(stats, key=lambda r: -r.total_s):
                 lines.append(
@@ -282,7 +281,7 @@ class PeriodicWriter(HookBase):
                 waits = _metric_writes_owner(trainer)
             if waits:
                 # The trainer, or the one a DefaultTrainer wraps (``trainer._trainer``).
-                owner = trainer if waits == 1 else trainer._trainer
+                owner: Any = trainer if waits == 1 else trainer._trainer  # type: ignore[attr-defined]
                 owner._wait_for_metric_writes()
             if self._hook_stats:
                 self._put_hook_stats()
@@ -806,9 +805,10 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     an ``async_save`` checkpointer's save in flight.
 
     When the trainer runs epochs (a finite data loader, ``trainer.iters_per_epoch``, that
-    ``max_iter`` goes over more than once), the hook passes ``trainer.epoch`` to :meth:`step`, so periodic files (and the stop
-    checkpoint) are named ``<file_prefix>_Epoch_<epoch:05d>_Iter_<iter:07d>``, as xmodaler's
-    and cvpods' epoch checkpointers name them; otherwise ``max_epoch``, when given, derives
+    ``max_iter`` goes over more than once), the hook passes ``trainer.epoch`` to :meth:`step`,
+    so periodic files (and the stop checkpoint) are named
+    ``<file_prefix>_Epoch_<epoch:05d>_Iter_<iter:07d>``, as xmodaler's and cvpods' epoch
+    checkpointers name them; otherwise ``max_epoch``, when given, derives
     the epoch from the iteration.
 
     Across processes it saves on the main process only, whatever the checkpointer's

@@ -1198,8 +1198,7 @@ class _HostCopy:
             flat = torch.stack(tensors).reshape(len(tensors), -1)
             if flat.shape[1] != 1:
                 raise TypeError(
-                    "a loss must be a single-element tensor, got one with "
-                    f"{flat.shape[1]} elements"
+                    f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
                 )
             flat = flat.to(torch.float64)
             self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)

@@ -504,8 +504,9 @@ class CommonMetricPrinter(EventWriter):
     Epochs of the trainer: a :class:`~hookloop.engine.hooks.PeriodicWriter` gives its writers
     the trainer in ``before_train`` (``_bind_trainer``, kept as a weak reference). When that
     trainer runs epochs (a finite data loader, ``trainer.iters_per_epoch``, that ``max_iter``
-    goes over more than once), the line shows ``epoch: e/E`` after ``iter``, with ``e = trainer.epoch + 1`` and ``E =
-    ceil(trainer.max_iter / trainer.iters_per_epoch)``; this takes the place of the even
+    goes over more than once), the line shows ``epoch: e/E`` after ``iter``, with
+    ``e = trainer.epoch + 1`` and ``E = ceil(trainer.max_iter / trainer.iters_per_epoch)``;
+    this takes the place of the even
     split of ``epoch``. Without epochs the line is detectron2's, unchanged.
     """
 

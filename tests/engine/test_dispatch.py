@@ -437,3 +437,23 @@ def test_periodic_writer_writes_no_hook_times_by_default(tmp_path):
     assert "hooks/" not in path.read_text()
     with pytest.raises(TypeError, match="hook_stats must be a bool"):
         hooks.PeriodicWriter([], period=5, hook_stats=1)
+
+
+def test_hook_stats_carry_over_an_edit_of_the_hook_list_in_the_middle_of_a_run():
+    class AddsOne(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 49:
+                self.trainer._hooks.append(late)
+
+    adds, late = AddsOne(), Counting()
+    t = NoopTrainer()
+    t.register_hooks([adds])
+    late.trainer = t
+    t.train(0, 100)
+    calls = {(type(r.hook).__name__, r.stage): r.calls for r in t.hook_stats()}
+    assert calls[("AddsOne", "after_step")] == 100  # not restarted by the rebuild at 50
+    assert calls[("Counting", "before_step")] == 50
+    # A new train() starts the counts again.
+    t._hooks.remove(late)
+    t.train(0, 10)
+    assert [(r.stage, r.calls) for r in t.hook_stats()] == [("after_step", 10)]

@@ -482,6 +482,6 @@ def test_hook_stats_add_up_across_the_stop():
     calls = {(type(h).__name__, stage): n for h, stage, n, *_ in t.hook_stats()}
     assert calls[("Recorder", "before_step")] == 6
     assert calls[("Recorder", "after_train")] == 1
-    # In the stage that asked for the stop, calls after the request are not counted.
-    assert calls[("StopAt", "after_step")] == 5
+    # Every call is counted, the one that asked for the stop too (iterations 0 to 5).
+    assert calls[("StopAt", "after_step")] == 6
     assert not any(name == "_StopBeforeNextStep" for name, _ in calls)

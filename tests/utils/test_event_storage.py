@@ -660,8 +660,10 @@ def test_write_metrics_batch_puts_each_iteration_as_write_metrics_does():
     given = EventStorage(0)
     given._write_metrics_batch(pending, [float(i) for p in pending for i in (p[0], 2 * p[0])])
     assert given._state() == one._state()
-    with pytest.raises(ValueError, match="values"):
+    with pytest.raises(ValueError, match="for more losses"):
         EventStorage(0)._write_metrics_batch(pending, [1.0])
+    with pytest.raises(ValueError, match="for fewer losses"):
+        EventStorage(0)._write_metrics_batch(pending, [1.0] * 9)
     with pytest.raises(TypeError, match="keys"):
         EventStorage(0)._write_metrics_batch([(0, 0.0, {1: 1.0}, "")])
     with pytest.raises(FloatingPointError, match="iteration=2"):

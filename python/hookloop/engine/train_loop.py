@@ -332,7 +332,6 @@ class TrainerBase:
         self._stop_applied = False
         self.stopped_early = False
         self._raise_after_train = None
-        self._stats_carried = []
         self._train_time = [time.perf_counter(), None]
 
         with EventStorage(start_iter) as self.storage:
@@ -398,7 +397,6 @@ class TrainerBase:
         """Leaves the loop: no stop can be requested any more, and a stop's hook is removed."""
         self._loop_hooks = None
         if self._stop_applied:
-            self._stats_carried += self._dispatcher.hook_stats()
             hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
 
     _loop_hooks: Optional[List[Any]] = None
@@ -470,7 +468,6 @@ class TrainerBase:
         if self._stop_applied or hooks is None:
             return
         self._stop_applied = True
-        self._stats_carried = list(self._dispatcher.hook_stats())
         hooks.append(_StopBeforeNextStep())
 
     def _outgoing_stop(self) -> int:
@@ -543,20 +540,11 @@ class TrainerBase:
         dispatch table, in call order. Every hook call is timed (one clock read per call, a
         few nanoseconds; ``trainer._dispatcher.timing = False`` turns it off, and the counts
         then stay zero). ``share`` is ``total_s`` over the training time so far."""
-        rows = list(self._dispatcher.hook_stats())
-        if self._stats_carried:
-            # A stop rebuilt the table (new counts): add up the tables' counts per hook and
-            # stage. The calls after request_stop() in the stage that asked for it are not
-            # counted.
-            merged: Dict[Tuple[int, str], List[Any]] = {}
-            for h, stage, calls, total, longest in [*self._stats_carried, *rows]:
-                if isinstance(h, _StopBeforeNextStep):
-                    continue
-                row = merged.setdefault((id(h), stage), [h, stage, 0, 0.0, 0.0])
-                row[2] += calls
-                row[3] += total
-                row[4] = max(row[4], longest)
-            rows = [tuple(row) for row in merged.values()]
+        # The dispatcher's counts carry over edits of the hook list (a stop adds and removes
+        # one hook of its own, left out here).
+        rows = [
+            r for r in self._dispatcher.hook_stats() if not isinstance(r[0], _StopBeforeNextStep)
+        ]
         start, end = self._train_time
         elapsed = (time.perf_counter() if end is None else end) - start
         return [
@@ -565,7 +553,6 @@ class TrainerBase:
         ]
 
     _train_time: List[Any] = [0.0, None]
-    _stats_carried: List[Tuple[Any, str, int, float, float]] = []
 
     def run_step(self) -> None:
         raise NotImplementedError
@@ -1203,8 +1190,8 @@ class _HostCopy:
             flat = flat.to(torch.float64)
             self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            # On the stream of the losses' device (the copy's), not the current device's.
+            self._event = torch.cuda.current_stream(flat.device).record_event()
 
     def values(self) -> List[float]:
         self._event.synchronize()

@@ -132,6 +132,13 @@ impl HookStats {
         }
     }
 
+    /// Continues from counts taken with `ticks` (a table rebuilt for an edited hook list).
+    pub fn restore(&self, (calls, total, max): (u64, u64, u64)) {
+        self.calls.store(calls, Ordering::Relaxed);
+        self.total_ticks.store(total, Ordering::Relaxed);
+        self.max_ticks.store(max, Ordering::Relaxed);
+    }
+
     /// The counts so far in ticks: `(calls, total, max)`.
     pub fn ticks(&self) -> (u64, u64, u64) {
         (
@@ -240,6 +247,10 @@ mod tests {
         assert_eq!(s.ticks(), (2, 40, 30));
         s.record(u64::MAX); // saturates, never wraps
         assert_eq!(s.ticks(), (3, u64::MAX, u64::MAX));
+        let t = HookStats::default();
+        t.restore((2, 40, 30));
+        t.record(50);
+        assert_eq!(t.ticks(), (3, 90, 50));
     }
 
     #[test]

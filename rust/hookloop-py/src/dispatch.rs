@@ -9,6 +9,7 @@
 //! read per call, about 5 ns over the call itself; `timing = False` turns it off): this is the
 //! one dispatch path, for periods and timing alike.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -75,10 +76,13 @@ impl PyDispatcher {
         }
         let hooks = built.hooks.clone_ref(py);
         drop(built);
-        self.rebuild(py, hooks)
+        self.rebuild(py, hooks, true)
     }
 
-    fn rebuild(&self, py: Python<'_>, hooks: Py<PyList>) -> PyResult<Arc<Built>> {
+    /// Builds the table for `hooks`. With `carry`, a hook's statistics for a stage continue
+    /// from the table it replaces (an edit of the list in the middle of a run, a stop's hook);
+    /// `begin` starts them again for each run.
+    fn rebuild(&self, py: Python<'_>, hooks: Py<PyList>, carry: bool) -> PyResult<Arc<Built>> {
         let copy = PyList::new(py, hooks.bind(py).iter())?.unbind();
         let entries = self.build.bind(py).call1((hooks.bind(py),))?;
         let mut table = Table::default();
@@ -101,6 +105,23 @@ impl PyDispatcher {
                 None => Call::Plain(func.unbind()),
             };
             table.push(stage, hook, call, u64::try_from(period).unwrap_or(0));
+        }
+        if carry {
+            // Identity of a hook: its object, held by both lists' copies while this runs.
+            let old = Self::lock(&self.built).clone();
+            let old_copy = old.copy.bind(py);
+            let mut counts = HashMap::new();
+            for (stage, entry) in old.table.all() {
+                let hook = old_copy.get_item(entry.hook)?.as_ptr() as usize;
+                counts.insert((hook, stage as usize), entry.stats.ticks());
+            }
+            let new_copy = copy.bind(py);
+            for (stage, entry) in table.all() {
+                let hook = new_copy.get_item(entry.hook)?.as_ptr() as usize;
+                if let Some(&ticks) = counts.get(&(hook, stage as usize)) {
+                    entry.stats.restore(ticks);
+                }
+            }
         }
         let built = Arc::new(Built { table, hooks, copy });
         let old = std::mem::replace(&mut *Self::lock(&self.built), built.clone());
@@ -189,7 +210,7 @@ impl PyDispatcher {
         self.max_iter.store(max_iter, Ordering::Relaxed);
         let old = Self::lock(&self.storage).replace(storage);
         drop(old);
-        self.rebuild(py, hooks.unbind())?;
+        self.rebuild(py, hooks.unbind(), false)?;
         Ok(())
     }
 
@@ -248,7 +269,7 @@ impl PyDispatcher {
     }
 
     /// Per hook and stage: `(hook, stage, calls, total_s, max_s)`, in table order. Counts start
-    /// again whenever the table is rebuilt (each `train()`).
+    /// again at each `begin` (each `train()`) and carry over edits of the hook list.
     fn hook_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let built = Self::lock(&self.built).clone();
         let copy = built.copy.bind(py);

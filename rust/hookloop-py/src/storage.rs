@@ -250,6 +250,12 @@ impl PyEventStorage {
                 losses: named,
             });
         }
+        if values.is_some_and(|mut v| v.next().is_some()) {
+            return Err(to_py(Error::bad_value(
+                "_write_metrics_batch values",
+                format!("{given} values for fewer losses than that"),
+            )));
+        }
         self.with(move |s| {
             for r in &read {
                 let refs: Vec<(&str, f64)> =

@@ -9,6 +9,7 @@ the hooks that override it. Everything that touches torch stays here.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import math
 import operator
@@ -815,8 +816,11 @@ class SimpleTrainer(TrainerBase):
     @property
     def iters_per_epoch(self) -> Optional[int]:
         """``len(data_loader)`` when the loader has a length, else None."""
+        loader = self.data_loader
+        if type(loader) in _NO_LEN:
+            return None  # asked at every write: no TypeError raised and caught each time
         try:
-            return len(self.data_loader)  # type: ignore[arg-type]
+            return len(loader)  # type: ignore[arg-type]
         except TypeError:
             return None
 
@@ -1169,6 +1173,9 @@ def _read_all(tensors: List[torch.Tensor]) -> List[float]:
 
 
 _END = object()
+
+# Iterables that never have a length (the infinite loaders detectron2-style code passes).
+_NO_LEN = frozenset({itertools.cycle, itertools.count, itertools.repeat, types.GeneratorType})
 
 
 def _is_cuda(value: Any) -> bool:

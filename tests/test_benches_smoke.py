@@ -89,3 +89,20 @@ def test_only_runs_the_sections_named(bench: Any, tmp_path: Path) -> None:
     assert all(r.met is not None for r in rows if r.target)
     with pytest.raises(ValueError, match="unknown sections"):
         bench.run_all(bench.Config.tiny(), str(tmp_path), only=["nope"])
+
+
+def test_mlp_windows_runs_every_variant(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_mlp_windows
+    finally:
+        sys.path.remove(str(BENCHES))
+    res = bench_mlp_windows.run(steps=80, rounds=1, window=20, quantile=0.25)
+    names = {"hand", "hand_bookkeeping", "no_hooks", "stack", "stack_native_schedule"}
+    assert set(res["us_per_step"]) == names
+    # 80 steps: 4 windows, the first dropped as warm-up.
+    assert res["windows_per_variant"] == {k: 3 for k in names}
+    assert res["x_hand"]["hand"] == 1.0
+    assert all(v > 0 for v in res["us_per_step"].values())
+    with pytest.raises(SystemExit):
+        bench_mlp_windows.main(["--steps", "10"])

@@ -1010,7 +1010,7 @@ class SimpleTrainer(TrainerBase):
         if pending:
             values: Optional[List[float]] = None
             first = next(iter(pending[0][2].values()), None)
-            if isinstance(first, torch.Tensor) and first.device.type != "cpu":
+            if isinstance(first, torch.Tensor) and not first.is_cpu:  # not .device: 7x dearer
                 tensors = [v for _, _, losses, _ in pending for v in losses.values()]
                 if all(isinstance(v, torch.Tensor) for v in tensors):
                     values = _read_all(tensors)

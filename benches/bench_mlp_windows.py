@@ -35,26 +35,17 @@ clock = time.perf_counter
 
 
 def _hand(batches: Any, n: int, window: int, bookkeeping: bool) -> List[float]:
+    """The hand loops of :mod:`hookloop.bench.tiny_mlp`, run one window at a time (a window
+    ends where the bookkeeping loop logs), with a clock read between windows."""
     model, opt, sched = tiny_mlp.build("cpu")
     data = itertools.cycle(batches)
-    model.train()
-    log = tiny_mlp.hand_logger()
-    kept: List[torch.Tensor] = []
     stamps = [clock()]
-    for i in range(n):
-        loss_dict = model(next(data))
-        losses = sum(loss_dict.values())
-        opt.zero_grad()
-        losses.backward()  # type: ignore[union-attr]
-        opt.step()
+    for _ in range(n // window):
         if bookkeeping:
-            sched.step()
-            kept.append(losses.detach())  # type: ignore[union-attr]
-            if (i + 1) % window == 0:
-                tiny_mlp._log_line(log, i, kept, opt)
-                kept = []
-        if (i + 1) % window == 0:
-            stamps.append(clock())
+            tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, window, period=window)
+        else:
+            tiny_mlp.hand_loop(model, opt, data, window)
+        stamps.append(clock())
     return stamps
 
 

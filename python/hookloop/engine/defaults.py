@@ -713,6 +713,10 @@ class DefaultTrainer(TrainerBase):
         """The wrapped trainer's ``iters_per_epoch``: ``len(data_loader)``, or None."""
         return self._trainer.iters_per_epoch
 
+    def _wait_for_metric_writes(self) -> None:
+        """The wrapped trainer's: a periodic writer waits for its asynchronous metric writes."""
+        self._trainer._wait_for_metric_writes()
+
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped trainer's optimizer (settable)."""

@@ -27,6 +27,7 @@ from hookloop.engine.train_loop import (
     AMPTrainer,
     HookBase,
     SimpleTrainer,
+    _hook_keys,
     _report_secondary,
 )
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
@@ -183,17 +184,6 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
 _PER_STEP_STAGES = ("before_step", "after_backward", "after_step")
 
 
-def _metric_writes_owner(trainer: Any) -> int:
-    """Where ``_wait_for_metric_writes`` is (asynchronous metric writes to wait for before a
-    write): 1 on the trainer, 2 on the trainer a DefaultTrainer wraps, 0 nowhere. A number,
-    not the bound method: a hook holding its trainer's method would make a reference cycle."""
-    if hasattr(trainer, "_wait_for_metric_writes"):
-        return 1
-    if hasattr(getattr(trainer, "_trainer", None), "_wait_for_metric_writes"):
-        return 2
-    return 0
-
-
 class PeriodicWriter(HookBase):
     """Write events to EventStorage (by calling ``writer.write()``) periodically.
 
@@ -240,7 +230,7 @@ class PeriodicWriter(HookBase):
 
     def before_train(self) -> None:
         self._stats_seen = {}  # hook_stats() counts from each train()'s start
-        self._waits = _metric_writes_owner(self.trainer)
+        self._waits = hasattr(self.trainer, "_wait_for_metric_writes")
         for writer in self._writers:
             # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
             bind = getattr(writer, "_bind_trainer", None)
@@ -266,9 +256,9 @@ class PeriodicWriter(HookBase):
             return self._period
         return None
 
-    # Who has _wait_for_metric_writes (see _metric_writes_owner; read in before_train: a
-    # missing attribute looked up every iteration costs an AttributeError); None: not known yet.
-    _waits: Optional[int] = None
+    # Whether the trainer has _wait_for_metric_writes (read in before_train: a missing
+    # attribute looked up every iteration costs an AttributeError); None: not known yet.
+    _waits: Optional[bool] = None
 
     def after_step(self) -> None:
         trainer = self.trainer
@@ -278,11 +268,9 @@ class PeriodicWriter(HookBase):
             # be on their way to the storage; detectron2 writes without them.
             waits = self._waits
             if waits is None:
-                waits = _metric_writes_owner(trainer)
+                waits = hasattr(trainer, "_wait_for_metric_writes")
             if waits:
-                # The trainer, or the one a DefaultTrainer wraps (``trainer._trainer``).
-                owner: Any = trainer if waits == 1 else trainer._trainer  # type: ignore[attr-defined]
-                owner._wait_for_metric_writes()
+                trainer._wait_for_metric_writes()  # type: ignore[attr-defined]
             if self._hook_stats:
                 self._put_hook_stats()
             for writer in self._writers:
@@ -295,13 +283,8 @@ class PeriodicWriter(HookBase):
         """Puts ``hooks/<HookClass>/<stage>_ms``: the mean time per call of each hook in each
         per-step stage since the previous write (those called since)."""
         rows = [r for r in self.trainer.hook_stats() if r.stage in _PER_STEP_STAGES]
-        names: Dict[int, str] = {}
-        count: Counter = Counter()
-        for r in rows:
-            if id(r.hook) not in names:
-                name = type(r.hook).__name__
-                names[id(r.hook)] = f"{name}.{count[name]}" if count[name] else name
-                count[name] += 1
+        hooks = list({id(r.hook): r.hook for r in rows}.values())  # in order, once each
+        names = {id(h): key for key, h in _hook_keys(hooks, qualified=False)}
         seen = self._stats_seen
         values = {}
         for row in rows:

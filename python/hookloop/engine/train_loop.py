@@ -603,13 +603,13 @@ class TrainerBase:
 _RESUME_HISTORY = 1000
 
 
-def _hook_keys(hooks: Iterable[Any]) -> List[Tuple[str, Any]]:
-    """(key, hook) for the hooks' state in a checkpoint: the class's qualified name, then
-    ``Name.1``, ``Name.2`` for later hooks of the same class."""
+def _hook_keys(hooks: Iterable[Any], qualified: bool = True) -> List[Tuple[str, Any]]:
+    """(key, hook) for the hooks' state in a checkpoint: the class's qualified name (its plain
+    name unless ``qualified``), then ``Name.1``, ``Name.2`` for later hooks of the same class."""
     seen: Dict[str, int] = {}
     out = []
     for h in hooks:
-        name = type(h).__qualname__
+        name = type(h).__qualname__ if qualified else type(h).__name__
         n = seen.get(name, 0)
         seen[name] = n + 1
         out.append((name if n == 0 else f"{name}.{n}", h))
@@ -987,13 +987,14 @@ class SimpleTrainer(TrainerBase):
         it) without waiting for it, so no iteration synchronizes until something reads the
         storage; other losses are put now."""
         pending = self._pending_metrics
-        first = next(iter(pending[0][2].values()), None)
-        if len(self._in_flight) < self.MAX_IN_FLIGHT and _is_cuda(first):
-            tensors = [v for _, _, losses, _ in pending for v in losses.values()]
-            if all(_is_cuda(v) for v in tensors):
-                self._pending_metrics = []
-                self._in_flight.append((pending, _HostCopy(tensors)))
-                return  # the storage's deferred flag stays set: a read completes the copy
+        tensors = (
+            _losses_if(pending, _is_cuda) if len(self._in_flight) < self.MAX_IN_FLIGHT else None
+        )
+        flat = _stack_losses(tensors) if tensors else None
+        if flat is not None:
+            self._pending_metrics = []
+            self._in_flight.append((pending, _HostCopy(flat)))
+            return  # the storage's deferred flag stays set: a read completes the copy
         self.storage._settle()
 
     def _settle_metrics(self) -> None:
@@ -1008,13 +1009,8 @@ class SimpleTrainer(TrainerBase):
             (entries, copy.values()) for entries, copy in in_flight
         ]
         if pending:
-            values: Optional[List[float]] = None
-            first = next(iter(pending[0][2].values()), None)
-            if isinstance(first, torch.Tensor) and not first.is_cpu:  # not .device: 7x dearer
-                tensors = [v for _, _, losses, _ in pending for v in losses.values()]
-                if all(isinstance(v, torch.Tensor) for v in tensors):
-                    values = _read_all(tensors)
-            batches.append((pending, values))
+            tensors = _losses_if(pending, _off_cpu)
+            batches.append((pending, _read_all(tensors) if tensors else None))
         try:
             for entries, values in batches:
                 self.storage._write_metrics_batch(entries, values)
@@ -1155,21 +1151,46 @@ def _all_gather_floats(
     return rows
 
 
+def _stack_losses(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Single-element tensors stacked on their device as float64, shape ``(n, 1)``; None when
+    they cannot be stacked (different shapes or devices)."""
+    with torch.no_grad():
+        try:
+            flat = torch.stack(tensors).reshape(len(tensors), -1)
+        except RuntimeError:
+            return None
+        if flat.shape[1] != 1:
+            raise TypeError(
+                f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
+            )
+        return flat.to(torch.float64)
+
+
 def _read_all(tensors: List[torch.Tensor]) -> List[float]:
     """The values of single-element tensors, read in one batch: one stack, one copy to the
     host (one device synchronization for all of them)."""
     if not tensors:
         return []
-    with torch.no_grad():
-        try:
-            flat = torch.stack(tensors).reshape(len(tensors), -1)
-        except RuntimeError:  # different shapes or devices: one at a time
-            return [float(t.detach().reshape(-1)[0].item()) for t in tensors]
-        if flat.shape[1] != 1:
-            raise TypeError(
-                f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
-            )
-        return flat.to(torch.float64).cpu().reshape(-1).tolist()
+    flat = _stack_losses(tensors)
+    if flat is None:  # one at a time
+        return [float(t.detach().reshape(-1)[0].item()) for t in tensors]
+    return flat.cpu().reshape(-1).tolist()
+
+
+def _losses_if(
+    pending: List[Tuple[int, float, Mapping[str, Any], str]], accept: Any
+) -> Optional[List[Any]]:
+    """Every loss of the ``pending`` iterations, when ``accept`` takes each of them (tried on
+    the first one before the list is built), else None."""
+    if not accept(next(iter(pending[0][2].values()), None)):
+        return None
+    values = [v for _, _, losses, _ in pending for v in losses.values()]
+    return values if all(map(accept, values)) else None
+
+
+def _off_cpu(value: Any) -> bool:
+    # is_cpu, not .device.type: a device object per call costs seven times as much
+    return isinstance(value, torch.Tensor) and not value.is_cpu
 
 
 _END = object()
@@ -1183,18 +1204,12 @@ def _is_cuda(value: Any) -> bool:
 
 
 class _HostCopy:
-    """Single-element CUDA tensors on their way to the host: stacked, converted to float64 on
-    the device and copied without blocking into pinned memory, with an event recorded after
-    the copy. :meth:`values` waits for that event only (not for the whole device)."""
+    """Losses stacked on a CUDA device (:func:`_stack_losses`) on their way to the host,
+    copied without blocking into pinned memory, with an event recorded after the copy.
+    :meth:`values` waits for that event only (not for the whole device)."""
 
-    def __init__(self, tensors: List[torch.Tensor]) -> None:
+    def __init__(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
-            flat = torch.stack(tensors).reshape(len(tensors), -1)
-            if flat.shape[1] != 1:
-                raise TypeError(
-                    f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
-                )
-            flat = flat.to(torch.float64)
             self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
             # On the stream of the losses' device (the copy's), not the current device's.

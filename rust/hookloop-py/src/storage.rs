@@ -175,16 +175,10 @@ impl PyEventStorage {
         prefix: &str,
     ) -> PyResult<()> {
         let it = iteration("cur_iter", Some(cur_iter))?.unwrap_or(Iter::Int(0));
-        let mut values: Vec<(String, f64)> = Vec::with_capacity(losses.map_or(0, |d| d.len()));
-        if let Some(losses) = losses {
-            for (k, v) in losses.iter() {
-                let k = k.cast_into::<PyString>().map_err(|_| {
-                    to_py(Error::wrong_type("loss_dict keys", "str", "another type"))
-                })?;
-                let name = k.to_str()?;
-                values.push((name.to_owned(), scalar_value(name, &v)?));
-            }
-        }
+        let values = match losses {
+            Some(losses) => read_losses(losses, None)?,
+            None => Vec::new(),
+        };
         let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let reduced = match (losses, data_time) {
             (Some(_), Some(data_time)) => Some(Reduced {
@@ -226,28 +220,12 @@ impl PyEventStorage {
                 String,
             ) = entry.extract()?;
             let it = iteration("cur_iter", Some(&it))?.unwrap_or(Iter::Int(0));
-            let mut named = Vec::with_capacity(losses.len());
-            for (k, v) in losses.iter() {
-                let k = k.cast_into::<PyString>().map_err(|_| {
-                    to_py(Error::wrong_type("loss_dict keys", "str", "another type"))
-                })?;
-                let name = k.to_str()?.to_owned();
-                let value = match values.as_mut() {
-                    Some(values) => values.next().ok_or_else(|| {
-                        to_py(Error::bad_value(
-                            "_write_metrics_batch values",
-                            format!("{given} values for more losses than that"),
-                        ))
-                    })?,
-                    None => scalar_value(&name, &v)?,
-                };
-                named.push((name, value));
-            }
+            let losses = read_losses(&losses, values.as_mut().map(|v| (v, given)))?;
             read.push(Read {
                 it,
                 data_time,
                 prefix,
-                losses: named,
+                losses,
             });
         }
         if values.is_some_and(|mut v| v.next().is_some()) {
@@ -642,6 +620,32 @@ fn f64s(what: &str, bytes: &[u8]) -> PyResult<Vec<f64>> {
         .chunks_exact(8)
         .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
         .collect())
+}
+
+/// A loss dict's `(name, value)` pairs in order: each value read from the dict (`item()` for
+/// a tensor), or taken from `given` (values read by the caller; the count for the error).
+fn read_losses(
+    losses: &Bound<'_, PyDict>,
+    mut given: Option<(&mut std::vec::IntoIter<f64>, usize)>,
+) -> PyResult<Vec<(String, f64)>> {
+    let mut out = Vec::with_capacity(losses.len());
+    for (k, v) in losses.iter() {
+        let k = k
+            .cast_into::<PyString>()
+            .map_err(|_| to_py(Error::wrong_type("loss_dict keys", "str", "another type")))?;
+        let name = k.to_str()?.to_owned();
+        let value = match given.as_mut() {
+            Some((values, count)) => values.next().ok_or_else(|| {
+                to_py(Error::bad_value(
+                    "_write_metrics_batch values",
+                    format!("{count} values for more losses than that"),
+                ))
+            })?,
+            None => scalar_value(&name, &v)?,
+        };
+        out.push((name, value));
+    }
+    Ok(out)
 }
 
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {

@@ -91,18 +91,24 @@ def test_only_runs_the_sections_named(bench: Any, tmp_path: Path) -> None:
         bench.run_all(bench.Config.tiny(), str(tmp_path), only=["nope"])
 
 
-def test_mlp_windows_runs_every_variant(tmp_path: Path) -> None:
+def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> None:
     sys.path.insert(0, str(BENCHES))
     try:
-        import bench_mlp_windows
+        import bench_mlp_paired
     finally:
         sys.path.remove(str(BENCHES))
-    res = bench_mlp_windows.run(steps=80, rounds=1, window=20, quantile=0.25)
-    names = {"hand", "hand_bookkeeping", "no_hooks", "stack", "stack_native_schedule"}
-    assert set(res["us_per_step"]) == names
-    # 80 steps: 4 windows, the first dropped as warm-up.
-    assert res["windows_per_variant"] == {k: 3 for k in names}
-    assert res["x_hand"]["hand"] == 1.0
-    assert all(v > 0 for v in res["us_per_step"].values())
+    out = tmp_path / "paired.json"
+    assert bench_mlp_paired.main(["--rounds", "3", "--window", "4", "--warmup", "1",
+                                  "--json", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text(encoding="utf-8"))
+    assert set(res["variants"]) == set(bench_mlp_paired.VARIANTS)
+    hand = res["variants"]["hand-written loop (model calls only)"]
+    assert hand["x_hand"]["median"] == 1.0 and hand["x_hand"]["ci95"] == [1.0, 1.0]
+    stack = res["variants"]["default stack (MultiStepLR)"]
+    assert stack["x_hand"]["goal"] == 0.97 and stack["x_bookkeeping"]["goal"] == 0.99
+    for row in res["variants"].values():
+        assert row["us_per_step"] > 0
+        lo, hi = row["x_hand"]["ci95"]
+        assert lo <= hi
     with pytest.raises(SystemExit):
-        bench_mlp_windows.main(["--steps", "10"])
+        bench_mlp_paired.main(["--rounds", "0"])

@@ -18,8 +18,10 @@ taken. The sections:
   as a fraction of a hand-written loop's that makes the same model calls, and the default
   stack's also as a fraction of a hand-written loop that does its own bookkeeping
   (``scheduler.step()`` every step, the losses read and one line logged every 20 steps).
-  Wall time, which is what a user waits for: the training thread's CPU time would leave out
-  hookloop's writer threads, the work hookloop moves off that thread.
+  Timed in paired turns (:mod:`hookloop.bench.paired`): every loop in a process of its own,
+  the processes taking turns of 20 steps, the ratios formed within each round. Wall time,
+  which is what a user waits for: the training thread's CPU time would leave out hookloop's
+  writer threads, the work hookloop moves off that thread.
 - ``storage``: ``put_scalar`` into a history of 1 million entries (evicting, and not), and a
   storage filled for 1 million iterations × 5 scalars (RSS growth).
 - ``hook`` (with ``--hook module:Class``): that hook's cost per iteration, on the tiny MLP's
@@ -63,10 +65,11 @@ class Sizes:
     repeats: int = 9
     stack_n: Dict[int, int] = field(default_factory=lambda: {20: 1_000, 1: 300})
     stack_repeats: int = 15
-    # 2 hand-written loops and 3 trainer runs per engine in each repetition: 1,250 steps
-    # each keeps the section as long as its former 5 runs of 2,000
-    mlp_n: int = 1_250
-    mlp_repeats: int = 9
+    # paired turns (hookloop.bench.paired): windows of 20 steps (one write of the stack at
+    # period 20 each), every loop once per round; ratios are formed within a round
+    mlp_window: int = 20
+    mlp_rounds: int = 600
+    mlp_warmup: int = 5
     put_fills: Tuple[int, ...] = (0, 1_000_000)
     put_n: int = 30_000
     put_n_ref_evict: int = 1_000
@@ -91,8 +94,8 @@ class Sizes:
             repeats=5,
             stack_n={20: 300, 1: 100},
             stack_repeats=5,
-            mlp_n=300,
-            mlp_repeats=5,
+            mlp_rounds=60,
+            mlp_warmup=3,
             put_n=10_000,
             put_n_ref_evict=200,
             mem_iters_ref=100_000,
@@ -109,8 +112,9 @@ class Sizes:
             repeats=1,
             stack_n={20: 25, 1: 5},
             stack_repeats=1,
-            mlp_n=25,
-            mlp_repeats=1,
+            mlp_window=5,
+            mlp_rounds=2,
+            mlp_warmup=1,
             put_fills=(0, 2_000),
             put_n=100,
             put_n_ref_evict=20,
@@ -347,51 +351,43 @@ def _stack(s: Sizes, engines: Sequence[str], tmpdir: str) -> List[Row]:
     return rows
 
 
-def _mlp_variants(engines: Sequence[str]) -> List[Tuple[str, str]]:
-    """The trainer runs of the mlp section, as (engine, hooks) for ``tiny_mlp.make_trainer``:
-    no hooks, the default stack, and the stack on the engine's own schedule where that imports
-    (detectron2's needs fvcore)."""
-    from hookloop.bench import tiny_mlp
+def _mlp_variants(engines: Sequence[str]) -> List[Any]:
+    """The loops of the mlp section (:class:`hookloop.bench.paired.Variant`): the two
+    hand-written loops, then per engine its trainer with no hooks, with the default stack, and
+    with the stack on the engine's own schedule where that imports (detectron2's needs
+    fvcore)."""
+    from hookloop.bench import paired, tiny_mlp
 
-    return [
-        (impl, hooks)
+    return [paired.HAND, paired.HAND_BOOKKEEPING] + [
+        paired.Variant(impl, hooks)
         for impl in engines
         for hooks in ("none", "stack", "native")
         if hooks != "native" or tiny_mlp.native_available(impl)
     ]
 
 
-def _mlp(s: Sizes, engines: Sequence[str], device: Any, tmpdir: str) -> List[Row]:
-    from hookloop.bench import tiny_mlp
+def _mlp(s: Sizes, engines: Sequence[str], device: Any) -> List[Row]:
+    from hookloop.bench import overhead, paired
 
-    n = s.mlp_n
-    batches = tiny_mlp.make_batches(device)
-    variants: Dict[str, Callable[[], float]] = {
-        "hand": lambda: tiny_mlp.time_hand(device, batches, n),
-        "hand-bk": lambda: tiny_mlp.time_hand(device, batches, n, bookkeeping=True),
-    }
-    for impl, hooks in _mlp_variants(engines):
+    variants = _mlp_variants(engines)
+    res = paired.run(
+        variants, device=device, window=s.mlp_window, rounds=s.mlp_rounds,
+        warmup=s.mlp_warmup, writers=s.writers, tick=lambda: overhead.progress(),
+    )  # fmt: skip
 
-        def f(impl: str = impl, hooks: str = hooks) -> float:
-            t = tiny_mlp.make_trainer(impl, device, batches, n, tmpdir, hooks, writers=s.writers)
-            return tiny_mlp.time_trainer(t, n)
-
-        variants[f"{impl}-{hooks}"] = f
-    res = _measure(variants, s.mlp_repeats)
-
-    def ratios(floor: str, hooks: str) -> Dict[str, Figure]:
-        """steps/s of each engine's run over the floor's, formed per repetition."""
+    def ratios(floor: Any, hooks: str) -> Dict[str, Figure]:
+        """steps/s of each engine's loop over the floor's, formed per round."""
         out = {}
         for e in engines:
-            if f"{e}-{hooks}" in res:
-                runs = zip(res[floor], res[f"{e}-{hooks}"])
-                out[e] = Figure.throughput([h / t for h, t in runs])
+            v = paired.Variant(e, hooks)
+            if v in res:
+                out[e] = Figure.throughput(paired.ratios(res, floor, v))
         return out
 
-    def steps_per_s(floor: str) -> Figure:
-        return Figure.throughput([n / t for t in res[floor]])
+    def steps_per_s(floor: Any) -> Figure:
+        return Figure.throughput([s.mlp_window / t for t in res[floor]])
 
-    nn = f"{n:,} × {s.mlp_repeats}"
+    nn = f"{s.mlp_window} steps × {s.mlp_rounds} turns"
     what = "tiny MLP (32→64→1, batch 16, SGD momentum, 4 losses) on " + str(device)
     writers = _writer_names(s)
 
@@ -402,19 +398,20 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any, tmpdir: str) -> List[Row
         )
 
     hand, bk = "× hand loop's steps/s", "× bookkeeping hand loop's steps/s"
+    h, hb = paired.HAND, paired.HAND_BOOKKEEPING
     return [
-        Row("mlp", f"{what}: SimpleTrainer, no hooks", hand, nn, steps_per_s("hand"),
-            ratios("hand", "none"), True, "bare loop column: the hand-written loop's steps/s",
+        Row("mlp", f"{what}: SimpleTrainer, no hooks", hand, nn, steps_per_s(h),
+            ratios(h, "none"), True, "bare loop column: the hand-written loop's steps/s",
             "≥ 0.99", 0.99),
         Row("mlp", f"{what}: " + stack("MultiStepLR"), hand, nn, None,
-            ratios("hand", "stack"), True, target="≥ 0.97", target_value=0.97),
+            ratios(h, "stack"), True, target="≥ 0.97", target_value=0.97),
         Row("mlp", f"{what}: the same, over a hand-written loop with the user's own "
             "bookkeeping: MultiStepLR.step() every step; the total loss kept every step, their "
             "mean read with .item() and logged (one line to a NullHandler) every 20 steps", bk,
-            nn, steps_per_s("hand-bk"), ratios("hand-bk", "stack"), True,
+            nn, steps_per_s(hb), ratios(hb, "stack"), True,
             "bare loop column: the bookkeeping loop's steps/s", "≥ 0.99", 0.99),
         Row("mlp", f"{what}: " + stack("LRMultiplier(WarmupParamScheduler("
-            "MultiStepParamScheduler))"), hand, nn, None, ratios("hand", "native"), True,
+            "MultiStepParamScheduler))"), hand, nn, None, ratios(h, "native"), True,
             "MultiStepLR's LRs, from each engine's own schedule classes (the reference's are "
             "detectron2's and fvcore's, in Python)", "≥ 0.98", 0.98),
     ]  # fmt: skip
@@ -480,7 +477,7 @@ def _ticks(section: str, s: Sizes, engines: Sequence[str]) -> int:
     if section == "stack":
         return len(s.stack_n) * (1 + len(engines)) * s.stack_repeats
     if section == "mlp":
-        return (2 + len(_mlp_variants(engines))) * s.mlp_repeats
+        return s.mlp_rounds
     if section == "storage":
         cases = len(s.put_fills) + sum(f >= max(s.put_fills) for f in s.put_fills)
         return 1 + 2 * cases * s.repeats
@@ -672,7 +669,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                 elif section == "stack":
                     rows += _stack(sizes, engines, tmpdir)
                 elif section == "mlp":
-                    rows += _mlp(sizes, engines, device, tmpdir)
+                    rows += _mlp(sizes, engines, device)
                 elif section == "storage":
                     rows += _storage(sizes)
                 else:

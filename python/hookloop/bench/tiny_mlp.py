@@ -16,7 +16,7 @@ import itertools
 import logging
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -337,8 +337,10 @@ def make_trainer(
     period: int = 20,
     extra: Sequence[Callable[[], Any]] = (),
     writers: Sequence[str] = overhead.ALL_WRITERS,
+    data: Optional[Iterable[Batch]] = None,
 ) -> Any:
-    """Engine ``impl``'s trainer on a fresh tiny model. ``hooks``: ``"stack"`` for
+    """Engine ``impl``'s trainer on a fresh tiny model, its data ``batches`` cycled (or
+    ``data`` when given). ``hooks``: ``"stack"`` for
     IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
     ``period``) in detectron2's order (``writers`` picks a subset), ``"native"`` for the same
     with :func:`native_scheduler` in place of MultiStepLR, ``"none"`` for none; ``extra``
@@ -348,7 +350,8 @@ def make_trainer(
     model, opt, sched = build(device)
     if hooks == "native":
         sched = native_scheduler(impl, opt, n)
-    t = _trainer_cls(impl, amp)(model, itertools.cycle(batches), opt)
+    loader = itertools.cycle(batches) if data is None else data
+    t = _trainer_cls(impl, amp)(model, loader, opt)
     hs: List[Any] = []
     if hooks != "none":
         e = overhead.engine(impl)

@@ -1,0 +1,222 @@
+"""Paired turns: the tiny MLP's loops timed side by side, a window of steps at a time.
+
+Each variant (a hand-written loop, or an engine's trainer with some hooks) trains in a process
+of its own, and the processes take turns: the parent lets one variant run ``window`` steps,
+then the next, and so on round after round, rotating the order each round. Only one variant
+runs at a time, so they never compete for the CPU, and the windows of one round lie within a
+few tens of milliseconds of each other: a ratio formed within a round compares the variants
+on the same machine state. The median over hundreds of rounds is then steady on a shared
+machine whose speed drifts by 5-10% within a minute, where whole runs timed one after another
+are not (their ratios spread ±10%).
+
+The turn is taken inside the data iterator, which every variant calls once per step: every
+``window`` steps it reads the clock (after waiting for the device), reports the window's time
+to the parent and waits for its next turn. A window of 20 steps holds one write of the default
+stack (period 20) and one log line of the bookkeeping hand loop, whatever the order.
+
+Processes come from a ``forkserver`` (``spawn`` where there is none): a clean process that has
+imported torch once, so children start in milliseconds and inherit no threads or locks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+__all__ = ["Variant", "HAND", "HAND_BOOKKEEPING", "run"]
+
+#: seconds a child may take to start (import, build its model) and to run one window
+START_TIMEOUT = 300.0
+WINDOW_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A loop of :mod:`hookloop.bench.tiny_mlp`: ``impl`` is ``"hand"`` (the hand-written
+    loop; ``hooks="bookkeeping"`` for the one that does its own bookkeeping) or an engine of
+    ``tiny_mlp.make_trainer`` (``"hl"``, ``"ref"``, ``"d2"``) with its ``hooks``."""
+
+    impl: str
+    hooks: str = "none"
+
+
+HAND = Variant("hand")
+HAND_BOOKKEEPING = Variant("hand", "bookkeeping")
+
+
+def _turns(conn: Any, batches: Sequence[Any], window: int, device: Any) -> Iterator[Any]:
+    """The batches, cycled; every ``window`` steps the window's seconds go to the parent and
+    the next batch waits for this variant's next turn. ``b"q"`` instead of a turn ends the
+    process on the spot: no exception unwinds the trainer, no hook runs, nothing is logged."""
+    import torch
+
+    cuda = device.type == "cuda"
+    clock = time.perf_counter
+    n = len(batches)
+    i = 0
+    start = 0.0
+    while True:
+        if i % window == 0:
+            if i:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                conn.send(("window", clock() - start))
+            if conn.recv_bytes() != b"g":
+                conn.close()
+                os._exit(0)  # the writers' files are scratch: nothing to flush
+            start = clock()
+        yield batches[i % n]
+        i += 1
+
+
+def _child(
+    conn: Any, variant: Variant, device: str, window: int, steps: int, writers: Sequence[str],
+    tmpdir: str, sys_path: List[str],
+) -> None:  # fmt: skip
+    """One variant's process: builds its loop, then trains until told to stop."""
+    sys.path[:] = sys_path  # the parent's (a forkserver keeps the path it started with)
+    try:
+        import torch
+
+        from hookloop.bench import overhead, tiny_mlp
+
+        torch.set_num_threads(1)
+        dev = torch.device(device)
+        batches = tiny_mlp.make_batches(dev)
+        data = _turns(conn, batches, window, dev)
+        with overhead.printer_logging():
+            if variant.impl == "hand":
+                model, opt, sched = tiny_mlp.build(dev)
+                if variant.hooks == "bookkeeping":
+                    tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, steps)
+                else:
+                    tiny_mlp.hand_loop(model, opt, data, steps)
+            else:
+                t = tiny_mlp.make_trainer(
+                    variant.impl, dev, batches, steps, tmpdir, variant.hooks, writers=writers,
+                    data=data,
+                )  # fmt: skip
+                t.train(0, steps)
+        conn.send(("error", f"{variant} ended after {steps} steps, before it was stopped"))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    conn.close()
+    os._exit(0)
+
+
+def _context() -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["hookloop.bench.tiny_mlp"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _turn(conn: Any, variant: Variant, timeout: float) -> float:
+    """Gives ``variant`` one turn; the seconds of its window."""
+    try:
+        conn.send_bytes(b"g")
+    except OSError:
+        pass  # it ended already: its report (an error) may still wait in the pipe
+    try:
+        if not conn.poll(timeout):
+            raise RuntimeError(f"paired bench: {variant} reported nothing within {timeout:g} s")
+        kind, value = conn.recv()
+    except (OSError, EOFError):
+        raise RuntimeError(
+            f"paired bench: {variant}'s process ended without a report (a script that calls "
+            "paired.run must do so under `if __name__ == '__main__':`)"
+        ) from None
+    if kind != "window":
+        raise RuntimeError(f"paired bench: {variant} failed:\n{value}")
+    return float(value)
+
+
+def run(
+    variants: Sequence[Variant],
+    *,
+    device: Any = "cpu",
+    window: int = 20,
+    rounds: int = 300,
+    warmup: int = 5,
+    writers: Sequence[str] = ("printer", "json", "tb"),
+    tick: Optional[Callable[[], None]] = None,
+) -> Dict[Variant, List[float]]:
+    """Seconds of each variant's window in each of ``rounds`` rounds (after ``warmup``
+    untimed ones), in round order: ratios are formed between the entries of one round."""
+    if window < 1 or rounds < 1 or warmup < 0:
+        raise ValueError(f"window and rounds must be positive, warmup not negative; got "
+                         f"{window}, {rounds}, {warmup}")  # fmt: skip
+    if len(set(variants)) != len(variants):
+        raise ValueError(f"variants must differ, got {list(variants)}")
+    ctx = _context()
+    steps = window * (warmup + rounds + 2)  # never reached: the parent stops them first
+    tmpdir = tempfile.mkdtemp(prefix="hookloop-paired-")
+    kids: List[Tuple[Variant, Any, Any]] = []
+    times: Dict[Variant, List[float]] = {v: [] for v in variants}
+    try:
+        for v in variants:
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(
+                target=_child,
+                args=(theirs, v, str(device), window, steps, tuple(writers), tmpdir,
+                      list(sys.path)),
+                daemon=True,
+            )  # fmt: skip
+            p.start()
+            theirs.close()
+            kids.append((v, p, ours))
+        for r in range(warmup + rounds):
+            k = r % len(kids)
+            for v, _, conn in kids[k:] + kids[:k]:
+                seconds = _turn(conn, v, START_TIMEOUT if r == 0 else WINDOW_TIMEOUT)
+                if r >= warmup:
+                    times[v].append(seconds)
+            if tick is not None and r >= warmup:
+                tick()
+    finally:
+        for _, _, conn in kids:
+            try:
+                conn.send_bytes(b"q")
+            except OSError:
+                pass  # it ended already
+        for _, p, conn in kids:
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+                p.join(10.0)
+            conn.close()
+        import shutil
+
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return times
+
+
+def ratios(times: Dict[Variant, List[float]], floor: Variant, variant: Variant) -> List[float]:
+    """The variant's steps/s over the floor's, one per round."""
+    return [f / t for f, t in zip(times[floor], times[variant])]
+
+
+def median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 1000,
+              seed: int = 0) -> Tuple[float, float]:  # fmt: skip
+    """A bootstrap confidence interval of the median of ``values`` (percentile method, a fixed
+    seed: the same values give the same interval)."""
+    import random
+    import statistics
+
+    if not values:
+        raise ValueError("median_ci needs at least one value")
+    rnd = random.Random(seed)
+    n = len(values)
+    meds = sorted(
+        statistics.median([values[rnd.randrange(n)] for _ in range(n)]) for _ in range(resamples)
+    )
+    lo = int((1 - level) / 2 * (resamples - 1))
+    return meds[lo], meds[resamples - 1 - lo]

@@ -81,6 +81,77 @@ pub struct History {
     global_avg: f64,
     /// True while every iteration given was an integer: then iterations read back as ints.
     int_iterations: bool,
+    /// The last values in order, for [`History::median_tracked`]; None until it is asked for.
+    sorted: Option<SortedWindow>,
+}
+
+/// The order keys ([`order_key`]) of the last `window` values of a history, sorted, and how
+/// many of those values are NaN (they have no key). Kept up to date by every update, so that
+/// the median of a long window (the printer's ETA: the last 1,000 iteration times, at every
+/// write) is read in O(1) instead of a selection over the whole window, whose memory is cold
+/// by the time a periodic write runs.
+#[derive(Debug, Clone)]
+struct SortedWindow {
+    window: usize,
+    keys: Vec<u64>,
+    nan: usize,
+}
+
+impl SortedWindow {
+    fn insert(&mut self, v: f64) {
+        if v.is_nan() {
+            self.nan += 1;
+        } else {
+            let k = order_key(v);
+            let at = self.keys.partition_point(|&x| x < k);
+            self.keys.insert(at, k);
+        }
+    }
+
+    fn remove(&mut self, v: f64) {
+        if v.is_nan() {
+            self.nan -= 1;
+        } else if let Ok(at) = self.keys.binary_search(&order_key(v)) {
+            self.keys.remove(at);
+        }
+    }
+
+    /// `remove(old)` then `insert(new)`, with one move of the keys between their places.
+    fn replace(&mut self, old: f64, new: f64) {
+        if old.is_nan() || new.is_nan() {
+            self.remove(old);
+            self.insert(new);
+            return;
+        }
+        let Ok(i) = self.keys.binary_search(&order_key(old)) else {
+            return; // not reachable: every value in the window has its key
+        };
+        let k = order_key(new);
+        let j = self.keys.partition_point(|&x| x < k);
+        if j > i {
+            // old < new: the keys between them move down one place
+            self.keys.copy_within(i + 1..j, i);
+            self.keys[j - 1] = k;
+        } else {
+            // new <= old: the keys from new's place up to old's move up one place
+            self.keys.copy_within(j..i, j + 1);
+            self.keys[j] = k;
+        }
+    }
+
+    /// As [`median_of`] over the window's values.
+    fn median(&self) -> f64 {
+        let n = self.keys.len();
+        if self.nan > 0 || n == 0 {
+            return f64::NAN;
+        }
+        let upper = from_order_key(self.keys[n / 2]);
+        if n % 2 == 1 {
+            0.0 + upper
+        } else {
+            (0.0 + (from_order_key(self.keys[n / 2 - 1]) + upper)) / 2.0
+        }
+    }
 }
 
 impl History {
@@ -99,6 +170,7 @@ impl History {
             count: 0,
             global_avg: 0.0,
             int_iterations: true,
+            sorted: None,
         })
     }
 
@@ -108,6 +180,16 @@ impl History {
         let iteration = iteration.unwrap_or(Iter::Int(self.count as i64));
         if let Iter::Float(_) = iteration {
             self.int_iterations = false;
+        }
+        if let Some(sorted) = &mut self.sorted {
+            // The value that leaves the window (with a window as long as the history, the
+            // one evicted below).
+            let n = self.values.len();
+            if n >= sorted.window {
+                sorted.replace(self.values[n - sorted.window], value);
+            } else {
+                sorted.insert(value);
+            }
         }
         if self.values.len() == self.max_length {
             self.evict_oldest();
@@ -212,6 +294,37 @@ impl History {
     pub fn median(&self, window_size: i64) -> crate::Result<f64> {
         let (a, b) = self.window(window_size)?;
         Ok(median_of(a, b))
+    }
+
+    /// [`History::median`], from a sorted copy of the last `window_size` values that every
+    /// later update keeps sorted (O(log n) search and an O(n) move of 8-byte keys per
+    /// update): for a window asked for at every write, whose values would be cold by then.
+    /// The copy follows one window size, the one asked for last.
+    pub fn median_tracked(&mut self, window_size: i64) -> crate::Result<f64> {
+        if window_size <= 0 {
+            return Err(crate::Error::BadWindow(window_size));
+        }
+        let window = usize::try_from(window_size)
+            .unwrap_or(usize::MAX)
+            .min(self.max_length);
+        if self.sorted.as_ref().map(|s| s.window) != Some(window) {
+            let (a, b) = self.window(window_size)?;
+            let mut sorted = SortedWindow {
+                window,
+                keys: Vec::with_capacity(window.min(1 << 16)),
+                nan: 0,
+            };
+            for &v in a.iter().chain(b) {
+                if v.is_nan() {
+                    sorted.nan += 1;
+                } else {
+                    sorted.keys.push(order_key(v));
+                }
+            }
+            sorted.keys.sort_unstable();
+            self.sorted = Some(sorted);
+        }
+        Ok(self.sorted.as_ref().map_or(f64::NAN, SortedWindow::median))
     }
 
     /// The mean of the last `window_size` values, bit-identical to `numpy.mean` (which sums
@@ -489,6 +602,66 @@ mod tests {
         assert_eq!(h.median(2).unwrap(), 6.5);
         h.update(f64::NAN, None);
         assert!(h.median(3).unwrap().is_nan());
+    }
+
+    #[test]
+    fn the_tracked_median_equals_the_selected_one_through_updates_and_evictions() {
+        // A fixed pseudo-random walk with repeats, signed zeros, NaNs and infinities, over
+        // windows shorter than, equal to and longer than max_length.
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for &(max_length, window) in &[(50, 7), (50, 50), (50, 80), (1000, 1000), (64, 1)] {
+            let mut h = History::new(max_length).unwrap();
+            for step in 0..600 {
+                let r = next();
+                let v = match r % 17 {
+                    0 => f64::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    3 => f64::INFINITY,
+                    4 => f64::NEG_INFINITY,
+                    5..=8 => (r % 5) as f64,
+                    _ => (r % 10_000) as f64 / 7.0 - 700.0,
+                };
+                h.update(v, None);
+                if step % 3 == 0 || step < 10 {
+                    let tracked = h.median_tracked(window as i64).unwrap();
+                    let selected = h.median(window as i64).unwrap();
+                    assert!(
+                        tracked.to_bits() == selected.to_bits()
+                            || (tracked.is_nan() && selected.is_nan()),
+                        "max_length {max_length} window {window} step {step}: \
+                         {tracked} != {selected}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_tracked_median_follows_the_window_asked_for_last() {
+        let mut h = History::new(100).unwrap();
+        for v in [5.0, 1.0, 4.0, 2.0, 3.0] {
+            h.update(v, None);
+        }
+        assert_eq!(h.median_tracked(5).unwrap(), 3.0);
+        assert_eq!(h.median_tracked(2).unwrap(), 2.5);
+        h.update(10.0, None);
+        assert_eq!(h.median_tracked(2).unwrap(), 6.5);
+        assert_eq!(h.median_tracked(6).unwrap(), 3.5);
+        assert!(matches!(
+            h.median_tracked(0),
+            Err(crate::Error::BadWindow(0))
+        ));
+        let mut empty = History::new(10).unwrap();
+        assert!(empty.median_tracked(1000).unwrap().is_nan());
+        empty.update(2.0, None);
+        assert_eq!(empty.median_tracked(1000).unwrap(), 2.0);
     }
 
     #[test]

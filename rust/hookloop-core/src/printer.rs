@@ -145,8 +145,9 @@ impl Printer {
         };
         // In i128: the difference of two i64s can overflow them.
         let remaining = (i128::from(max_iter) - i128::from(iteration) - 1) as f64;
-        if let Ok(time) = storage.scalar("time") {
-            let eta_seconds = time.history.median(1000)? * remaining;
+        if let Ok(time) = storage.history_mut("time") {
+            // Tracked: the last 1,000 times stay sorted as they are put (see median_tracked).
+            let eta_seconds = time.median_tracked(1000)? * remaining;
             storage.put_scalar("eta_seconds", eta_seconds, false, None)?;
             // int() of a NaN/inf ETA would raise in detectron2; leave the field out instead.
             return Ok(eta_seconds

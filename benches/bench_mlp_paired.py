@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,11 +28,6 @@ VARIANTS = {
     "default stack (MultiStepLR)": paired.Variant("hl", "stack"),
     "default stack, native schedule": paired.Variant("hl", "native"),
 }
-GOALS = {  # issue 11: (floor, goal) per variant
-    "SimpleTrainer, no hooks": [(paired.HAND, 0.99)],
-    "default stack (MultiStepLR)": [(paired.HAND, 0.97), (paired.HAND_BOOKKEEPING, 0.99)],
-    "default stack, native schedule": [(paired.HAND, 0.98)],
-}
 
 
 def run(rounds: int, window: int, warmup: int) -> Dict[str, Any]:
@@ -44,7 +40,7 @@ def run(rounds: int, window: int, warmup: int) -> Dict[str, Any]:
         row: Dict[str, Any] = {"us_per_step": statistics.median(res[v]) / window * 1e6}
         for floor, key in ((paired.HAND, "x_hand"), (paired.HAND_BOOKKEEPING, "x_bookkeeping")):
             r = paired.ratios(res, floor, v)
-            goal = dict(GOALS.get(name, [])).get(floor)
+            goal = paired.GOALS.get((v.hooks, floor)) if v.impl == "hl" else None
             row[key] = {"median": statistics.median(r), "ci95": paired.median_ci(r),
                         "goal": goal}  # fmt: skip
         out["variants"][name] = row
@@ -80,10 +76,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lines.append(f"| {name} | {row['us_per_step']:.1f} | {_cell(row['x_hand'])} | "
                      f"{_cell(row['x_bookkeeping'])} |")  # fmt: skip
     print("\n".join(lines))
-    with open("/proc/loadavg") if sys.platform == "linux" else open(__file__) as f:
-        load = f.read().split()[:3] if sys.platform == "linux" else []
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\n{args.rounds} rounds of {args.window} steps, {out['seconds']} s; "
-          f"load average at the end: {' '.join(load)}")  # fmt: skip
+          f"load average at the end: {load}")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

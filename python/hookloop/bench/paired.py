@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +32,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["Variant", "HAND", "HAND_BOOKKEEPING", "run"]
+__all__ = ["Variant", "HAND", "HAND_BOOKKEEPING", "GOALS", "run", "ratios", "median_ci"]
 
 #: seconds a child may take to start (import, build its model) and to run one window
 START_TIMEOUT = 300.0
@@ -48,6 +51,14 @@ class Variant:
 
 HAND = Variant("hand")
 HAND_BOOKKEEPING = Variant("hand", "bookkeeping")
+
+#: Issue 11's goals for hookloop's trainer: (its hooks, the floor) -> the least steps/s ratio.
+GOALS: Dict[Tuple[str, Variant], float] = {
+    ("none", HAND): 0.99,
+    ("stack", HAND): 0.97,
+    ("stack", HAND_BOOKKEEPING): 0.99,
+    ("native", HAND): 0.98,
+}
 
 
 def _turns(conn: Any, batches: Sequence[Any], window: int, device: Any) -> Iterator[Any]:
@@ -92,11 +103,8 @@ def _child(
         data = _turns(conn, batches, window, dev)
         with overhead.printer_logging():
             if variant.impl == "hand":
-                model, opt, sched = tiny_mlp.build(dev)
-                if variant.hooks == "bookkeeping":
-                    tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, steps)
-                else:
-                    tiny_mlp.hand_loop(model, opt, data, steps)
+                bookkeeping = variant.hooks == "bookkeeping"
+                tiny_mlp.time_hand(dev, batches, steps, bookkeeping=bookkeeping, data=data)
             else:
                 t = tiny_mlp.make_trainer(
                     variant.impl, dev, batches, steps, tmpdir, variant.hooks, writers=writers,
@@ -193,8 +201,6 @@ def run(
                 p.kill()
                 p.join(10.0)
             conn.close()
-        import shutil
-
         shutil.rmtree(tmpdir, ignore_errors=True)
     return times
 
@@ -208,9 +214,6 @@ def median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 100
               seed: int = 0) -> Tuple[float, float]:  # fmt: skip
     """A bootstrap confidence interval of the median of ``values`` (percentile method, a fixed
     seed: the same values give the same interval)."""
-    import random
-    import statistics
-
     if not values:
         raise ValueError("median_ci needs at least one value")
     rnd = random.Random(seed)

@@ -245,11 +245,12 @@ def time_hand(
     n: int,
     amp: bool = False,
     bookkeeping: bool = False,
+    data: Optional[Iterator[Batch]] = None,
 ) -> float:
     """Seconds for ``n`` steps of :func:`hand_loop` (:func:`hand_loop_bookkeeping` with
-    ``bookkeeping``) on a fresh model."""
+    ``bookkeeping``) on a fresh model, over ``batches`` cycled (or ``data`` when given)."""
     model, opt, sched = build(device)
-    data = itertools.cycle(batches)
+    data = itertools.cycle(batches) if data is None else data
     scaler = torch.amp.GradScaler(device.type, enabled=amp_settings(device)[2]) if amp else None
     _sync(device)
     t0 = time.perf_counter()

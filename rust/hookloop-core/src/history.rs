@@ -85,58 +85,72 @@ pub struct History {
     sorted: Option<SortedWindow>,
 }
 
-/// The order keys ([`order_key`]) of the last `window` values of a history, sorted, and how
-/// many of those values are NaN (they have no key). Kept up to date by every update, so that
-/// the median of a long window (the printer's ETA: the last 1,000 iteration times, at every
-/// write) is read in O(1) instead of a selection over the whole window, whose memory is cold
-/// by the time a periodic write runs.
+/// The order keys ([`order_key`]) of the values of a history's last `window` entries, sorted,
+/// as they were when the history had had `synced` updates; NaNs have no key and are counted.
+/// [`History::median_tracked`] brings it up to date from the updates since (one merge pass),
+/// so that the median of a long window asked for at every write (the printer's ETA: the
+/// last 1,000 iteration times) costs neither a selection over the whole window, whose memory
+/// is cold by then, nor anything on the updates in between.
 #[derive(Debug, Clone)]
 struct SortedWindow {
     window: usize,
     keys: Vec<u64>,
     nan: usize,
+    /// The update count when `keys` was last brought up to date.
+    synced: u64,
+    /// The index (counting every update ever made) of the first value in `keys`.
+    start: u64,
+    /// The merge's output buffer, kept to avoid an allocation per sync.
+    spare: Vec<u64>,
 }
 
 impl SortedWindow {
-    fn insert(&mut self, v: f64) {
-        if v.is_nan() {
-            self.nan += 1;
-        } else {
-            let k = order_key(v);
-            let at = self.keys.partition_point(|&x| x < k);
-            self.keys.insert(at, k);
-        }
+    /// The keys of `values`, sorted, and how many of them are NaN.
+    fn keys_of(values: impl Iterator<Item = f64>) -> (Vec<u64>, usize) {
+        let mut nan = 0;
+        let mut keys: Vec<u64> = values
+            .filter(|v| {
+                nan += usize::from(v.is_nan());
+                !v.is_nan()
+            })
+            .map(order_key)
+            .collect();
+        keys.sort_unstable();
+        (keys, nan)
     }
 
-    fn remove(&mut self, v: f64) {
-        if v.is_nan() {
-            self.nan -= 1;
-        } else if let Ok(at) = self.keys.binary_search(&order_key(v)) {
-            self.keys.remove(at);
-        }
-    }
-
-    /// `remove(old)` then `insert(new)`, with one move of the keys between their places.
-    fn replace(&mut self, old: f64, new: f64) {
-        if old.is_nan() || new.is_nan() {
-            self.remove(old);
-            self.insert(new);
+    /// `keys` without one of each key in `leaving` and with those of `entering` (all three
+    /// sorted): a few keys (a read every iteration) each in place, more in one merge pass.
+    fn merge(&mut self, leaving: &[u64], entering: &[u64]) {
+        if leaving.len() + entering.len() <= 4 {
+            for k in leaving {
+                if let Ok(at) = self.keys.binary_search(k) {
+                    self.keys.remove(at);
+                }
+            }
+            for &k in entering {
+                let at = self.keys.partition_point(|&x| x < k);
+                self.keys.insert(at, k);
+            }
             return;
         }
-        let Ok(i) = self.keys.binary_search(&order_key(old)) else {
-            return; // not reachable: every value in the window has its key
-        };
-        let k = order_key(new);
-        let j = self.keys.partition_point(|&x| x < k);
-        if j > i {
-            // old < new: the keys between them move down one place
-            self.keys.copy_within(i + 1..j, i);
-            self.keys[j - 1] = k;
-        } else {
-            // new <= old: the keys from new's place up to old's move up one place
-            self.keys.copy_within(j..i, j + 1);
-            self.keys[j] = k;
+        let out = &mut self.spare;
+        out.clear();
+        out.reserve(self.keys.len() + entering.len());
+        let (mut l, mut e) = (0, 0);
+        for &k in &self.keys {
+            if l < leaving.len() && leaving[l] == k {
+                l += 1;
+                continue;
+            }
+            while e < entering.len() && entering[e] < k {
+                out.push(entering[e]);
+                e += 1;
+            }
+            out.push(k);
         }
+        out.extend_from_slice(&entering[e..]);
+        std::mem::swap(&mut self.keys, &mut self.spare);
     }
 
     /// As [`median_of`] over the window's values.
@@ -180,16 +194,6 @@ impl History {
         let iteration = iteration.unwrap_or(Iter::Int(self.count as i64));
         if let Iter::Float(_) = iteration {
             self.int_iterations = false;
-        }
-        if let Some(sorted) = &mut self.sorted {
-            // The value that leaves the window (with a window as long as the history, the
-            // one evicted below).
-            let n = self.values.len();
-            if n >= sorted.window {
-                sorted.replace(self.values[n - sorted.window], value);
-            } else {
-                sorted.insert(value);
-            }
         }
         if self.values.len() == self.max_length {
             self.evict_oldest();
@@ -296,10 +300,11 @@ impl History {
         Ok(median_of(a, b))
     }
 
-    /// [`History::median`], from a sorted copy of the last `window_size` values that every
-    /// later update keeps sorted (O(log n) search and an O(n) move of 8-byte keys per
-    /// update): for a window asked for at every write, whose values would be cold by then.
-    /// The copy follows one window size, the one asked for last.
+    /// [`History::median`], from a sorted copy of the last `window_size` values that this
+    /// call keeps: brought up to date by one merge with the values put since the last call
+    /// (those that entered the window and those that left it), or made anew when that is
+    /// not cheaper or the values that left were evicted. Updates cost nothing extra. The copy
+    /// follows one window size, the one asked for last.
     pub fn median_tracked(&mut self, window_size: i64) -> crate::Result<f64> {
         if window_size <= 0 {
             return Err(crate::Error::BadWindow(window_size));
@@ -307,24 +312,40 @@ impl History {
         let window = usize::try_from(window_size)
             .unwrap_or(usize::MAX)
             .min(self.max_length);
-        if self.sorted.as_ref().map(|s| s.window) != Some(window) {
-            let (a, b) = self.window(window_size)?;
-            let mut sorted = SortedWindow {
-                window,
-                keys: Vec::with_capacity(window.min(1 << 16)),
-                nan: 0,
-            };
-            for &v in a.iter().chain(b) {
-                if v.is_nan() {
-                    sorted.nan += 1;
-                } else {
-                    sorted.keys.push(order_key(v));
-                }
+        let len = self.values.len();
+        let first = self.count - len as u64; // the index of the oldest value held
+        let start = self.count - window.min(len) as u64; // of the window's first value
+        let value = |i: u64| self.values[(i - first) as usize];
+        match &mut self.sorted {
+            Some(s)
+                if s.window == window
+                    && s.start >= first
+                    && self.count - s.synced <= s.keys.len() as u64 / 2 =>
+            {
+                // Left: [s.start, start) of those in the copy; entered: since the last sync.
+                let left_end = start.min(s.synced);
+                let (leaving, nan_out) = SortedWindow::keys_of((s.start..left_end).map(value));
+                let (entering, nan_in) =
+                    SortedWindow::keys_of((s.synced.max(start)..self.count).map(value));
+                s.merge(&leaving, &entering);
+                s.nan = s.nan + nan_in - nan_out;
             }
-            sorted.keys.sort_unstable();
-            self.sorted = Some(sorted);
+            _ => {
+                let (keys, nan) = SortedWindow::keys_of((start..self.count).map(value));
+                self.sorted = Some(SortedWindow {
+                    window,
+                    keys,
+                    nan,
+                    synced: 0,
+                    start: 0,
+                    spare: Vec::new(),
+                });
+            }
         }
-        Ok(self.sorted.as_ref().map_or(f64::NAN, SortedWindow::median))
+        let s = self.sorted.as_mut().expect("set above");
+        s.synced = self.count;
+        s.start = start;
+        Ok(s.median())
     }
 
     /// The mean of the last `window_size` values, bit-identical to `numpy.mean` (which sums
@@ -606,6 +627,8 @@ mod tests {
 
     #[test]
     fn the_tracked_median_equals_the_selected_one_through_updates_and_evictions() {
+        // (Besides equality, this walks every path of median_tracked: the first build, merges,
+        // rebuilds after long gaps and after evictions, and a change of window.)
         // A fixed pseudo-random walk with repeats, signed zeros, NaNs and infinities, over
         // windows shorter than, equal to and longer than max_length.
         let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -615,7 +638,14 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        for &(max_length, window) in &[(50, 7), (50, 50), (50, 80), (1000, 1000), (64, 1)] {
+        for &(max_length, window) in &[
+            (50, 7),
+            (50, 50),
+            (50, 80),
+            (1000, 1000),
+            (64, 1),
+            (10_000, 200),
+        ] {
             let mut h = History::new(max_length).unwrap();
             for step in 0..600 {
                 let r = next();
@@ -629,7 +659,14 @@ mod tests {
                     _ => (r % 10_000) as f64 / 7.0 - 700.0,
                 };
                 h.update(v, None);
-                if step % 3 == 0 || step < 10 {
+                // Reads after gaps of one to dozens of updates (a merge, or a rebuild when
+                // the gap is long or what left the window was evicted), and long quiet spells.
+                let gap = if step > 300 && step < 420 {
+                    97
+                } else {
+                    1 + (r >> 20) % 9
+                };
+                if step % gap == 0 || step < 10 {
                     let tracked = h.median_tracked(window as i64).unwrap();
                     let selected = h.median(window as i64).unwrap();
                     assert!(

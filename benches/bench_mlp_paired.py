@@ -1,12 +1,13 @@
 """The tiny MLP of issue 11 in paired turns (:mod:`hookloop.bench.paired`), with each ratio's
 95% confidence interval: the figures RESULTS.md quotes for the tiny-MLP goals.
 
-    python benches/bench_mlp_paired.py                 # 600 rounds of 20 steps, ~70 s
+    python benches/bench_mlp_paired.py                 # 400 rounds, 4 processes a loop: ~3 min
     python benches/bench_mlp_paired.py --rounds 50     # a quick look
 
-Every loop trains in a process of its own and the processes take turns of ``--window`` steps,
-rotating their order each round; each ratio of steps/s is formed within a round, and the
-table gives the median over the rounds with a bootstrap interval of that median.
+Every loop trains in ``--replicas`` processes of its own and the processes take turns of
+``--window`` steps, in a new random order each round; each ratio of steps/s is formed within a
+round (a loop's time there is the mean over its processes), and the table gives the median
+over the rounds with a bootstrap interval that resamples the processes and the rounds.
 """
 
 from __future__ import annotations
@@ -30,18 +31,26 @@ VARIANTS = {
 }
 
 
-def run(rounds: int, window: int, warmup: int) -> Dict[str, Any]:
+def run(rounds: int, window: int, warmup: int, replicas: int) -> Dict[str, Any]:
     """The figures as a dict: µs per step (median window), and per floor the median ratio
     with its 95% interval and, where issue 11 sets one, the goal."""
     t0 = time.perf_counter()
-    res = paired.run(list(VARIANTS.values()), window=window, rounds=rounds, warmup=warmup)
-    out: Dict[str, Any] = {"rounds": rounds, "window": window, "variants": {}}
+    res = paired.run(
+        list(VARIANTS.values()), window=window, rounds=rounds, warmup=warmup, replicas=replicas
+    )
+    out: Dict[str, Any] = {
+        "rounds": rounds, "window": window, "replicas": replicas, "variants": {},
+    }  # fmt: skip
     for name, v in VARIANTS.items():
-        row: Dict[str, Any] = {"us_per_step": statistics.median(res[v]) / window * 1e6}
+        row: Dict[str, Any] = {
+            "us_per_step": statistics.median(paired.windows(res, v)) / window * 1e6,
+            # each process's own median: how far apart the processes of one loop are
+            "us_per_step_by_process": [statistics.median(w) / window * 1e6 for w in res[v]],
+        }
         for floor, key in ((paired.HAND, "x_hand"), (paired.HAND_BOOKKEEPING, "x_bookkeeping")):
             r = paired.ratios(res, floor, v)
             goal = paired.GOALS.get((v.hooks, floor)) if v.impl == "hl" else None
-            row[key] = {"median": statistics.median(r), "ci95": paired.median_ci(r),
+            row[key] = {"median": statistics.median(r), "ci95": paired.ratio_ci(res, floor, v),
                         "goal": goal}  # fmt: skip
         out["variants"][name] = row
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -60,24 +69,28 @@ def _cell(fig: Dict[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=400)
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--replicas", type=int, default=4, help="processes per loop")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.window < 1 or args.warmup < 0:
-        p.error("--rounds and --window must be positive, --warmup not negative")
-    out = run(args.rounds, args.window, args.warmup)
+    if args.rounds < 1 or args.window < 1 or args.replicas < 1 or args.warmup < 0:
+        p.error("--rounds, --window and --replicas must be positive, --warmup not negative")
+    out = run(args.rounds, args.window, args.warmup, args.replicas)
     lines: List[str] = [
-        "| loop | µs/step | × hand (95% interval) | × hand with bookkeeping (95% interval) |",
+        "| loop | µs/step (each process) | × hand (95% interval) | "
+        "× hand with bookkeeping (95% interval) |",
         "|---|---|---|---|",
     ]
     for name, row in out["variants"].items():
-        lines.append(f"| {name} | {row['us_per_step']:.1f} | {_cell(row['x_hand'])} | "
+        each = ", ".join(f"{u:.0f}" for u in row["us_per_step_by_process"])
+        lines.append(f"| {name} | {row['us_per_step']:.1f} ({each}) | {_cell(row['x_hand'])} | "
                      f"{_cell(row['x_bookkeeping'])} |")  # fmt: skip
     print("\n".join(lines))
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"\n{args.rounds} rounds of {args.window} steps, {out['seconds']} s; "
+    print(f"\n{args.rounds} rounds of {args.window} steps, {args.replicas} processes per loop, "
+          f"{out['seconds']} s; "
           f"load average at the end: {load}")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -3,21 +3,30 @@ steps. Tiny sizes; no timing is asserted."""
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
 from hookloop.bench import paired
 
 
-def test_every_variant_reports_one_window_per_round_after_the_warmup() -> None:
+def test_every_process_reports_one_window_per_round_after_the_warmup() -> None:
     ticks = []
     variants = [paired.HAND, paired.HAND_BOOKKEEPING, paired.Variant("hl", "stack")]
-    res = paired.run(variants, window=3, rounds=4, warmup=2, tick=lambda: ticks.append(1))
+    res = paired.run(
+        variants, window=3, rounds=4, warmup=2, replicas=2, tick=lambda: ticks.append(1)
+    )
     assert list(res) == variants
-    assert all(len(res[v]) == 4 and all(t > 0 for t in res[v]) for v in variants)
+    for v in variants:
+        assert len(res[v]) == 2  # processes
+        assert all(len(w) == 4 and all(t > 0 for t in w) for w in res[v])
     assert len(ticks) == 4  # one per timed round
+    # a round's time of a loop is the mean over its processes; ratios are formed per round
+    hand = [(a + b) / 2 for a, b in zip(*res[paired.HAND])]
+    assert paired.windows(res, paired.HAND) == pytest.approx(hand)
+    stack = [(a + b) / 2 for a, b in zip(*res[variants[2]])]
     r = paired.ratios(res, paired.HAND, variants[2])
-    assert r == [h / t for h, t in zip(res[paired.HAND], res[variants[2]])]
+    assert r == pytest.approx([h / t for h, t in zip(hand, stack)])
 
 
 def test_a_variant_that_fails_is_a_runtime_error_with_its_traceback() -> None:
@@ -27,10 +36,12 @@ def test_a_variant_that_fails_is_a_runtime_error_with_its_traceback() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"window": 0}, {"rounds": 0}, {"warmup": -1}], ids=["window", "rounds", "warmup"]
+    "kwargs",
+    [{"window": 0}, {"rounds": 0}, {"warmup": -1}, {"replicas": 0}],
+    ids=["window", "rounds", "warmup", "replicas"],
 )
 def test_bad_sizes_are_value_errors(kwargs: dict) -> None:
-    with pytest.raises(ValueError, match="window and rounds must be positive"):
+    with pytest.raises(ValueError, match="window, rounds and replicas must be positive"):
         paired.run([paired.HAND], **kwargs)
 
 
@@ -39,11 +50,31 @@ def test_the_same_variant_twice_is_a_value_error() -> None:
         paired.run([paired.HAND, paired.HAND], rounds=1)
 
 
-def test_median_ci_brackets_the_median_and_repeats_itself() -> None:
-    values = [1.0, 0.9, 1.1, 0.95, 1.05, 1.2, 0.8, 1.0, 0.97]
-    lo, hi = paired.median_ci(values)
-    assert lo <= statistics.median(values) <= hi
-    assert (lo, hi) == paired.median_ci(values)
-    assert paired.median_ci([2.0]) == (2.0, 2.0)
-    with pytest.raises(ValueError, match="at least one value"):
-        paired.median_ci([])
+A, B = paired.Variant("hand"), paired.Variant("hl")
+
+
+def test_ratio_ci_brackets_the_median_ratio_and_repeats_itself() -> None:
+    rnd = random.Random(1)
+    times = {
+        A: [[1.0 + 0.1 * rnd.random() for _ in range(50)] for _ in range(3)],
+        B: [[1.1 + 0.1 * rnd.random() for _ in range(50)] for _ in range(3)],
+    }
+    lo, hi = paired.ratio_ci(times, A, B)
+    assert lo < statistics.median(paired.ratios(times, A, B)) < hi < 1.0
+    assert (lo, hi) == paired.ratio_ci(times, A, B)
+    assert paired.ratio_ci(times, A, A) == (1.0, 1.0)  # a loop against itself
+    with pytest.raises(ValueError, match="at least one round"):
+        paired.ratio_ci({A: [[]], B: [[]]}, A, B)
+    with pytest.raises(ValueError, match="3 rounds of .* 2 of"):
+        paired.ratio_ci({A: [[1.0] * 3], B: [[1.0] * 2]}, A, B)
+
+
+def test_ratio_ci_covers_the_spread_between_processes_not_only_the_rounds() -> None:
+    # Every round alike, but B's two processes run at different speeds: resampling only the
+    # rounds would give a zero-width interval; resampling the processes gives their spread.
+    times = {A: [[1.0] * 40, [1.0] * 40], B: [[1.0] * 40, [1.2] * 40]}
+    lo, hi = paired.ratio_ci(times, A, B)
+    assert lo == pytest.approx(1 / 1.2) and hi == pytest.approx(1.0)
+    assert paired.ratios(times, A, B) == pytest.approx([1 / 1.1] * 40)
+    one = {A: [[1.0] * 40], B: [[1.1] * 40]}  # one process each: the rounds' noise only
+    assert paired.ratio_ci(one, A, B) == pytest.approx((1 / 1.1, 1 / 1.1))

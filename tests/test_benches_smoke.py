@@ -99,16 +99,18 @@ def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> No
         sys.path.remove(str(BENCHES))
     out = tmp_path / "paired.json"
     assert bench_mlp_paired.main(["--rounds", "3", "--window", "4", "--warmup", "1",
-                                  "--json", str(out)]) == 0  # fmt: skip
+                                  "--replicas", "2", "--json", str(out)]) == 0  # fmt: skip
     res = json.loads(out.read_text(encoding="utf-8"))
     assert set(res["variants"]) == set(bench_mlp_paired.VARIANTS)
     hand = res["variants"]["hand-written loop (model calls only)"]
     assert hand["x_hand"]["median"] == 1.0 and hand["x_hand"]["ci95"] == [1.0, 1.0]
     stack = res["variants"]["default stack (MultiStepLR)"]
     assert stack["x_hand"]["goal"] == 0.97 and stack["x_bookkeeping"]["goal"] == 0.99
+    assert res["replicas"] == 2
     for row in res["variants"].values():
-        assert row["us_per_step"] > 0
+        assert row["us_per_step"] > 0 and len(row["us_per_step_by_process"]) == 2
         lo, hi = row["x_hand"]["ci95"]
         assert lo <= hi
-    with pytest.raises(SystemExit):
-        bench_mlp_paired.main(["--rounds", "0"])
+    for bad in (["--rounds", "0"], ["--replicas", "0"]):
+        with pytest.raises(SystemExit):
+            bench_mlp_paired.main(bad)

@@ -66,10 +66,12 @@ class Sizes:
     stack_n: Dict[int, int] = field(default_factory=lambda: {20: 1_000, 1: 300})
     stack_repeats: int = 15
     # paired turns (hookloop.bench.paired): windows of 20 steps (one write of the stack at
-    # period 20 each), every loop once per round; ratios are formed within a round
+    # period 20 each), every process of every loop once per round; ratios are formed within
+    # a round, over the mean of each loop's processes (their own speeds differ by up to 3%)
     mlp_window: int = 20
-    mlp_rounds: int = 600
+    mlp_rounds: int = 300
     mlp_warmup: int = 5
+    mlp_replicas: int = 3
     put_fills: Tuple[int, ...] = (0, 1_000_000)
     put_n: int = 30_000
     put_n_ref_evict: int = 1_000
@@ -94,8 +96,9 @@ class Sizes:
             repeats=5,
             stack_n={20: 300, 1: 100},
             stack_repeats=5,
-            mlp_rounds=60,
+            mlp_rounds=30,
             mlp_warmup=3,
+            mlp_replicas=2,
             put_n=10_000,
             put_n_ref_evict=200,
             mem_iters_ref=100_000,
@@ -115,6 +118,7 @@ class Sizes:
             mlp_window=5,
             mlp_rounds=2,
             mlp_warmup=1,
+            mlp_replicas=1,
             put_fills=(0, 2_000),
             put_n=100,
             put_n_ref_evict=20,
@@ -372,7 +376,8 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any) -> List[Row]:
     variants = _mlp_variants(engines)
     res = paired.run(
         variants, device=device, window=s.mlp_window, rounds=s.mlp_rounds,
-        warmup=s.mlp_warmup, writers=s.writers, tick=lambda: overhead.progress(),
+        warmup=s.mlp_warmup, replicas=s.mlp_replicas, writers=s.writers,
+        tick=lambda: overhead.progress(),
     )  # fmt: skip
 
     def ratios(floor: Any, hooks: str) -> Dict[str, Figure]:
@@ -385,9 +390,9 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any) -> List[Row]:
         return out
 
     def steps_per_s(floor: Any) -> Figure:
-        return Figure.throughput([s.mlp_window / t for t in res[floor]])
+        return Figure.throughput([s.mlp_window / t for t in paired.windows(res, floor)])
 
-    nn = f"{s.mlp_window} steps × {s.mlp_rounds} turns"
+    nn = f"{s.mlp_window} steps × {s.mlp_rounds} turns × {s.mlp_replicas} processes"
     what = "tiny MLP (32→64→1, batch 16, SGD momentum, 4 losses) on " + str(device)
     writers = _writer_names(s)
 

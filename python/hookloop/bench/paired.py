@@ -1,13 +1,19 @@
 """Paired turns: the tiny MLP's loops timed side by side, a window of steps at a time.
 
-Each variant (a hand-written loop, or an engine's trainer with some hooks) trains in a process
-of its own, and the processes take turns: the parent lets one variant run ``window`` steps,
-then the next, and so on round after round, rotating the order each round. Only one variant
-runs at a time, so they never compete for the CPU, and the windows of one round lie within a
-few tens of milliseconds of each other: a ratio formed within a round compares the variants
-on the same machine state. The median over hundreds of rounds is then steady on a shared
-machine whose speed drifts by 5-10% within a minute, where whole runs timed one after another
-are not (their ratios spread ±10%).
+Each variant (a hand-written loop, or an engine's trainer with some hooks) trains in processes
+of its own, and the processes take turns: the parent lets one run ``window`` steps, then the
+next, and so on round after round, in a fresh random order each round. Only one process runs
+at a time, so they never compete for the CPU, and the windows of one round lie within a few
+tens of milliseconds of each other: a ratio formed within a round compares the variants on
+the same machine state. The median over hundreds of rounds is then steady on a shared machine
+whose speed drifts by 5-10% within a minute, where whole runs timed one after another are not
+(their ratios spread ±10%).
+
+Each process also has a speed of its own: two processes running the same hand-written loop
+differ steadily by up to 3% here (where the allocator put the model's tensors, which core
+the process settles on). A variant therefore runs in ``replicas`` processes; a round's time of
+a variant is the mean over its processes, and :func:`ratio_ci` resamples the processes as well
+as the rounds, so that an interval covers that difference instead of hiding it.
 
 The turn is taken inside the data iterator, which every variant calls once per step: every
 ``window`` steps it reads the clock (after waiting for the device), reports the window's time
@@ -32,7 +38,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["Variant", "HAND", "HAND_BOOKKEEPING", "GOALS", "run", "ratios", "median_ci"]
+import numpy as np
+
+__all__ = [
+    "Variant", "HAND", "HAND_BOOKKEEPING", "GOALS", "Times", "run", "windows", "ratios", "ratio_ci",
+]  # fmt: skip
 
 #: seconds a child may take to start (import, build its model) and to run one window
 START_TIMEOUT = 300.0
@@ -147,6 +157,10 @@ def _turn(conn: Any, variant: Variant, timeout: float) -> float:
     return float(value)
 
 
+#: Per variant, per process (replica), the seconds of its window in each round.
+Times = Dict[Variant, List[List[float]]]
+
+
 def run(
     variants: Sequence[Variant],
     *,
@@ -154,48 +168,57 @@ def run(
     window: int = 20,
     rounds: int = 300,
     warmup: int = 5,
+    replicas: int = 1,
     writers: Sequence[str] = ("printer", "json", "tb"),
     tick: Optional[Callable[[], None]] = None,
-) -> Dict[Variant, List[float]]:
-    """Seconds of each variant's window in each of ``rounds`` rounds (after ``warmup``
-    untimed ones), in round order: ratios are formed between the entries of one round."""
-    if window < 1 or rounds < 1 or warmup < 0:
-        raise ValueError(f"window and rounds must be positive, warmup not negative; got "
-                         f"{window}, {rounds}, {warmup}")  # fmt: skip
+    seed: int = 0,
+) -> Times:
+    """Seconds of the window of each of every variant's ``replicas`` processes in each of
+    ``rounds`` rounds (after ``warmup`` untimed ones), in round order: ratios are formed
+    between the entries of one round. Each round takes the processes in an order drawn from
+    ``seed``."""
+    if window < 1 or rounds < 1 or warmup < 0 or replicas < 1:
+        raise ValueError(f"window, rounds and replicas must be positive, warmup not negative; "
+                         f"got {window}, {rounds}, {replicas}, {warmup}")  # fmt: skip
     if len(set(variants)) != len(variants):
         raise ValueError(f"variants must differ, got {list(variants)}")
     ctx = _context()
     steps = window * (warmup + rounds + 2)  # never reached: the parent stops them first
     tmpdir = tempfile.mkdtemp(prefix="hookloop-paired-")
-    kids: List[Tuple[Variant, Any, Any]] = []
-    times: Dict[Variant, List[float]] = {v: [] for v in variants}
+    kids: List[Tuple[Variant, List[float], Any, Any]] = []
+    times: Times = {v: [] for v in variants}
+    order = random.Random(seed)
     try:
-        for v in variants:
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_child,
-                args=(theirs, v, str(device), window, steps, tuple(writers), tmpdir,
-                      list(sys.path)),
-                daemon=True,
-            )  # fmt: skip
-            p.start()
-            theirs.close()
-            kids.append((v, p, ours))
+        for _ in range(replicas):
+            for v in variants:
+                ours, theirs = ctx.Pipe()
+                p = ctx.Process(
+                    target=_child,
+                    args=(theirs, v, str(device), window, steps, tuple(writers), tmpdir,
+                          list(sys.path)),
+                    daemon=True,
+                )  # fmt: skip
+                p.start()
+                theirs.close()
+                own: List[float] = []
+                times[v].append(own)
+                kids.append((v, own, p, ours))
         for r in range(warmup + rounds):
-            k = r % len(kids)
-            for v, _, conn in kids[k:] + kids[:k]:
+            turn = kids[:]
+            order.shuffle(turn)
+            for v, own, _, conn in turn:
                 seconds = _turn(conn, v, START_TIMEOUT if r == 0 else WINDOW_TIMEOUT)
                 if r >= warmup:
-                    times[v].append(seconds)
+                    own.append(seconds)
             if tick is not None and r >= warmup:
                 tick()
     finally:
-        for _, _, conn in kids:
+        for _, _, _, conn in kids:
             try:
                 conn.send_bytes(b"q")
             except OSError:
                 pass  # it ended already
-        for _, p, conn in kids:
+        for _, _, p, conn in kids:
             p.join(10.0)
             if p.is_alive():
                 p.kill()
@@ -205,21 +228,39 @@ def run(
     return times
 
 
-def ratios(times: Dict[Variant, List[float]], floor: Variant, variant: Variant) -> List[float]:
-    """The variant's steps/s over the floor's, one per round."""
-    return [f / t for f, t in zip(times[floor], times[variant])]
+def windows(times: Times, variant: Variant) -> List[float]:
+    """The variant's seconds per window in each round: the mean over its processes."""
+    return [statistics.fmean(w) for w in zip(*times[variant])]
 
 
-def median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 1000,
-              seed: int = 0) -> Tuple[float, float]:  # fmt: skip
-    """A bootstrap confidence interval of the median of ``values`` (percentile method, a fixed
-    seed: the same values give the same interval)."""
-    if not values:
-        raise ValueError("median_ci needs at least one value")
-    rnd = random.Random(seed)
-    n = len(values)
-    meds = sorted(
-        statistics.median([values[rnd.randrange(n)] for _ in range(n)]) for _ in range(resamples)
-    )
+def ratios(times: Times, floor: Variant, variant: Variant) -> List[float]:
+    """The variant's steps/s over the floor's, one per round (each the mean over its
+    processes)."""
+    return [f / t for f, t in zip(windows(times, floor), windows(times, variant))]
+
+
+def ratio_ci(
+    times: Times, floor: Variant, variant: Variant, level: float = 0.95,
+    resamples: int = 1000, seed: int = 0,
+) -> Tuple[float, float]:  # fmt: skip
+    """A bootstrap confidence interval of the median of :func:`ratios`: each resample draws
+    the processes of both variants and the rounds, with replacement (the percentile method,
+    a fixed seed: the same times give the same interval). With one process per variant it
+    covers the rounds' noise only, not the processes' own speeds."""
+    f = np.asarray(times[floor], dtype=np.float64)
+    v = f if variant == floor else np.asarray(times[variant], dtype=np.float64)
+    if f.size == 0 or v.size == 0:
+        raise ValueError("ratio_ci needs at least one round of each variant")
+    if f.shape[1] != v.shape[1]:
+        raise ValueError(f"ratio_ci: {f.shape[1]} rounds of {floor}, {v.shape[1]} of {variant}")
+    rng = np.random.default_rng(seed)
+    n = f.shape[1]
+    meds = np.empty(resamples)
+    for b in range(resamples):
+        cols = rng.integers(n, size=n)
+        fr = rng.integers(f.shape[0], size=f.shape[0])
+        vr = fr if variant == floor else rng.integers(v.shape[0], size=v.shape[0])
+        meds[b] = np.median(f[fr][:, cols].mean(axis=0) / v[vr][:, cols].mean(axis=0))
+    meds.sort()
     lo = int((1 - level) / 2 * (resamples - 1))
-    return meds[lo], meds[resamples - 1 - lo]
+    return float(meds[lo]), float(meds[resamples - 1 - lo])

@@ -114,3 +114,46 @@ def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> No
     for bad in (["--rounds", "0"], ["--replicas", "0"]):
         with pytest.raises(SystemExit):
             bench_mlp_paired.main(bad)
+
+
+@pytest.fixture(scope="module")
+def instructions() -> Iterator[Any]:
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_mlp_instructions
+
+        yield bench_mlp_instructions
+    finally:
+        sys.path.remove(str(BENCHES))
+
+
+def test_instruction_bench_child_runs_every_loop_for_each_length(
+    instructions: Any, capsys: pytest.CaptureFixture
+) -> None:
+    # natively (no valgrind): what callgrind would count, in the order the dumps come
+    instructions.child(list(instructions.LOOPS), (2, 3))
+    done = [line for line in capsys.readouterr().err.splitlines() if line.endswith(" done")]
+    assert done == [f"{loop} {n} done" for loop in instructions.LOOPS for n in (2, 3)]
+
+
+def test_instruction_bench_per_step_is_the_difference_over_the_steps_between(
+    instructions: Any, tmp_path: Path
+) -> None:
+    dumps = []
+    for i, (ir, miss) in enumerate([(1_000, 10), (6_000, 60), (2_000, 0), (12_000, 5)]):
+        f = tmp_path / f"cg.out.{i + 1}"
+        f.write_text(f"version: 1\ncmd: x\nevents: Ir I1mr\nsummary: {ir} {miss}\n")
+        dumps.append(instructions.parse_counts(str(f)))
+    assert dumps[0] == {"Ir": 1_000, "I1mr": 10}
+    steps = instructions.per_step(dumps, ["hand", "stack"], (100, 600))
+    assert steps == {"hand": {"Ir": 10.0, "I1mr": 0.1}, "stack": {"Ir": 20.0, "I1mr": 0.01}}
+    with pytest.raises(ValueError, match="3 callgrind dumps for 2 loops"):
+        instructions.per_step(dumps[:3], ["hand", "stack"], (100, 600))
+    bad = tmp_path / "not-callgrind"
+    bad.write_text("hello\n")
+    with pytest.raises(ValueError, match="not a callgrind output file"):
+        instructions.parse_counts(str(bad))
+    with pytest.raises(SystemExit):
+        instructions.main(["--loops", "bogus"])
+    with pytest.raises(SystemExit):
+        instructions.main(["--short", "5", "--long", "5"])

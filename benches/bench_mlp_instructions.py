@@ -1,0 +1,213 @@
+"""The tiny MLP of issue 11, counted in CPU instructions instead of timed: what each loop does
+per step, free of the machine's noise.
+
+    python benches/bench_mlp_instructions.py               # ~6 min (torch's import under valgrind)
+    python benches/bench_mlp_instructions.py --cache-sim   # with simulated cache misses, ~15 min
+
+Each loop (the hand-written loops and hookloop's trainer with no hooks, the default stack, the
+stack on the native schedule) runs twice, for ``--short`` and ``--long`` steps, under
+valgrind's callgrind, which counts only inside those runs; the difference of the two counts over
+the difference of their steps is the loop's instructions per step, with the fixed costs
+(building the trainer, before_train, the last write) cancelled out. The same loop's count
+repeats to within a few instructions per step from run to run, where time ratios on a shared
+2-core machine carry intervals of ±2-3% (``bench_mlp_paired.py``): a change of a few hundred
+instructions per step, invisible there, shows here.
+
+Instructions are not time: code that runs between torch's calls finds cold caches, so its
+instructions cost more than the step's average (``--cache-sim`` counts the simulated misses).
+The table also lists hookloop's own native functions that take most instructions per step in
+the default stack's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import operator
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+LOOPS = {
+    "hand": "hand-written loop (model calls only)",
+    "book": "hand loop with its own bookkeeping",
+    "none": "SimpleTrainer, no hooks",
+    "stack": "default stack (MultiStepLR)",
+    "native": "default stack, native schedule",
+}
+
+# callgrind counts inside calls of this C function only: each loop runs under operator.call
+TOGGLE = "_operator_call"
+
+
+def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
+    """Runs each loop for each length inside ``operator.call`` (after 5 untimed warm-up steps
+    on the same model, or for a trainer on a trainer of its own), in order."""
+    import torch
+    from hookloop.bench import overhead, tiny_mlp
+
+    torch.set_num_threads(1)
+    dev = torch.device("cpu")
+    batches = tiny_mlp.make_batches(dev)
+    tmp = tempfile.mkdtemp(prefix="hookloop-instr-")
+    try:
+        with overhead.printer_logging():
+            for loop in loops:
+                for n in lengths:
+                    if loop in ("hand", "book"):
+                        model, opt, sched = tiny_mlp.build(dev)
+                        data = itertools.cycle(batches)
+                        if loop == "hand":
+                            tiny_mlp.hand_loop(model, opt, data, 5)
+                            operator.call(tiny_mlp.hand_loop, model, opt, data, n)
+                        else:
+                            tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, 5)
+                            operator.call(
+                                tiny_mlp.hand_loop_bookkeeping, model, opt, sched, data, n
+                            )
+                    else:
+                        warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks=loop)
+                        warm.train(0, 5)
+                        t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, hooks=loop)
+                        operator.call(t.train, 0, n)
+                    print(f"{loop} {n} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def parse_counts(path: str) -> Dict[str, int]:
+    """The event totals of one callgrind output file: ``{"Ir": ..., "I1mr": ..., ...}``."""
+    events: List[str] = []
+    totals: Optional[List[int]] = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith("events:"):
+                events = line.split()[1:]
+            elif line.startswith(("summary:", "totals:")):
+                totals = [int(x) for x in line.split()[1:]]
+    if not events or totals is None:
+        raise ValueError(f"{path} is not a callgrind output file (no events or totals)")
+    return dict(zip(events, totals + [0] * (len(events) - len(totals))))
+
+
+def per_step(
+    counts: Sequence[Dict[str, int]], loops: Sequence[str], lengths: Tuple[int, int]
+) -> Dict[str, Dict[str, float]]:
+    """Per loop, each event per step: the long run's count less the short run's, over the
+    steps between them. ``counts`` are the dumps in run order (loop by loop, short then
+    long)."""
+    if len(counts) != 2 * len(loops):
+        raise ValueError(f"{len(counts)} callgrind dumps for {len(loops)} loops (2 each)")
+    short, long = lengths
+    out = {}
+    for k, loop in enumerate(loops):
+        a, b = counts[2 * k], counts[2 * k + 1]
+        out[loop] = {e: (b[e] - a[e]) / (long - short) for e in b}
+    return out
+
+
+_FN = re.compile(r"^\s*([\d,]+)\s+\([^)]*\)\s+\?\?\?:(.+?) \[(.+)\]\s*$")
+
+
+def own_functions(path: str, steps: int, top: int = 12) -> List[Tuple[str, float]]:
+    """hookloop's native functions in one dump with the most instructions (inclusive) per
+    step (the run's count over its steps), from ``callgrind_annotate``; PyO3's trampolines
+    and the loop itself left out."""
+    annotate = shutil.which("callgrind_annotate")
+    if annotate is None:
+        return []
+    text = subprocess.run(
+        [annotate, "--inclusive=yes", "--threshold=100", path],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows = []
+    for line in text.splitlines():
+        m = _FN.match(line)
+        if not m or "hookloop" not in m.group(3) or "_core" not in m.group(3):
+            continue
+        name = m.group(2)
+        if "trampoline" in name or "run_loop" in name:
+            continue
+        rows.append((name, int(m.group(1).replace(",", "")) / steps))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument(
+        "--loops", default=",".join(LOOPS), help="comma-separated, of " + ",".join(LOOPS)
+    )
+    p.add_argument("--short", type=int, default=100)
+    p.add_argument("--long", type=int, default=600)
+    p.add_argument("--cache-sim", action="store_true", help="also count simulated cache misses")
+    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    loops = args.loops.split(",")
+    bad = [x for x in loops if x not in LOOPS]
+    if bad:
+        p.error(f"unknown loop(s) {bad}: choose from {', '.join(LOOPS)}")
+    if not 0 < args.short < args.long:
+        p.error("--short and --long must be positive, --short below --long")
+    if args.child:
+        logging.disable(logging.INFO)  # "Starting training" and such: not counted anyway
+        child(loops, (args.short, args.long))
+        return 0
+    if not hasattr(operator, "call"):
+        p.error("needs Python 3.11 or later (operator.call marks what callgrind counts)")
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        p.error("needs valgrind (Debian: apt-get install valgrind)")
+    out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
+    base = os.path.join(out_dir, "cg.out")
+    cmd = [
+        valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={TOGGLE}",
+        f"--dump-after={TOGGLE}", f"--callgrind-out-file={base}",
+        *(["--cache-sim=yes"] if args.cache_sim else []),
+        sys.executable, os.path.abspath(__file__), "--child", "--loops", ",".join(loops),
+        "--short", str(args.short), "--long", str(args.long),
+    ]  # fmt: skip
+    print("running under callgrind (torch's import alone takes minutes) ...", file=sys.stderr)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"the counted run failed (exit {done.returncode})")
+    dumps = sorted(
+        (f for f in os.listdir(out_dir) if re.fullmatch(r"cg\.out\.\d+", f)),
+        key=lambda f: int(f.rsplit(".", 1)[1]),
+    )
+    counts = [parse_counts(os.path.join(out_dir, f)) for f in dumps]
+    steps = per_step(counts, loops, (args.short, args.long))
+    events = list(next(iter(steps.values())))
+    floor = steps.get("hand")
+    head = " | ".join(f"{e}/step" for e in events)
+    lines = [f"| loop | {head} | Ir over hand/step |", "|---" * (len(events) + 2) + "|"]
+    for loop, row in steps.items():
+        cells = " | ".join(f"{row[e]:,.0f}" for e in events)
+        over = f"{row['Ir'] - floor['Ir']:+,.0f}" if floor else "—"
+        lines.append(f"| {LOOPS[loop]} | {cells} | {over} |")
+    print("\n".join(lines))
+    own: List[Tuple[str, float]] = []
+    if "stack" in loops:
+        k = loops.index("stack")
+        own = own_functions(os.path.join(out_dir, dumps[2 * k + 1]), args.long)
+        if own:
+            print("\nhookloop's native functions in the default stack's run, Ir per step:")
+            for name, ir in own:
+                print(f"  {ir:>9,.0f}  {name}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"per_step": steps, "own_functions_stack": own,
+                       "lengths": [args.short, args.long]}, f, indent=1)  # fmt: skip
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

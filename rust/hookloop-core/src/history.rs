@@ -5,6 +5,7 @@
 //! or once every N iterations, is one run however long, so the typical entry costs 8 bytes and the
 //! worst case (every iteration irregular) 8 + 16 = 24 bytes.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fmt;
 
@@ -83,6 +84,10 @@ pub struct History {
     int_iterations: bool,
     /// The last values in order, for [`History::median_tracked`]; None until it is asked for.
     sorted: Option<SortedWindow>,
+    /// The last answer of [`History::windowed_median`]: (update count, window, median). The
+    /// writers of one iteration (printer, JSON, TensorBoard) ask for the same median in turn;
+    /// every change of the history is an update, which moves the count on.
+    memo: Cell<Option<(u64, i64, f64)>>,
 }
 
 /// The order keys ([`order_key`]) of the values of a history's last `window` entries, sorted,
@@ -185,6 +190,7 @@ impl History {
             global_avg: 0.0,
             int_iterations: true,
             sorted: None,
+            memo: Cell::new(None),
         })
     }
 
@@ -298,6 +304,25 @@ impl History {
     pub fn median(&self, window_size: i64) -> crate::Result<f64> {
         let (a, b) = self.window(window_size)?;
         Ok(median_of(a, b))
+    }
+
+    /// The median over the entries of the last `window_size` iterations (at least one entry):
+    /// the value detectron2's writers and printer show for a smoothed scalar. Asked again
+    /// before the next update, it is the answer kept from the first time.
+    pub fn windowed_median(&self, window_size: i64) -> crate::Result<f64> {
+        if window_size <= 0 {
+            return Err(crate::Error::BadWindow(window_size));
+        }
+        if let Some((count, window, median)) = self.memo.get() {
+            if count == self.count && window == window_size {
+                return Ok(median);
+            }
+        }
+        // count_samples counts the newest entry itself, so it is >= 1 for a non-empty history.
+        let samples = self.count_samples(window_size).max(1);
+        let median = self.median(samples as i64)?;
+        self.memo.set(Some((self.count, window_size, median)));
+        Ok(median)
     }
 
     /// [`History::median`], from a sorted copy of the last `window_size` values that this
@@ -760,6 +785,36 @@ mod tests {
             h.values(),
             vec![(1.0, Iter::Float(0.5)), (2.0, Iter::Float(1.0))]
         );
+    }
+
+    #[test]
+    fn windowed_median_kept_until_the_next_update_and_per_window() {
+        let mut h = History::new(8).unwrap();
+        let fresh = |h: &History, w: i64| {
+            let n = h.count_samples(w).max(1) as i64;
+            h.median(n).unwrap()
+        };
+        for (i, v) in [5.0, 1.0, 4.0, 2.0, 3.0, 9.0, 0.5, 7.0, 6.0, 8.0, 2.5]
+            .iter()
+            .enumerate()
+        {
+            h.update(*v, Some(Iter::Int(2 * i as i64)));
+            for w in [1, 3, 4, 7, 100, 3] {
+                // asked twice: the kept answer equals a fresh one, through evictions (past 8)
+                assert_eq!(
+                    h.windowed_median(w).unwrap(),
+                    fresh(&h, w),
+                    "window {w} at {i}"
+                );
+                assert_eq!(h.windowed_median(w).unwrap(), fresh(&h, w));
+            }
+        }
+        assert!(matches!(
+            h.windowed_median(0),
+            Err(crate::Error::BadWindow(0))
+        ));
+        let restored = History::from_state(h.state(None)).unwrap();
+        assert_eq!(restored.windowed_median(4).unwrap(), fresh(&h, 4));
     }
 
     #[test]

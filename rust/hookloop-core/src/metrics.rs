@@ -44,7 +44,12 @@ pub fn write_metrics(
                 .collect(),
         });
     }
-    storage.put_scalar(&format!("{prefix}total_loss"), total, true, Some(iter))?;
+    let name = if prefix.is_empty() {
+        std::borrow::Cow::Borrowed("total_loss")
+    } else {
+        std::borrow::Cow::Owned(format!("{prefix}total_loss"))
+    };
+    storage.put_scalar(&name, total, true, Some(iter))?;
     if reduced.losses.len() > 1 {
         for &(name, value) in reduced.losses {
             storage.put_scalar(name, value, true, Some(iter))?;

@@ -421,12 +421,7 @@ impl Storage {
 /// Median over the entries of the last `window_size` iterations (at least one entry): the
 /// value detectron2's writers and printer show for a smoothed scalar.
 pub fn windowed_median(history: &History, window_size: i64) -> Result<f64> {
-    if window_size <= 0 {
-        return Err(Error::BadWindow(window_size));
-    }
-    // count_samples counts the newest entry itself, so it is >= 1 for a non-empty history.
-    let samples = history.count_samples(window_size).max(1);
-    history.median(samples as i64)
+    history.windowed_median(window_size)
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 use hookloop_core::history::Iter;
 use hookloop_core::Error;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyFloat, PyInt, PyString, PyType};
 use pyo3::{intern, IntoPyObjectExt};
 
 use crate::errors::to_py;
@@ -20,6 +21,16 @@ pub fn scalar_value(what: &str, value: &Bound<'_, PyAny>) -> PyResult<f64> {
         return Ok(f.value());
     }
     let py = value.py();
+    // The losses' case: a plain torch tensor read with item() at once, without the checks
+    // below (which an item() that fails still reaches, for their message).
+    if tensor_type(py).is_some_and(|t| value.get_type().is(t)) {
+        if let Ok(f) = value
+            .call_method0(intern!(py, "item"))
+            .and_then(|item| item.extract::<f64>())
+        {
+            return Ok(f);
+        }
+    }
     if value.is_instance_of::<PyInt>() {
         return value.extract::<f64>().map_err(|_| {
             to_py(Error::OutOfRange {
@@ -56,6 +67,27 @@ pub fn scalar_value(what: &str, value: &Bound<'_, PyAny>) -> PyResult<f64> {
     value
         .extract::<f64>()
         .map_err(|_| wrong_type(what, value, None))
+}
+
+/// `torch.Tensor`, once torch has been imported (looked up in `sys.modules`: a process that
+/// never imported torch does not import it here).
+fn tensor_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
+    static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    if let Some(t) = TENSOR.get(py) {
+        return Some(t.bind(py));
+    }
+    let torch = py
+        .import(intern!(py, "sys"))
+        .and_then(|sys| sys.getattr(intern!(py, "modules")))
+        .and_then(|m| m.get_item(intern!(py, "torch")))
+        .ok()?;
+    let tensor = torch
+        .getattr(intern!(py, "Tensor"))
+        .ok()?
+        .cast_into::<PyType>()
+        .ok()?;
+    let _ = TENSOR.set(py, tensor.unbind());
+    TENSOR.get(py).map(|t| t.bind(py))
 }
 
 /// The number of elements of a tensor (`numel()`) or array (`size`).

@@ -179,7 +179,7 @@ impl PyEventStorage {
             Some(losses) => read_losses(losses, None)?,
             None => Vec::new(),
         };
-        let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let refs = names_of(&values)?;
         let reduced = match (losses, data_time) {
             (Some(_), Some(data_time)) => Some(Reduced {
                 data_time,
@@ -203,11 +203,11 @@ impl PyEventStorage {
         pending: &Bound<'_, PyList>,
         values: Option<Vec<f64>>,
     ) -> PyResult<()> {
-        struct Read {
+        struct Read<'py> {
             it: Iter,
             data_time: f64,
-            prefix: String,
-            losses: Vec<(String, f64)>,
+            prefix: Bound<'py, PyString>,
+            losses: Vec<(Bound<'py, PyString>, f64)>,
         }
         let given = values.as_ref().map_or(0, Vec::len);
         let mut values = values.map(Vec::into_iter);
@@ -217,7 +217,7 @@ impl PyEventStorage {
                 Bound<'_, PyAny>,
                 f64,
                 Bound<'_, PyDict>,
-                String,
+                Bound<'_, PyString>,
             ) = entry.extract()?;
             let it = iteration("cur_iter", Some(&it))?.unwrap_or(Iter::Int(0));
             let losses = read_losses(&losses, values.as_mut().map(|v| (v, given)))?;
@@ -234,15 +234,18 @@ impl PyEventStorage {
                 format!("{given} values for fewer losses than that"),
             )));
         }
+        // The names as the dicts' own strings (no copy), the batch under one lock.
+        let mut batch = Vec::with_capacity(read.len());
+        for r in &read {
+            batch.push((r.it, r.data_time, r.prefix.to_str()?, names_of(&r.losses)?));
+        }
         self.with(move |s| {
-            for r in &read {
-                let refs: Vec<(&str, f64)> =
-                    r.losses.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            for (it, data_time, prefix, losses) in &batch {
                 let reduced = Reduced {
-                    data_time: r.data_time,
-                    losses: &refs,
+                    data_time: *data_time,
+                    losses,
                 };
-                write_metrics(s, r.it, &r.prefix, r.data_time, Some(reduced))?;
+                write_metrics(s, *it, prefix, *data_time, Some(reduced))?;
             }
             Ok(())
         })
@@ -624,16 +627,15 @@ fn f64s(what: &str, bytes: &[u8]) -> PyResult<Vec<f64>> {
 
 /// A loss dict's `(name, value)` pairs in order: each value read from the dict (`item()` for
 /// a tensor), or taken from `given` (values read by the caller; the count for the error).
-fn read_losses(
-    losses: &Bound<'_, PyDict>,
+fn read_losses<'py>(
+    losses: &Bound<'py, PyDict>,
     mut given: Option<(&mut std::vec::IntoIter<f64>, usize)>,
-) -> PyResult<Vec<(String, f64)>> {
+) -> PyResult<Vec<(Bound<'py, PyString>, f64)>> {
     let mut out = Vec::with_capacity(losses.len());
     for (k, v) in losses.iter() {
         let k = k
             .cast_into::<PyString>()
             .map_err(|_| to_py(Error::wrong_type("loss_dict keys", "str", "another type")))?;
-        let name = k.to_str()?.to_owned();
         let value = match given.as_mut() {
             Some((values, count)) => values.next().ok_or_else(|| {
                 to_py(Error::bad_value(
@@ -641,11 +643,16 @@ fn read_losses(
                     format!("{count} values for more losses than that"),
                 ))
             })?,
-            None => scalar_value(&name, &v)?,
+            None => scalar_value(k.to_str()?, &v)?,
         };
-        out.push((name, value));
+        out.push((k, value));
     }
     Ok(out)
+}
+
+/// The losses' names borrowed from their Python strings.
+fn names_of<'a>(losses: &'a [(Bound<'_, PyString>, f64)]) -> PyResult<Vec<(&'a str, f64)>> {
+    losses.iter().map(|(k, v)| Ok((k.to_str()?, *v))).collect()
 }
 
 fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {

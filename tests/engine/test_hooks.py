@@ -366,3 +366,121 @@ def test_native_hooks_can_be_subclassed_with_their_own_constructors():
     # warmup_iter=2: iteration 0 is warmup (iter_done = 1 < 2), the other 11 are timed.
     assert len(trainer.storage.history("time").values()) == 11
     assert writer._writers == [rec] and writer._period == 5
+
+
+# LRScheduler with hookloop's LRMultiplier: its step's fast path runs inside the hook's one
+# call into Rust; anything that makes it not the plain class's step runs that step instead.
+
+LR_ITERS = 30
+
+
+def _lr_multiplier(cls=None):
+    from hookloop.solver import LRMultiplier, WarmupParamScheduler
+    from hookloop.solver.param_scheduler import MultiStepParamScheduler
+
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    steps = MultiStepParamScheduler([1.0, 0.1], milestones=[20], num_updates=LR_ITERS)
+    return opt, (cls or LRMultiplier)(opt, WarmupParamScheduler(steps, 0.01, 0.2), LR_ITERS)
+
+
+def _python_step_calls(run):
+    """How often LRMultiplier.step's Python code ran during ``run()`` (a profile function
+    sees every call of a Python function)."""
+    from hookloop.solver import LRMultiplier
+
+    code, calls = LRMultiplier.step.__code__, []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls.append(1)
+
+    import sys
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+def _stepped_by_hand():
+    """LRs and state of the same schedule stepped by its own step(), without a trainer."""
+    opt, sched = _lr_multiplier()
+    seen = []
+    for _ in range(LR_ITERS):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return seen, sched.state_dict()
+
+
+def test_lr_scheduler_steps_a_plain_lr_multiplier_natively_with_the_same_lrs_and_state():
+    opt, sched = _lr_multiplier()
+    trainer = NoopTrainer(opt)
+    trainer.register_hooks([LRScheduler(opt, sched)])
+    # torch's first step (its call-order check) is the only one that runs the Python step
+    assert _python_step_calls(lambda: trainer.train(0, LR_ITERS)) == 1
+    lrs, state = _stepped_by_hand()
+    assert [v for v, _ in history(trainer.storage, "lr")] == lrs
+    assert sched.state_dict() == state
+    assert sched.get_last_lr() == [opt.param_groups[0]["lr"]]
+
+
+def test_lr_scheduler_runs_an_overridden_or_patched_step_every_iteration():
+    from hookloop.solver import LRMultiplier
+
+    class Counting(LRMultiplier):
+        calls = 0
+
+        def step(self, epoch=None):
+            type(self).calls += 1
+            super().step(epoch)
+
+    opt, sched = _lr_multiplier(Counting)
+    trainer = NoopTrainer(opt)
+    trainer.register_hooks([LRScheduler(opt, sched)])
+    trainer.train(0, LR_ITERS)
+    assert Counting.calls == 1 + LR_ITERS  # torch's constructor steps once
+    lrs, state = _stepped_by_hand()
+    assert [v for v, _ in history(trainer.storage, "lr")] == lrs
+    assert sched.state_dict() == state
+
+    # a step() set on the instance, before or during training, is the one that runs
+    for when in ("before", "during"):
+        opt, sched = _lr_multiplier()
+        patched = []
+
+        def step(epoch=None, sched=sched, patched=patched):
+            patched.append(sched.last_epoch)
+            LRMultiplier.step(sched, epoch)
+
+        class Patch(HookBase):
+            def before_step(self, sched=sched, step=step, when=when):
+                if when == "during" and self.trainer.iter == 10:
+                    sched.step = step
+
+        if when == "before":
+            sched.step = step
+        trainer = NoopTrainer(opt)
+        trainer.register_hooks([Patch(), LRScheduler(opt, sched)])
+        trainer.train(0, LR_ITERS)
+        assert len(patched) == (LR_ITERS if when == "before" else LR_ITERS - 10), when
+        del sched.step  # state_dict() keeps every instance attribute, as torch's does
+        assert sched.state_dict() == state
+
+
+def test_lr_scheduler_steps_a_scheduler_set_during_training_with_its_own_step():
+    opt, sched = _lr_multiplier()
+    other = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    hook = LRScheduler(opt, sched)
+
+    class Swap(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 9:
+                hook._scheduler = other
+
+    trainer = NoopTrainer(opt)
+    trainer.register_hooks([hook, Swap()])
+    trainer.train(0, 12)
+    assert sched.last_epoch == 10 and other.last_epoch == 2

@@ -8,7 +8,9 @@ Each loop (the hand-written loops and hookloop's trainer with no hooks, the defa
 stack on the native schedule) runs twice, for ``--short`` and ``--long`` steps, under
 valgrind's callgrind, which counts only inside those runs; the difference of the two counts over
 the difference of their steps is the loop's instructions per step, with the fixed costs
-(building the trainer, before_train, the last write) cancelled out. The same loop's count
+(building the trainer, before_train, the last write) cancelled out. The garbage collector is
+off inside the counted runs (a collection of the whole heap would land in one run and not the
+other). The same loop's count
 repeats to within a few instructions per step from run to run, where time ratios on a shared
 2-core machine carry intervals of ±2-3% (``bench_mlp_paired.py``): a change of a few hundred
 instructions per step, invisible there, shows here.
@@ -22,6 +24,7 @@ the default stack's run.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import logging
@@ -32,7 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 LOOPS = {
     "hand": "hand-written loop (model calls only)",
@@ -46,8 +49,20 @@ LOOPS = {
 TOGGLE = "_operator_call"
 
 
+def _counted(f: Callable[..., object], *args: object) -> None:
+    """``f(*args)`` inside ``operator.call`` (what callgrind counts), with Python's garbage
+    collector off: a collection of the whole heap, which falls into one run and not another,
+    would add thousands of instructions per step to one count."""
+    gc.collect()
+    gc.disable()
+    try:
+        operator.call(f, *args)
+    finally:
+        gc.enable()
+
+
 def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
-    """Runs each loop for each length inside ``operator.call`` (after 5 untimed warm-up steps
+    """Runs each loop for each length inside :func:`_counted` (after 5 uncounted warm-up steps
     on the same model, or for a trainer on a trainer of its own), in order."""
     import torch
     from hookloop.bench import overhead, tiny_mlp
@@ -65,17 +80,15 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
                         data = itertools.cycle(batches)
                         if loop == "hand":
                             tiny_mlp.hand_loop(model, opt, data, 5)
-                            operator.call(tiny_mlp.hand_loop, model, opt, data, n)
+                            _counted(tiny_mlp.hand_loop, model, opt, data, n)
                         else:
                             tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, 5)
-                            operator.call(
-                                tiny_mlp.hand_loop_bookkeeping, model, opt, sched, data, n
-                            )
+                            _counted(tiny_mlp.hand_loop_bookkeeping, model, opt, sched, data, n)
                     else:
                         warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks=loop)
                         warm.train(0, 5)
                         t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, hooks=loop)
-                        operator.call(t.train, 0, n)
+                        _counted(t.train, 0, n)
                     print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

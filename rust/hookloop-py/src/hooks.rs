@@ -21,10 +21,9 @@ use crate::storage::PyEventStorage;
 
 /// `LRMultiplier.step()`'s fast path on the scheduler's own attributes, in one call: when
 /// `_fast` is true, its schedule is still `native`, no `step` was set on the instance and it
-/// is past torch's first step,
-/// `last_epoch` and `_step_count` advance by one and every group's `lr` becomes
-/// `base_lr * multiplier` (`NativeSchedule.step_lrs`, which also gives `_last_lr`). False
-/// when the fast path does not apply: the caller calls `step()` instead.
+/// is past torch's first step, `last_epoch` and `_step_count` advance by one and every
+/// group's `lr` becomes `base_lr * multiplier` (`NativeSchedule.step_lrs`, which also gives
+/// `_last_lr`). False when the fast path does not apply: the caller calls `step()` instead.
 fn native_step(
     scheduler: &Bound<'_, PyAny>,
     native: &Bound<'_, PyNativeSchedule>,
@@ -60,16 +59,21 @@ fn native_step(
     };
     // A step() set on the instance since before_train is the user's: it runs instead.
     let patched = attrs.contains(intern!(py, "step"))?;
+    let (Some(next_epoch), Some(next_count)) =
+        (last_epoch.checked_add(1), step_count.checked_add(1))
+    else {
+        return Ok(false);
+    };
     if !fast || !same || patched || step_count == 1 {
         return Ok(false);
     }
     let groups = optimizer.getattr(intern!(py, "param_groups"))?;
     let last_lr = native
         .get()
-        .step_lrs(&groups, &base_lrs, last_epoch + 1, max_iter)?;
+        .step_lrs(&groups, &base_lrs, next_epoch, max_iter)?;
     attrs.set_item(intern!(py, "_last_lr"), last_lr)?;
-    attrs.set_item(intern!(py, "last_epoch"), last_epoch + 1)?;
-    attrs.set_item(intern!(py, "_step_count"), step_count + 1)?;
+    attrs.set_item(intern!(py, "last_epoch"), next_epoch)?;
+    attrs.set_item(intern!(py, "_step_count"), next_count)?;
     Ok(true)
 }
 

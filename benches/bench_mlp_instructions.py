@@ -8,9 +8,11 @@ Each loop (the hand-written loops and hookloop's trainer with no hooks, the defa
 stack on the native schedule) runs twice, for ``--short`` and ``--long`` steps, under
 valgrind's callgrind, which counts only inside those runs; the difference of the two counts over
 the difference of their steps is the loop's instructions per step, with the fixed costs
-(building the trainer, before_train, the last write) cancelled out. The garbage collector is
-off inside the counted runs (a collection of the whole heap would land in one run and not the
-other). The same loop's count
+(building the trainer, before_train, the last write) cancelled out. Only the training thread
+is counted (callgrind's collection state is per thread): the writers' threads, which format
+and write the files, are not. The garbage collector is off inside the counted runs (a
+collection of the whole heap would land in one run and not the other) and the string-hash
+seed is fixed. The same loop's count
 repeats to within a few instructions per step from run to run, where time ratios on a shared
 2-core machine carry intervals of ±2-3% (``bench_mlp_paired.py``): a change of a few hundred
 instructions per step, invisible there, shows here.
@@ -187,7 +189,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--short", str(args.short), "--long", str(args.long),
     ]  # fmt: skip
     print("running under callgrind (torch's import alone takes minutes) ...", file=sys.stderr)
-    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # A fixed string-hash seed: dict and set probing would otherwise differ from run to run.
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"the counted run failed (exit {done.returncode})")

@@ -40,10 +40,7 @@ EVENTS_FSYNC_DEFAULT: str
 
 # What Rust reads from Python objects, by name (the whole list):
 #   trainer.iter (set by Dispatcher.run_loop); optimizer.param_groups[i]["lr"] and
-#   scheduler.step() (_LRSchedulerBase.after_step), or for a plain LRMultiplier its
-#   __dict__'s _fast, _native, last_epoch, _step_count, _max_iter, optimizer.param_groups
-#   and base_lrs read, and _last_lr, last_epoch and _step_count written (the fast path of
-#   LRMultiplier.step, in _LRSchedulerBase.after_step); sys.modules["torch"].Tensor (a plain
+#   scheduler.step() (_LRSchedulerBase.after_step); sys.modules["torch"].Tensor (a plain
 #   tensor's item() first); tensor/array .ndim, .shape, .numel(),
 #   .size and .item() (scalar conversion); image .shape (EventStorage._put_image);
 #   param_groups[i]["lr"], written (NativeSchedule.step_lrs); a Python schedule's __call__
@@ -219,7 +216,7 @@ class _LRSchedulerBase:
     def _best_param_group_id(self) -> int: ...
     @_best_param_group_id.setter
     def _best_param_group_id(self, group: int) -> None: ...
-    def _start(self, storage: EventStorage, native: Optional[NativeSchedule] = None) -> None: ...
+    def _start(self, storage: EventStorage) -> None: ...
     def after_step(self) -> None: ...
 
 @disjoint_base

@@ -31,7 +31,6 @@ from hookloop.engine.train_loop import (
     _report_secondary,
 )
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
-from hookloop.solver.lr_scheduler import LRMultiplier
 from hookloop.utils import comm
 from hookloop.utils.events import EventStorage, EventWriter
 
@@ -317,10 +316,6 @@ class PeriodicWriter(HookBase):
             raise first
 
 
-# LRMultiplier.step as defined (a class patched since, or a subclass's own, runs instead).
-_LR_MULTIPLIER_STEP = LRMultiplier.step
-
-
 class LRScheduler(_core._LRSchedulerBase, HookBase):
     """A hook which executes a torch builtin LR scheduler and summarizes the LR. It is
     executed after every iteration.
@@ -359,7 +354,7 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
             )
         if not groups:
             raise ValueError("LRScheduler optimizer has no param_groups")
-        from hookloop.solver.lr_scheduler import _is_param_scheduler
+        from hookloop.solver.lr_scheduler import LRMultiplier, _is_param_scheduler
 
         if _is_param_scheduler(self._scheduler):
             # A ParamScheduler (fvcore's or hookloop's): wrapped over the run, as detectron2
@@ -376,15 +371,7 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
                 f"hookloop's LRMultiplier), got {type(self._scheduler).__name__}"
             )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
-        # A plain LRMultiplier (step() neither overridden nor patched) is stepped by its fast
-        # path inside after_step's one call into Rust, on its own attributes.
-        sched = self._scheduler
-        plain = (
-            isinstance(sched, LRMultiplier)
-            and type(sched).step is _LR_MULTIPLIER_STEP
-            and "step" not in vars(sched)
-        )
-        self._start(trainer.storage, sched._native if plain else None)
+        self._start(trainer.storage)
 
     def __getstate__(self) -> Dict[str, Any]:
         return {

@@ -16,66 +16,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::convert::scalar_value;
 use crate::errors::{to_py, IntoPyResult};
-use crate::schedule::PyNativeSchedule;
 use crate::storage::PyEventStorage;
-
-/// `LRMultiplier.step()`'s fast path on the scheduler's own attributes, in one call: when
-/// `_fast` is true, its schedule is still `native`, no `step` was set on the instance and it
-/// is past torch's first step, `last_epoch` and `_step_count` advance by one and every
-/// group's `lr` becomes `base_lr * multiplier` (`NativeSchedule.step_lrs`, which also gives
-/// `_last_lr`). False when the fast path does not apply: the caller calls `step()` instead.
-fn native_step(
-    scheduler: &Bound<'_, PyAny>,
-    native: &Bound<'_, PyNativeSchedule>,
-) -> PyResult<bool> {
-    let py = scheduler.py();
-    let Ok(attrs) = scheduler
-        .getattr(intern!(py, "__dict__"))?
-        .cast_into::<PyDict>()
-    else {
-        return Ok(false);
-    };
-    let fast = attrs
-        .get_item(intern!(py, "_fast"))?
-        .is_some_and(|f| f.is_truthy().unwrap_or(false));
-    let same = attrs
-        .get_item(intern!(py, "_native"))?
-        .is_some_and(|n| n.is(native));
-    let (Some(last_epoch), Some(step_count), Some(max_iter), Some(optimizer), Some(base_lrs)) = (
-        attrs.get_item(intern!(py, "last_epoch"))?,
-        attrs.get_item(intern!(py, "_step_count"))?,
-        attrs.get_item(intern!(py, "_max_iter"))?,
-        attrs.get_item(intern!(py, "optimizer"))?,
-        attrs.get_item(intern!(py, "base_lrs"))?,
-    ) else {
-        return Ok(false);
-    };
-    let (Ok(last_epoch), Ok(step_count), Ok(max_iter)) = (
-        last_epoch.extract::<i64>(),
-        step_count.extract::<i64>(),
-        max_iter.extract::<i64>(),
-    ) else {
-        return Ok(false);
-    };
-    // A step() set on the instance since before_train is the user's: it runs instead.
-    let patched = attrs.contains(intern!(py, "step"))?;
-    let (Some(next_epoch), Some(next_count)) =
-        (last_epoch.checked_add(1), step_count.checked_add(1))
-    else {
-        return Ok(false);
-    };
-    if !fast || !same || patched || step_count == 1 {
-        return Ok(false);
-    }
-    let groups = optimizer.getattr(intern!(py, "param_groups"))?;
-    let last_lr = native
-        .get()
-        .step_lrs(&groups, &base_lrs, next_epoch, max_iter)?;
-    attrs.set_item(intern!(py, "_last_lr"), last_lr)?;
-    attrs.set_item(intern!(py, "last_epoch"), next_epoch)?;
-    attrs.set_item(intern!(py, "_step_count"), next_count)?;
-    Ok(true)
-}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -187,9 +128,6 @@ struct LrState {
     scheduler: Option<Py<PyAny>>,
     group: usize,
     storage: Option<Py<PyEventStorage>>,
-    /// The scheduler's native schedule when it is a plain `LRMultiplier` (set by `_start`):
-    /// then a step is `LRMultiplier.step`'s fast path, run here (see `native_step`).
-    native: Option<Py<PyNativeSchedule>>,
 }
 
 /// Base of `hookloop.engine.hooks.LRScheduler`: its per-step half. The optimizer, scheduler and
@@ -212,7 +150,6 @@ impl PyLRSchedulerBase {
                 scheduler: None,
                 group: 0,
                 storage: None,
-                native: None,
             }),
         }
     }
@@ -241,12 +178,7 @@ impl PyLRSchedulerBase {
 
     #[setter(_scheduler)]
     fn set_scheduler(&self, scheduler: Option<Py<PyAny>>) {
-        let mut s = lock(&self.state);
-        let old = (
-            std::mem::replace(&mut s.scheduler, scheduler),
-            s.native.take(), // another scheduler: stepped by its own step() from now on
-        );
-        drop(s);
+        let old = std::mem::replace(&mut lock(&self.state).scheduler, scheduler);
         drop(old);
     }
 
@@ -260,30 +192,22 @@ impl PyLRSchedulerBase {
         lock(&self.state).group = group;
     }
 
-    /// `before_train`: the storage the LR goes to, for this run, and the scheduler's native
-    /// schedule when the scheduler is a plain `LRMultiplier` (its `step` not overridden).
-    #[pyo3(signature = (storage, native = None))]
-    fn _start(&self, storage: Py<PyEventStorage>, native: Option<Py<PyNativeSchedule>>) {
-        let mut s = lock(&self.state);
-        let old = (
-            s.storage.replace(storage),
-            std::mem::replace(&mut s.native, native),
-        );
-        drop(s);
+    /// `before_train`: the storage the LR goes to, for this run.
+    fn _start(&self, storage: Py<PyEventStorage>) {
+        let old = lock(&self.state).storage.replace(storage);
         drop(old);
     }
 
     /// Puts the LR of the summarized param group as "lr" (not smoothed), then steps the
     /// scheduler.
     fn after_step(&self, py: Python<'_>) -> PyResult<()> {
-        let (optimizer, scheduler, group, storage, native) = {
+        let (optimizer, scheduler, group, storage) = {
             let s = lock(&self.state);
             (
                 s.optimizer.as_ref().map(|o| o.clone_ref(py)),
                 s.scheduler.as_ref().map(|o| o.clone_ref(py)),
                 s.group,
                 s.storage.as_ref().map(|o| o.clone_ref(py)),
-                s.native.as_ref().map(|o| o.clone_ref(py)),
             )
         };
         let (Some(optimizer), Some(scheduler), Some(storage)) = (optimizer, scheduler, storage)
@@ -297,13 +221,7 @@ impl PyLRSchedulerBase {
             .get_item(intern!(py, "lr"))?;
         let lr = scalar_value("lr", &lr)?;
         storage.get().with(|core| put_lr(core, lr)).py_err()?;
-        let scheduler = scheduler.bind(py);
-        if let Some(native) = native {
-            if native_step(scheduler, native.bind(py))? {
-                return Ok(());
-            }
-        }
-        scheduler.call_method0(intern!(py, "step"))?;
+        scheduler.bind(py).call_method0(intern!(py, "step"))?;
         Ok(())
     }
 
@@ -311,9 +229,6 @@ impl PyLRSchedulerBase {
         if let Ok(s) = self.state.try_lock() {
             for o in [&s.optimizer, &s.scheduler].into_iter().flatten() {
                 visit.call(o)?;
-            }
-            if let Some(n) = &s.native {
-                visit.call(n)?;
             }
         }
         Ok(())
@@ -324,7 +239,7 @@ impl PyLRSchedulerBase {
             .state
             .try_lock()
             .ok()
-            .map(|mut s| (s.optimizer.take(), s.scheduler.take(), s.native.take()));
+            .map(|mut s| (s.optimizer.take(), s.scheduler.take()));
         drop(taken);
     }
 }

@@ -387,7 +387,7 @@ impl PyNativeSchedule {
     /// `max_iter` once, sets `param_groups[i]["lr"] = base_lrs[i] * multiplier` for every
     /// group, and returns the new LRs (what torch keeps as `_last_lr`). Nothing is written
     /// when any argument is bad.
-    pub fn step_lrs<'py>(
+    fn step_lrs<'py>(
         &self,
         param_groups: &Bound<'py, PyAny>,
         base_lrs: &Bound<'py, PyAny>,

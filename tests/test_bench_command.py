@@ -132,12 +132,19 @@ def _check_mlp_rows(rows: List[dict], table: List[str]) -> None:
         assert row["target"] == f"≥ {target:g}"
         assert row["met"] == (row["hookloop"]["median"] >= target)
         assert _finite(row["hookloop"]) and _finite(row["reference"]), row
+        lo, hi = row["hookloop"]["ci95"]
+        assert lo <= hi and row["settled"] == (not lo < target < hi)
     # the two floors: the hand-written loops' steps/s
     assert _finite(mlp[0]["bare"]) and _finite(mlp[2]["bare"])
     lines = [line for line in table if line.startswith("| mlp |")]
     for line, row in zip(lines, mlp):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[-2:] == [row["target"], "yes" if row["met"] else "**no**"]
+        verdict = ("yes" if row["met"] else "**no**") + (
+            "" if row["settled"] else ", interval spans it"
+        )
+        assert cells[-2:] == [row["target"], verdict]
+        lo, hi = row["hookloop"]["ci95"]
+        assert f"({lo:.3f}–{hi:.3f})" in line
 
 
 def test_native_schedule_gives_multistep_lrs(tmp_path: Path) -> None:

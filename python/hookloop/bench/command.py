@@ -151,10 +151,12 @@ class Sizes:
 @dataclass
 class Figure:
     """The median over repetitions and the best repetition (the lowest cost, or the highest
-    throughput)."""
+    throughput); for the paired tiny-MLP ratios also a 95% interval of the median (over the
+    processes and the rounds: ``paired.ratio_ci``)."""
 
     median: float
     best: float
+    ci95: Optional[Tuple[float, float]] = None
 
     @classmethod
     def cost(cls, values: Sequence[float]) -> Figure:
@@ -190,6 +192,16 @@ class Row:
         return hl.median <= self.target_value
 
     @property
+    def settled(self) -> Optional[bool]:
+        """Whether hookloop's 95% interval lies wholly on one side of ``target_value`` (None
+        without an interval or a target)."""
+        hl = self.figures.get("hl")
+        if self.target_value is None or hl is None or hl.ci95 is None:
+            return None
+        lo, hi = hl.ci95
+        return not lo < self.target_value < hi
+
+    @property
     def ratio(self) -> Optional[float]:
         """reference / hookloop, for costs of at least one unit (under one, hookloop's figure
         is noise and so would the ratio be)."""
@@ -215,6 +227,7 @@ class Row:
         d["target"] = self.target
         d["target_value"] = self.target_value
         d["met"] = self.met
+        d["settled"] = self.settled
         return d
 
 
@@ -229,11 +242,22 @@ def _fmt(x: float) -> str:
 
 
 def _cell(fig: Optional[Figure]) -> str:
-    return "—" if fig is None else f"{_fmt(fig.median)} ({_fmt(fig.best)})"
+    if fig is None:
+        return "—"
+    if fig.ci95 is not None:
+        lo, hi = fig.ci95
+        return f"{fig.median:.3f} ({lo:.3f}–{hi:.3f})"
+    return f"{_fmt(fig.median)} ({_fmt(fig.best)})"
+
+
+def _met(row: Row) -> str:
+    verdict = {None: "", True: "yes", False: "**no**"}[row.met]
+    return verdict + (", interval spans it" if row.settled is False else "")
 
 
 def format_table(rows: Sequence[Row], engines: Sequence[str]) -> str:
-    """A markdown table: median (best) per column."""
+    """A markdown table: median (best) per column, or median (95% interval) for the paired
+    ratios."""
     heads = ["section", "measurement", "unit", "bare loop"] + [COLUMNS[e] for e in engines]
     heads += ["ref/hookloop", "n × repeats", "target", "met"]
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -241,7 +265,7 @@ def format_table(rows: Sequence[Row], engines: Sequence[str]) -> str:
         cells = [r.section, r.what + (f" — {r.note}" if r.note else ""), r.unit, _cell(r.bare)]
         cells += [_cell(r.figures.get(e)) for e in engines]
         cells += ["—" if r.ratio is None else f"{r.ratio:,.1f}×", r.n, r.target]
-        cells.append({None: "", True: "yes", False: "**no**"}[r.met])
+        cells.append(_met(r))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -386,7 +410,8 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any) -> List[Row]:
         for e in engines:
             v = paired.Variant(e, hooks)
             if v in res:
-                out[e] = Figure.throughput(paired.ratios(res, floor, v))
+                r = paired.ratios(res, floor, v)
+                out[e] = Figure(statistics.median(r), max(r), paired.ratio_ci(res, floor, v))
         return out
 
     def steps_per_s(floor: Any) -> Figure:
@@ -693,10 +718,13 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     print()
     judged = [r.met for r in rows if r.met is not None]
     if judged:
-        print(f"targets (hookloop's median): {sum(judged)} of {len(judged)} met")
+        open_ = sum(r.settled is False for r in rows)
+        spans = f"; {open_} of them with an interval that spans the target" if open_ else ""
+        print(f"targets (hookloop's median): {sum(judged)} of {len(judged)} met{spans}")
     print(
         f"total: {info['seconds']} s. Medians over interleaved repetitions (best in "
-        "parentheses); costs over a floor and steps/s ratios are formed within each "
+        "parentheses; for the tiny MLP's ratios, the 95% interval over its processes and "
+        "rounds); costs over a floor and steps/s ratios are formed within each "
         "repetition; ref/hookloop is the ratio of the two medians. Figures from a busy "
         "machine are noisy: rerun before quoting one."
     )

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import logging
 import operator
@@ -68,7 +67,9 @@ def _counted(f: Callable[..., object], *args: object) -> None:
 
 def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
     """Runs each loop for each length inside :func:`_counted` (after 5 uncounted warm-up steps
-    on the same model, or for a trainer on a trainer of its own), in order."""
+    of the same loop on a model of their own), in order: the hand loops as
+    ``tiny_mlp.time_hand`` runs them, the trainers' ``train()``. Building the model counts in
+    both runs of a loop, and so cancels out."""
     import torch
     from hookloop.bench import overhead, tiny_mlp
 
@@ -81,14 +82,9 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
             for loop in loops:
                 for n in lengths:
                     if loop in ("hand", "book"):
-                        model, opt, sched = tiny_mlp.build(dev)
-                        data = itertools.cycle(batches)
-                        if loop == "hand":
-                            tiny_mlp.hand_loop(model, opt, data, 5)
-                            _counted(tiny_mlp.hand_loop, model, opt, data, n)
-                        else:
-                            tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, 5)
-                            _counted(tiny_mlp.hand_loop_bookkeeping, model, opt, sched, data, n)
+                        book = loop == "book"
+                        tiny_mlp.time_hand(dev, batches, 5, False, book)
+                        _counted(tiny_mlp.time_hand, dev, batches, n, False, book)
                     else:
                         warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks=loop)
                         warm.train(0, 5)

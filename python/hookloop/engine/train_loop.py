@@ -1009,11 +1009,9 @@ class SimpleTrainer(TrainerBase):
             (entries, copy.values()) for entries, copy in in_flight
         ]
         if pending:
-            # The first loss on the CPU (every settle of a CPU run): the core reads them all,
-            # with no scan for device tensors (a stray one is still read, with item()).
-            first = next(iter(pending[0][2].values()), None)
-            on_device = isinstance(first, torch.Tensor) and not first.is_cpu
-            tensors = _losses_if(pending, _off_cpu) if on_device else None
+            # The first loss on the CPU (every settle of a CPU run): _losses_if stops there and
+            # the core reads them all (a stray device tensor is still read, with item()).
+            tensors = _losses_if(pending, _off_cpu)
             batches.append((pending, _read_all(tensors) if tensors else None))
         try:
             for entries, values in batches:

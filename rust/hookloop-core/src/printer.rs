@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use crate::pyfmt::{format_f, format_g, timedelta_str};
-use crate::storage::{windowed_median, Storage};
+use crate::storage::Storage;
 use crate::Result;
 
 /// State of one printer: its configuration and the wall-clock fallback for the ETA.
@@ -91,7 +91,7 @@ impl Printer {
             if !is_loss && !is_metric {
                 continue;
             }
-            let item = format!("{name}: {}", format_g(windowed_median(&s.history, w)?, 4));
+            let item = format!("{name}: {}", format_g(s.history.windowed_median(w)?, 4));
             if is_loss {
                 losses.push(item.clone());
             }
@@ -146,7 +146,7 @@ impl Printer {
         // In i128: the difference of two i64s can overflow them.
         let remaining = (i128::from(max_iter) - i128::from(iteration) - 1) as f64;
         if let Ok(time) = storage.history_mut("time") {
-            // Tracked: the last 1,000 times stay sorted as they are put (see median_tracked).
+            // A sorted copy of the last 1,000 times, brought up to date here (median_tracked).
             let eta_seconds = time.median_tracked(1000)? * remaining;
             storage.put_scalar("eta_seconds", eta_seconds, false, None)?;
             // int() of a NaN/inf ETA would raise in detectron2; leave the field out instead.

@@ -315,7 +315,7 @@ impl Storage {
                 continue;
             }
             let value = if s.smoothing_hint {
-                windowed_median(&s.history, window_size)?
+                s.history.windowed_median(window_size)?
             } else {
                 s.latest.0
             };
@@ -416,12 +416,6 @@ impl Storage {
         self.max_length = state.max_length;
         Ok(())
     }
-}
-
-/// Median over the entries of the last `window_size` iterations (at least one entry): the
-/// value detectron2's writers and printer show for a smoothed scalar.
-pub fn windowed_median(history: &History, window_size: i64) -> Result<f64> {
-    history.windowed_median(window_size)
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@ per step, free of the machine's noise.
     python benches/bench_mlp_instructions.py --cache-sim   # with simulated cache misses, ~15 min
 
 Each loop (the hand-written loops and hookloop's trainer with no hooks, the default stack, the
-stack on the native schedule) runs twice, for ``--short`` and ``--long`` steps, under
+stack on the native schedule, the default stack at period 1 with all three writers and with each
+alone) runs twice, for ``--short`` and ``--long`` steps, under
 valgrind's callgrind, which counts only inside those runs; the difference of the two counts over
 the difference of their steps is the loop's instructions per step, with the fixed costs
 (building the trainer, before_train, the last write) cancelled out. Only the training thread
@@ -47,6 +48,24 @@ LOOPS = {
     "none": "SimpleTrainer, no hooks",
     "stack": "default stack (MultiStepLR)",
     "native": "default stack, native schedule",
+    "stack1": "default stack at period 1 (MultiStepLR)",
+    "printer1": "… at period 1, CommonMetricPrinter only",
+    "json1": "… at period 1, JSONWriter only",
+    "tb1": "… at period 1, TensorboardXWriter only",
+}
+
+# overhead.ALL_WRITERS (that module imports torch, which the parent never does)
+ALL_WRITERS = ("printer", "json", "tb")
+
+# The trainers' loops: tiny_mlp.make_trainer's hooks, the writers' period, which writers.
+TRAINERS = {
+    "none": ("none", 20, ALL_WRITERS),
+    "stack": ("stack", 20, ALL_WRITERS),
+    "native": ("native", 20, ALL_WRITERS),
+    "stack1": ("stack", 1, ALL_WRITERS),
+    "printer1": ("stack", 1, ("printer",)),
+    "json1": ("stack", 1, ("json",)),
+    "tb1": ("stack", 1, ("tb",)),
 }
 
 # callgrind counts inside calls of this C function only: each loop runs under operator.call
@@ -86,9 +105,11 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
                         tiny_mlp.time_hand(dev, batches, 5, False, book)
                         _counted(tiny_mlp.time_hand, dev, batches, n, False, book)
                     else:
-                        warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks=loop)
+                        hooks, period, writers = TRAINERS[loop]
+                        kw = dict(hooks=hooks, period=period, writers=writers)
+                        warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, **kw)
                         warm.train(0, 5)
-                        t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, hooks=loop)
+                        t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, **kw)
                         _counted(t.train, 0, n)
                     print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:

@@ -549,12 +549,24 @@ fn from_order_key(k: u64) -> f64 {
 
 /// `numpy.median` of `a` followed by `b`: NaN if any value is NaN or there are none.
 pub fn median_of(a: &[f64], b: &[f64]) -> f64 {
-    let mut keys: Vec<u64> = Vec::with_capacity(a.len() + b.len());
-    for &v in a.iter().chain(b) {
+    // The writers' windows (20 by default) fit on the stack: no allocation per median.
+    const ON_STACK: usize = 64;
+    let n = a.len() + b.len();
+    if n <= ON_STACK {
+        let mut keys = [0u64; ON_STACK];
+        median_in(a, b, &mut keys[..n])
+    } else {
+        median_in(a, b, &mut vec![0u64; n])
+    }
+}
+
+/// [`median_of`] with `keys` (as long as `a` and `b` together) as its scratch space.
+fn median_in(a: &[f64], b: &[f64], keys: &mut [u64]) -> f64 {
+    for (k, &v) in keys.iter_mut().zip(a.iter().chain(b)) {
         if v.is_nan() {
             return f64::NAN;
         }
-        keys.push(order_key(v));
+        *k = order_key(v);
     }
     let n = keys.len();
     if n == 0 {
@@ -648,6 +660,31 @@ mod tests {
         assert_eq!(h.median(2).unwrap(), 6.5);
         h.update(f64::NAN, None);
         assert!(h.median(3).unwrap().is_nan());
+    }
+
+    #[test]
+    fn median_of_on_the_stack_and_on_the_heap_equals_a_sorted_median() {
+        // 64 values fit the stack buffer, 65 do not: both sides of it, split over a and b.
+        let sorted_median = |v: &[f64]| {
+            let mut s = v.to_vec();
+            s.sort_by(f64::total_cmp);
+            let n = s.len();
+            if n % 2 == 1 {
+                s[n / 2]
+            } else {
+                (s[n / 2 - 1] + s[n / 2]) / 2.0
+            }
+        };
+        for n in [1usize, 2, 20, 63, 64, 65, 200] {
+            let v: Vec<f64> = (0..n).map(|i| ((i * 37) % 101) as f64 - 50.5).collect();
+            let (a, b) = v.split_at(n / 3);
+            assert_eq!(median_of(a, b), sorted_median(&v), "n = {n}");
+            let mut with_nan = v.clone();
+            with_nan[n - 1] = f64::NAN;
+            let (a, b) = with_nan.split_at(n / 3);
+            assert!(median_of(a, b).is_nan(), "n = {n}");
+        }
+        assert!(median_of(&[], &[]).is_nan());
     }
 
     #[test]

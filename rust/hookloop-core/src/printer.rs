@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::pyfmt::{format_f, format_g, timedelta_str};
+use crate::pyfmt::{push_f, push_g, timedelta_str};
 use crate::storage::Storage;
 use crate::Result;
 
@@ -78,27 +78,10 @@ impl Printer {
             Err(_) => (None, None),
         };
         let lr = match storage.scalar("lr") {
-            Ok(s) => format_g(s.history.latest()?, 5),
-            Err(_) => "N/A".to_owned(),
+            Ok(s) => Some(s.history.latest()?),
+            Err(_) => None,
         };
         let eta = self.eta(storage, now)?;
-
-        let mut losses = Vec::new();
-        let mut metrics = Vec::new();
-        for (name, s) in storage.scalars() {
-            let is_loss = name.contains("loss");
-            let is_metric = name.contains("[metric]");
-            if !is_loss && !is_metric {
-                continue;
-            }
-            let item = format!("{name}: {}", format_g(s.history.windowed_median(w)?, 4));
-            if is_loss {
-                losses.push(item.clone());
-            }
-            if is_metric {
-                metrics.push(item);
-            }
-        }
 
         let mut line = String::with_capacity(256);
         line.push(' ');
@@ -115,22 +98,47 @@ impl Printer {
             let epoch = (i128::from(iteration) / per_epoch + 1).clamp(1, e);
             let _ = write!(line, "epoch: {epoch}/{epochs}  ");
         }
-        let _ = write!(line, "{}  {}  ", losses.join("  "), metrics.join("  "));
-        if let Some(t) = avg_time {
-            let _ = write!(line, "time: {}  ", format_f(t, 4));
+        // detectron2: "  ".join(losses), "  ", "  ".join(metrics), "  ", each item
+        // `name: {median:.4g}`; a name with both "loss" and "[metric]" is in both.
+        for pattern in ["loss", "[metric]"] {
+            let mut first = true;
+            for (name, s) in storage.scalars() {
+                if !name.contains(pattern) {
+                    continue;
+                }
+                if !first {
+                    line.push_str("  ");
+                }
+                first = false;
+                line.push_str(name);
+                line.push_str(": ");
+                push_g(&mut line, s.history.windowed_median(w)?, 4);
+            }
+            line.push_str("  ");
         }
-        if let Some(t) = last_time {
-            let _ = write!(line, "last_time: {}  ", format_f(t, 4));
+        let times = [
+            ("time: ", avg_time),
+            ("last_time: ", last_time),
+            ("data_time: ", avg_data_time),
+            ("last_data_time: ", last_data_time),
+        ];
+        for (label, t) in times {
+            if let Some(t) = t {
+                line.push_str(label);
+                push_f(&mut line, t, 4);
+                line.push_str("  ");
+            }
         }
-        if let Some(t) = avg_data_time {
-            let _ = write!(line, "data_time: {}  ", format_f(t, 4));
+        line.push_str(" lr: ");
+        match lr {
+            Some(lr) => push_g(&mut line, lr, 5),
+            None => line.push_str("N/A"),
         }
-        if let Some(t) = last_data_time {
-            let _ = write!(line, "last_data_time: {}  ", format_f(t, 4));
-        }
-        let _ = write!(line, " lr: {lr}  ");
+        line.push_str("  ");
         if let Some(mb) = max_mem_mb {
-            let _ = write!(line, "max_mem: {}M", format_f(mb, 0));
+            line.push_str("max_mem: ");
+            push_f(&mut line, mb, 0);
+            line.push('M');
         }
         Ok(Some(line))
     }

@@ -21,8 +21,8 @@ const MAX_FRACTION_DIGITS: usize = 1074;
 /// Most significant digits in the exact decimal expansion of a double (767, rounded up).
 const MAX_SIGNIFICANT_DIGITS: usize = 800;
 
-/// Decimal digits and exponent of a non-negative finite float, as parsed from std's
-/// `{:e}` output: the value is `d1.d2d3... × 10^exp`.
+/// Decimal digits and exponent of a non-negative finite float: the value is
+/// `d1.d2d3... × 10^exp`.
 struct Sci {
     /// ASCII digits, no sign, no point; never empty.
     digits: String,
@@ -31,21 +31,6 @@ struct Sci {
 }
 
 impl Sci {
-    /// Splits std's scientific form (`"1.2345e-5"`, `"0e0"`) of a non-negative number.
-    fn parse(s: &str) -> Sci {
-        let (mantissa, exp_text) = s.split_once('e').unwrap_or((s, "0"));
-        let digits: String = mantissa.chars().filter(|c| c.is_ascii_digit()).collect();
-        // std always writes a plain decimal exponent; a failed parse cannot happen, and 0
-        // keeps this total rather than panicking.
-        let exp = exp_text.parse::<i32>().unwrap_or(0);
-        let digits = if digits.is_empty() {
-            "0".to_owned()
-        } else {
-            digits
-        };
-        Sci { digits, exp }
-    }
-
     /// Drops trailing zeros, keeping at least one digit (dtoa's digit strings never end in
     /// zero, and `format_float_short` only pads them back for `repr`'s `.0` or `#`).
     fn strip_trailing_zeros(&mut self) {
@@ -153,33 +138,94 @@ pub fn write_repr_f64(out: &mut String, x: f64) {
 /// least `precision`, trailing zeros and a bare trailing point removed; `nan`, `inf`,
 /// `-inf`, and `-0` for negative zero.
 pub fn format_g(x: f64, precision: usize) -> String {
+    let mut out = String::new();
+    push_g(&mut out, x, precision);
+    out
+}
+
+/// [`format_g`], appended to `out`, with no allocation of its own (the printer's line is
+/// built this way: a write formats a dozen numbers).
+pub fn push_g(out: &mut String, x: f64, precision: usize) {
     if x.is_nan() {
-        return "nan".to_owned();
+        out.push_str("nan");
+        return;
     }
     if x.is_infinite() {
-        return if x < 0.0 { "-inf" } else { "inf" }.to_owned();
+        out.push_str(if x < 0.0 { "-inf" } else { "inf" });
+        return;
     }
     let precision = precision.max(1);
     // A double has at most 767 significant decimal digits, so rounding at more than that
     // changes nothing once trailing zeros are stripped; the cap keeps std's formatting
     // precision in range (it panics above u16::MAX). The layout still uses `precision`.
     let digit_precision = precision.min(MAX_SIGNIFICANT_DIGITS);
-    let mut out = String::new();
     if x.is_sign_negative() {
         out.push('-');
     }
     // Rounding first, then choosing the layout from the rounded exponent, is what makes
     // 9999.5 with .4g come out as 1e+04.
-    let mut sci = Sci::parse(&format!("{:.*e}", digit_precision - 1, x.abs()));
-    sci.strip_trailing_zeros();
-    let decpt = sci.decpt();
+    let mut text = StackText::new();
+    let _ = write!(text, "{:.*e}", digit_precision - 1, x.abs());
+    let (digits, exp) = text.split_scientific();
+    let digits = digits.trim_end_matches('0');
+    let digits = if digits.is_empty() { "0" } else { digits };
+    let decpt = exp + 1;
     let use_exp = decpt <= -4 || usize::try_from(decpt).is_ok_and(|d| d > precision);
     if use_exp {
-        push_exponent_form(&mut out, &sci.digits, sci.exp);
+        push_exponent_form(out, digits, exp);
     } else {
-        push_fixed(&mut out, &sci.digits, decpt, false);
+        push_fixed(out, digits, decpt, false);
     }
-    out
+}
+
+/// Room for std's `{:.799e}` of any double (`d.` + 799 digits + `e-324`), the longest
+/// scientific form [`push_g`] asks for.
+const STACK_TEXT: usize = MAX_SIGNIFICANT_DIGITS + 32;
+
+/// A buffer on the stack that std's formatting writes into (what [`push_g`] formats into
+/// before laying the digits out), instead of a `String` per number.
+struct StackText {
+    buf: [u8; STACK_TEXT],
+    len: usize,
+}
+
+impl StackText {
+    fn new() -> StackText {
+        StackText {
+            buf: [0; STACK_TEXT],
+            len: 0,
+        }
+    }
+
+    /// Splits std's scientific form of a non-negative number (`"1.2345e-5"`, `"0e0"`) into
+    /// its digits (the point taken out, in place) and the exponent of the first digit.
+    fn split_scientific(&mut self) -> (&str, i32) {
+        let text = &self.buf[..self.len];
+        let e = text.iter().rposition(|&b| b == b'e').unwrap_or(text.len());
+        // std always writes a plain decimal exponent; a failed parse cannot happen, and 0
+        // keeps this total rather than panicking.
+        let exp = std::str::from_utf8(&text[(e + 1).min(text.len())..])
+            .ok()
+            .and_then(|t| t.parse::<i32>().ok())
+            .unwrap_or(0);
+        let mut end = e;
+        if e > 1 && self.buf[1] == b'.' {
+            self.buf.copy_within(2..e, 1);
+            end = e - 1;
+        }
+        // Only ASCII digits are left in buf[..end].
+        (std::str::from_utf8(&self.buf[..end]).unwrap_or("0"), exp)
+    }
+}
+
+impl std::fmt::Write for StackText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let dest = self.buf.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        dest.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
 }
 
 /// Python's `format(x, f".{precision}f")`: fixed notation, correctly rounded with exact
@@ -187,19 +233,26 @@ pub fn format_g(x: f64, precision: usize) -> String {
 /// is 0, the sign kept for negative zero and for negatives that round to zero (`-0.00`);
 /// `nan`, `inf`, `-inf`.
 pub fn format_f(x: f64, precision: usize) -> String {
+    let mut out = String::new();
+    push_f(&mut out, x, precision);
+    out
+}
+
+/// [`format_f`], appended to `out`.
+pub fn push_f(out: &mut String, x: f64, precision: usize) {
     if x.is_nan() {
         // std would write "NaN"; Python writes "nan" whatever the sign bit.
-        return "nan".to_owned();
+        out.push_str("nan");
+        return;
     }
     // std already matches Python here: "inf"/"-inf", and "-0.0000" for negative zero.
     // Past 1074 places every double's expansion is exact, so the rest is zeros; padding by
     // hand keeps std's formatting precision in range (it panics above u16::MAX).
     let exact = precision.min(MAX_FRACTION_DIGITS);
-    let mut out = format!("{x:.exact$}");
+    let _ = write!(out, "{x:.exact$}");
     if x.is_finite() {
         out.extend(std::iter::repeat('0').take(precision - exact));
     }
-    out
 }
 
 /// `str(datetime.timedelta(seconds=seconds))`: `H:MM:SS` with unpadded hours, preceded by
@@ -802,6 +855,25 @@ mod tests {
     fn format_g_matches_python() {
         for &(x, p, want) in G_CASES {
             assert_eq!(format_g(x, p), want, "format({x:e}, '.{p}g')");
+        }
+    }
+
+    #[test]
+    fn push_g_and_push_f_append_what_format_g_and_format_f_return() {
+        let mut line = String::from("loss: ");
+        push_g(&mut line, 0.123456, 4);
+        line.push_str("  time: ");
+        push_f(&mut line, 0.25, 4);
+        line.push_str("  big: ");
+        push_g(&mut line, 5e-324, 70_000);
+        assert_eq!(
+            line,
+            format!("loss: 0.1235  time: 0.2500  big: {}", format_g(5e-324, 70_000))
+        );
+        for &(x, p, want) in G_CASES {
+            let mut s = String::from("x");
+            push_g(&mut s, x, p);
+            assert_eq!(s, format!("x{want}"));
         }
     }
 

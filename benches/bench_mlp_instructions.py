@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 LOOPS = {
     "hand": "hand-written loop (model calls only)",
@@ -106,10 +106,10 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
                         _counted(tiny_mlp.time_hand, dev, batches, n, False, book)
                     else:
                         hooks, period, writers = TRAINERS[loop]
-                        kw = dict(hooks=hooks, period=period, writers=writers)
-                        warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, **kw)
+                        kw: Dict[str, Any] = dict(period=period, writers=writers)
+                        warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks, **kw)
                         warm.train(0, 5)
-                        t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, **kw)
+                        t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, hooks, **kw)
                         _counted(t.train, 0, n)
                     print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:

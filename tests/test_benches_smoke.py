@@ -157,3 +157,25 @@ def test_instruction_bench_per_step_is_the_difference_over_the_steps_between(
         instructions.main(["--loops", "bogus"])
     with pytest.raises(SystemExit):
         instructions.main(["--short", "5", "--long", "5"])
+
+
+def test_writers_instruction_bench_child_counts_each_piece_once_per_iteration() -> None:
+    # natively (no valgrind), each piece in a process of its own as the bench runs it; the
+    # child exits non-zero when the piece it wraps was not called once per iteration
+    import subprocess
+
+    script = str(BENCHES / "bench_writers_instructions.py")
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_writers_instructions as writers
+    finally:
+        sys.path.remove(str(BENCHES))
+    for piece in writers.PIECES:
+        done = subprocess.run(
+            [sys.executable, script, "--child", piece, "--long", "5"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (piece, done.stderr[-2000:])
+    for bad in (["--pieces", "bogus"], ["--short", "5", "--long", "5"]):
+        with pytest.raises(SystemExit):
+            writers.main(bad)

@@ -1,7 +1,7 @@
 """The tiny MLP of issue 11, counted in CPU instructions instead of timed: what each loop does
 per step, free of the machine's noise.
 
-    python benches/bench_mlp_instructions.py               # ~6 min (torch's import under valgrind)
+    python benches/bench_mlp_instructions.py               # ~9 min (torch's import under valgrind)
     python benches/bench_mlp_instructions.py --cache-sim   # with simulated cache misses, ~15 min
 
 Each loop (the hand-written loops and hookloop's trainer with no hooks, the default stack, the

@@ -210,6 +210,27 @@ mod tests {
     }
 
     #[test]
+    fn a_name_with_loss_and_metric_is_in_both_lists_in_put_order() {
+        let mut s = storage();
+        s.set_iter(3).unwrap();
+        for (name, v) in [
+            ("[metric]acc", 0.5),
+            ("[metric]loss_x", 0.25),
+            ("loss_y", 2.0),
+        ] {
+            s.put_scalar(name, v, true, None).unwrap();
+        }
+        let mut p = Printer::new(None, 20, None).unwrap();
+        assert_eq!(
+            p.format(&mut s, None, 0.0, None).unwrap().unwrap(),
+            concat!(
+                " iter: 3  [metric]loss_x: 0.25  loss_y: 2  ",
+                "[metric]acc: 0.5  [metric]loss_x: 0.25   lr: N/A  "
+            )
+        );
+    }
+
+    #[test]
     fn minimal_line_and_end_of_training() {
         let mut s = storage();
         s.set_iter(5).unwrap();

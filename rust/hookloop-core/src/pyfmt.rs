@@ -868,7 +868,10 @@ mod tests {
         push_g(&mut line, 5e-324, 70_000);
         assert_eq!(
             line,
-            format!("loss: 0.1235  time: 0.2500  big: {}", format_g(5e-324, 70_000))
+            format!(
+                "loss: 0.1235  time: 0.2500  big: {}",
+                format_g(5e-324, 70_000)
+            )
         );
         for &(x, p, want) in G_CASES {
             let mut s = String::from("x");

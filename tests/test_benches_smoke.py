@@ -136,6 +136,25 @@ def test_instruction_bench_child_runs_every_loop_for_each_length(
     assert done == [f"{loop} {n} done" for loop in instructions.LOOPS for n in (2, 3)]
 
 
+def test_instruction_bench_child_hands_every_printer_line_to_its_handler(
+    instructions: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # the counted loops include logging's record and handler for each line, as the timed
+    # benches do (a child that disabled INFO logging once left them out of every count)
+    import logging
+
+    records: List[logging.LogRecord] = []
+    monkeypatch.setattr(logging.NullHandler, "handle", lambda self, r: records.append(r))
+    root = logging.getLogger("hookloop")
+    monkeypatch.setattr(root, "level", root.level)  # the child sets it: restored after
+    assert instructions.main(["--child", "--loops", "stack1", "--short", "2", "--long", "3"]) == 0
+    lines = [r.getMessage() for r in records if r.name == "hookloop.utils.events"]
+    # period 1: a line per iteration, of a 5-step warm-up and the counted run for each length
+    assert len(lines) == (5 + 2) + (5 + 3) and all(" iter: " in line for line in lines)
+    assert not [r for r in records if r.name == "hookloop.engine.train_loop"]
+    capsys.readouterr()
+
+
 def test_instruction_bench_per_step_is_the_difference_over_the_steps_between(
     instructions: Any, tmp_path: Path
 ) -> None:

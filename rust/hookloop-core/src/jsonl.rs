@@ -64,15 +64,22 @@ pub fn json_metrics_line(iteration: Iter, scalars: &[(&str, f64)]) -> String {
 
 /// Groups smoothed scalars by iteration, in first-appearance order (as detectron2's dict).
 pub fn group_by_iteration(scalars: Vec<SmoothedScalar>) -> Vec<JsonRow> {
+    let n = scalars.len();
     let mut rows: Vec<JsonRow> = Vec::new();
-    for s in scalars {
+    for (k, s) in scalars.into_iter().enumerate() {
         let it = s.iter.as_f64();
         match rows.iter_mut().find(|r| r.iter.as_f64() == it) {
             Some(row) => row.scalars.push((s.name, s.value)),
-            None => rows.push(JsonRow {
-                iter: s.iter,
-                scalars: vec![(s.name, s.value)],
-            }),
+            None => {
+                // Room for every scalar still to come: one row per write is the common case,
+                // and then its vector never grows.
+                let mut row = Vec::with_capacity(n - k);
+                row.push((s.name, s.value));
+                rows.push(JsonRow {
+                    iter: s.iter,
+                    scalars: row,
+                });
+            }
         }
     }
     rows

@@ -198,3 +198,36 @@ def test_writers_instruction_bench_child_counts_each_piece_once_per_iteration() 
     for bad in (["--pieces", "bogus"], ["--short", "5", "--long", "5"]):
         with pytest.raises(SystemExit):
             writers.main(bad)
+
+
+def test_compare_builds_child_runs_both_loops_on_its_own_copy_of_the_tiny_mlp(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    import torch
+    from hookloop.bench import tiny_mlp
+
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_compare_builds as builds
+    finally:
+        sys.path.remove(str(BENCHES))
+    # the child's own copy of the model and data (for builds older than hookloop.bench)
+    model_cls, batches = builds.tiny_mlp()
+    ours = tiny_mlp.make_batches()
+    assert all(
+        torch.equal(a, b) for (x, y), (u, v) in zip(batches, ours) for a, b in ((x, u), (y, v))
+    )
+    torch.manual_seed(0)
+    theirs = model_cls()
+    mine, _, _ = tiny_mlp.build()
+    got, want = theirs(batches[0]), mine(batches[0])
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # natively (no valgrind): both loops for each length, in the order the dumps come
+    assert builds.main(["--child", "--period", "1", "--short", "2", "--long", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "hookloop from " in err
+    done = [line for line in err.splitlines() if line.endswith(" done")]
+    assert done == ["hand 2 done", "hand 3 done", "stack 2 done", "stack 3 done"]
+    for bad in (["--period", "0"], ["--against", "/nonexistent"]):
+        with pytest.raises(SystemExit):
+            builds.main(bad)

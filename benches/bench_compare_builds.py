@@ -1,0 +1,215 @@
+"""The tiny MLP's default stack against the hand loop, in instructions per step, for this
+checkout and for other builds of hookloop: what a change did, across any number of commits.
+
+    python benches/bench_compare_builds.py --period 1 --against /tmp/old/python   # ~5 min per build
+
+``--against`` names the ``python/`` directory of another checkout with its ``_core`` built in
+release (``git worktree add /tmp/old REV``, ``cargo build --release -p hookloop-py`` there, and
+``target/release/lib_core.so`` copied into ``/tmp/old/python/hookloop/`` under the extension's
+name). Each build runs in a process of its own under valgrind's callgrind, as
+``bench_mlp_instructions.py`` runs its loops: the hand-written loop and ``SimpleTrainer`` with
+IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
+``--period``), each for ``--short`` and ``--long`` steps inside ``operator.call``, the garbage
+collector off. The child uses only hookloop's public API and builds the tiny MLP itself, so
+that it runs against builds older than ``hookloop.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import logging
+import operator
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+LOOPS = ("hand", "stack")
+
+
+def tiny_mlp() -> Tuple[Any, List[Any]]:
+    """``hookloop.bench.tiny_mlp``'s model class and its batches (the same seeds, layers and
+    losses; a test checks that both give the same losses), rebuilt here for old builds."""
+    import torch
+    from torch import nn
+
+    class TinyMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def forward(self, batch: Any) -> Dict[str, Any]:
+            x, y = batch
+            pred = self.net(x)
+            err = pred - y
+            return {
+                "loss_mse": (err * err).mean(),
+                "loss_l1": err.abs().mean(),
+                "loss_huber": nn.functional.smooth_l1_loss(pred, y),
+                "loss_reg": 1e-4 * (pred * pred).mean(),
+            }
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 1, generator=g)
+    batches = []
+    for _ in range(64):
+        x = torch.randn(16, 32, generator=g)
+        batches.append((x, x @ w))
+    return TinyMLP, batches
+
+
+def child(period: int, lengths: Sequence[int]) -> None:
+    """Each loop for each length inside ``operator.call``, after 5 uncounted steps of its own."""
+    import hookloop
+    import torch
+    from hookloop.engine import SimpleTrainer, hooks
+    from hookloop.utils import events
+
+    print(f"hookloop from {os.path.dirname(hookloop.__file__)}", file=sys.stderr, flush=True)
+    torch.set_num_threads(1)
+    model_cls, batches = tiny_mlp()
+    tmp = tempfile.mkdtemp(prefix="hookloop-builds-")
+
+    def build() -> Tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        model = model_cls()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[10**9], gamma=0.1)
+        return model, opt, sched
+
+    def hand(n: int) -> Callable[[], None]:
+        model, opt, _ = build()
+        data = itertools.cycle(batches)
+
+        def loop() -> None:
+            model.train()
+            for _ in range(n):
+                loss_dict = model(next(data))
+                losses = sum(loss_dict.values())
+                opt.zero_grad()
+                losses.backward()
+                opt.step()
+
+        return loop
+
+    def stack(n: int) -> Callable[[], None]:
+        model, opt, sched = build()
+        trainer = SimpleTrainer(model, itertools.cycle(batches), opt)
+        d = tempfile.mkdtemp(dir=tmp)
+        writers = [
+            events.CommonMetricPrinter(n),
+            events.JSONWriter(os.path.join(d, "metrics.json")),
+            events.TensorboardXWriter(d),
+        ]
+        stack = [hooks.IterationTimer(), hooks.LRScheduler(opt, sched)]
+        trainer.register_hooks([*stack, hooks.PeriodicWriter(writers, period)])
+        return lambda: trainer.train(0, n)
+
+    # The printer's lines are built and handed to a handler that drops them (as
+    # overhead.printer_logging sets it up); the rest of hookloop's logging stays quiet.
+    log = logging.getLogger("hookloop.utils.events")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(logging.NullHandler())
+    logging.getLogger("hookloop").setLevel(logging.WARNING)
+    makes = {"hand": hand, "stack": stack}
+    try:
+        for loop in LOOPS:
+            for n in lengths:
+                makes[loop](5)()
+                f = makes[loop](n)
+                gc.collect()
+                gc.disable()
+                try:
+                    operator.call(f)
+                finally:
+                    gc.enable()
+                print(f"{loop} {n} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def count(
+    python_path: Optional[str], args: argparse.Namespace, valgrind: str
+) -> Tuple[str, Dict[str, float]]:
+    """Where the child found hookloop, and the instructions per step of each loop, for the
+    hookloop found on ``python_path`` (this checkout's when None)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_mlp_instructions import TOGGLE, parse_counts, per_step
+
+    out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
+    base = os.path.join(out_dir, "cg.out")
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    if python_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([python_path, env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+    cmd = [
+        valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={TOGGLE}",
+        f"--dump-after={TOGGLE}", f"--callgrind-out-file={base}",
+        sys.executable, os.path.abspath(__file__), "--child", "--period", str(args.period),
+        "--short", str(args.short), "--long", str(args.long),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+        )
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr[-4000:])
+            raise SystemExit(f"the counted run failed (exit {done.returncode})")
+        dumps = sorted(
+            (f for f in os.listdir(out_dir) if re.fullmatch(r"cg\.out\.\d+", f)),
+            key=lambda f: int(f.rsplit(".", 1)[1]),
+        )
+        counts = [parse_counts(os.path.join(out_dir, f)) for f in dumps]
+        steps = per_step(counts, list(LOOPS), (args.short, args.long))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    found = re.search(r"hookloop from (.+)", done.stderr)
+    where = found.group(1).strip() if found else "?"
+    return where, {loop: row["Ir"] for loop, row in steps.items()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--against", action="append", default=[], metavar="PYTHON_DIR",
+                   help="another build's python/ directory (repeatable)")  # fmt: skip
+    p.add_argument("--period", type=int, default=20)
+    p.add_argument("--short", type=int, default=100)
+    p.add_argument("--long", type=int, default=600)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.period < 1:
+        p.error("--period must be positive")
+    if not 0 < args.short < args.long:
+        p.error("--short and --long must be positive, --short below --long")
+    if args.child:
+        child(args.period, (args.short, args.long))
+        return 0
+    for path in args.against:
+        if not os.path.isdir(os.path.join(path, "hookloop")):
+            p.error(f"--against {path}: no hookloop package there")
+    if not hasattr(operator, "call"):
+        p.error("needs Python 3.11 or later (operator.call marks what callgrind counts)")
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        p.error("needs valgrind (Debian: apt-get install valgrind)")
+    rows = []
+    for path in [None, *args.against]:
+        where, ir = count(path, args, valgrind)
+        rows.append((where, ir["hand"], ir["stack"] - ir["hand"]))
+        print(f"{where} done", file=sys.stderr, flush=True)
+    print(f"| hookloop | hand loop Ir/step | default stack (period {args.period}) over it |")
+    print("|---|---|---|")
+    for name, hand, over in rows:
+        print(f"| {name} | {hand:,.0f} | {over:+,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,7 @@ that it runs against builds older than ``hookloop.bench``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import logging
@@ -27,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 LOOPS = ("hand", "stack")
 
@@ -110,28 +111,43 @@ def child(period: int, lengths: Sequence[int]) -> None:
         trainer.register_hooks([*stack, hooks.PeriodicWriter(writers, period)])
         return lambda: trainer.train(0, n)
 
-    # The printer's lines are built and handed to a handler that drops them (as
-    # overhead.printer_logging sets it up); the rest of hookloop's logging stays quiet.
-    log = logging.getLogger("hookloop.utils.events")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    log.addHandler(logging.NullHandler())
-    logging.getLogger("hookloop").setLevel(logging.WARNING)
     makes = {"hand": hand, "stack": stack}
     try:
-        for loop in LOOPS:
-            for n in lengths:
-                makes[loop](5)()
-                f = makes[loop](n)
-                gc.collect()
-                gc.disable()
-                try:
-                    operator.call(f)
-                finally:
-                    gc.enable()
-                print(f"{loop} {n} done", file=sys.stderr, flush=True)
+        with _printer_logging():
+            for loop in LOOPS:
+                for n in lengths:
+                    makes[loop](5)()
+                    f = makes[loop](n)
+                    gc.collect()
+                    gc.disable()
+                    try:
+                        operator.call(f)
+                    finally:
+                        gc.enable()
+                    print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _printer_logging() -> Iterator[None]:
+    """The printer's lines built and handed to a handler that drops them, as
+    ``overhead.printer_logging`` sets it up (which old builds lack); the rest of hookloop's
+    logging quiet. Restored on exit."""
+    log, root = logging.getLogger("hookloop.utils.events"), logging.getLogger("hookloop")
+    saved = (log.level, log.propagate, root.level)
+    handler = logging.NullHandler()
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.propagate = saved[1]
+        log.setLevel(saved[0])  # setLevel also clears the loggers' cached levels
+        root.setLevel(saved[2])
 
 
 def count(

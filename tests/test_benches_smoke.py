@@ -146,8 +146,12 @@ def test_instruction_bench_child_hands_every_printer_line_to_its_handler(
     records: List[logging.LogRecord] = []
     monkeypatch.setattr(logging.NullHandler, "handle", lambda self, r: records.append(r))
     root = logging.getLogger("hookloop")
-    monkeypatch.setattr(root, "level", root.level)  # the child sets it: restored after
-    assert instructions.main(["--child", "--loops", "stack1", "--short", "2", "--long", "3"]) == 0
+    saved = root.level
+    try:
+        code = instructions.main(["--child", "--loops", "stack1", "--short", "2", "--long", "3"])
+    finally:
+        root.setLevel(saved)  # the child sets it; setLevel also clears loggers' cached levels
+    assert code == 0
     lines = [r.getMessage() for r in records if r.name == "hookloop.utils.events"]
     # period 1: a line per iteration, of a 5-step warm-up and the counted run for each length
     assert len(lines) == (5 + 2) + (5 + 3) and all(" iter: " in line for line in lines)
@@ -223,7 +227,14 @@ def test_compare_builds_child_runs_both_loops_on_its_own_copy_of_the_tiny_mlp(
     got, want = theirs(batches[0]), mine(batches[0])
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     # natively (no valgrind): both loops for each length, in the order the dumps come
+    import logging
+
+    events_log = logging.getLogger("hookloop.utils.events")
+    before = (logging.getLogger("hookloop").level, events_log.level, list(events_log.handlers))
     assert builds.main(["--child", "--period", "1", "--short", "2", "--long", "3"]) == 0
+    # and leaves logging as it found it
+    after = (logging.getLogger("hookloop").level, events_log.level, list(events_log.handlers))
+    assert after == before
     err = capsys.readouterr().err
     assert "hookloop from " in err
     done = [line for line in err.splitlines() if line.endswith(" done")]

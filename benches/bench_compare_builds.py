@@ -25,7 +25,6 @@ import operator
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -156,37 +155,23 @@ def count(
     """Where the child found hookloop, and the instructions per step of each loop, for the
     hookloop found on ``python_path`` (this checkout's when None)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_mlp_instructions import TOGGLE, parse_counts, per_step
+    from bench_mlp_instructions import parse_counts, per_step, run_counted
 
-    out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
-    base = os.path.join(out_dir, "cg.out")
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env = dict(os.environ)
     if python_path is not None:
         env["PYTHONPATH"] = os.pathsep.join([python_path, env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         )
-    cmd = [
-        valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={TOGGLE}",
-        f"--dump-after={TOGGLE}", f"--callgrind-out-file={base}",
-        sys.executable, os.path.abspath(__file__), "--child", "--period", str(args.period),
-        "--short", str(args.short), "--long", str(args.long),
-    ]  # fmt: skip
+    child_args = [os.path.abspath(__file__), "--child", "--period", str(args.period),
+                  "--short", str(args.short), "--long", str(args.long)]  # fmt: skip
+    out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
     try:
-        done = subprocess.run(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-        )
-        if done.returncode != 0:
-            sys.stderr.write(done.stderr[-4000:])
-            raise SystemExit(f"the counted run failed (exit {done.returncode})")
-        dumps = sorted(
-            (f for f in os.listdir(out_dir) if re.fullmatch(r"cg\.out\.\d+", f)),
-            key=lambda f: int(f.rsplit(".", 1)[1]),
-        )
-        counts = [parse_counts(os.path.join(out_dir, f)) for f in dumps]
+        dumps, stderr = run_counted(valgrind, out_dir, child_args, env=env)
+        counts = [parse_counts(f) for f in dumps]
         steps = per_step(counts, list(LOOPS), (args.short, args.long))
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    found = re.search(r"hookloop from (.+)", done.stderr)
+    found = re.search(r"hookloop from (.+)", stderr)
     where = found.group(1).strip() if found else "?"
     return where, {loop: row["Ir"] for loop, row in steps.items()}
 

@@ -131,6 +131,36 @@ def parse_counts(path: str) -> Dict[str, int]:
     return dict(zip(events, totals + [0] * (len(events) - len(totals))))
 
 
+def run_counted(
+    valgrind: str,
+    out_dir: str,
+    script_args: Sequence[str],
+    valgrind_args: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+) -> Tuple[List[str], str]:
+    """Runs ``python script_args...`` under callgrind, counting only inside ``operator.call``
+    with a dump into ``out_dir`` after each call; returns the dumps' paths in call order and
+    the child's stderr. Exits naming the failure when the child fails. The string-hash seed is
+    fixed: dict and set probing would otherwise differ from run to run."""
+    cmd = [
+        valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={TOGGLE}",
+        f"--dump-after={TOGGLE}", f"--callgrind-out-file={os.path.join(out_dir, 'cg.out')}",
+        *valgrind_args, sys.executable, *script_args,
+    ]  # fmt: skip
+    done = subprocess.run(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**(os.environ if env is None else env), "PYTHONHASHSEED": "0"},
+    )  # fmt: skip
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"the counted run failed (exit {done.returncode})")
+    dumps = sorted(
+        (f for f in os.listdir(out_dir) if re.fullmatch(r"cg\.out\.\d+", f)),
+        key=lambda f: int(f.rsplit(".", 1)[1]),
+    )
+    return [os.path.join(out_dir, f) for f in dumps], done.stderr
+
+
 def per_step(
     counts: Sequence[Dict[str, int]], loops: Sequence[str], lengths: Tuple[int, int]
 ) -> Dict[str, Dict[str, float]]:
@@ -203,28 +233,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if valgrind is None:
         p.error("needs valgrind (Debian: apt-get install valgrind)")
     out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
-    base = os.path.join(out_dir, "cg.out")
-    cmd = [
-        valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={TOGGLE}",
-        f"--dump-after={TOGGLE}", f"--callgrind-out-file={base}",
-        *(["--cache-sim=yes"] if args.cache_sim else []),
-        sys.executable, os.path.abspath(__file__), "--child", "--loops", ",".join(loops),
-        "--short", str(args.short), "--long", str(args.long),
-    ]  # fmt: skip
     print("running under callgrind (torch's import alone takes minutes) ...", file=sys.stderr)
-    # A fixed string-hash seed: dict and set probing would otherwise differ from run to run.
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    done = subprocess.run(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    child_args = [os.path.abspath(__file__), "--child", "--loops", ",".join(loops),
+                  "--short", str(args.short), "--long", str(args.long)]  # fmt: skip
+    dumps, _ = run_counted(
+        valgrind, out_dir, child_args, ["--cache-sim=yes"] if args.cache_sim else []
     )
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(f"the counted run failed (exit {done.returncode})")
-    dumps = sorted(
-        (f for f in os.listdir(out_dir) if re.fullmatch(r"cg\.out\.\d+", f)),
-        key=lambda f: int(f.rsplit(".", 1)[1]),
-    )
-    counts = [parse_counts(os.path.join(out_dir, f)) for f in dumps]
+    counts = [parse_counts(f) for f in dumps]
     steps = per_step(counts, loops, (args.short, args.long))
     events = list(next(iter(steps.values())))
     floor = steps.get("hand")
@@ -239,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for k, loop in enumerate(loops):
         if loop in ("hand", "book"):
             continue
-        own[loop] = own_functions(os.path.join(out_dir, dumps[2 * k + 1]), args.long)
+        own[loop] = own_functions(dumps[2 * k + 1], args.long)
         if own[loop]:
             print(f"\nhookloop's native functions in the run of {LOOPS[loop]!r}, Ir per step:")
             for name, ir in own[loop]:

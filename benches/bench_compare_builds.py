@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import itertools
 import logging
-import operator
 import os
 import re
 import shutil
 import sys
 import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+# The callgrind plumbing of the tiny MLP's instruction bench, beside this script (no torch).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mlp_instructions import (
+    callgrind_or_exit,
+    counted_call,
+    parse_counts,
+    per_step,
+    run_counted,
+)  # noqa: E402
 
 LOOPS = ("hand", "stack")
 
@@ -116,13 +124,7 @@ def child(period: int, lengths: Sequence[int]) -> None:
             for loop in LOOPS:
                 for n in lengths:
                     makes[loop](5)()
-                    f = makes[loop](n)
-                    gc.collect()
-                    gc.disable()
-                    try:
-                        operator.call(f)
-                    finally:
-                        gc.enable()
+                    counted_call(makes[loop](n))
                     print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -154,8 +156,6 @@ def count(
 ) -> Tuple[str, Dict[str, float]]:
     """Where the child found hookloop, and the instructions per step of each loop, for the
     hookloop found on ``python_path`` (this checkout's when None)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_mlp_instructions import parse_counts, per_step, run_counted
 
     env = dict(os.environ)
     if python_path is not None:
@@ -195,11 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for path in args.against:
         if not os.path.isdir(os.path.join(path, "hookloop")):
             p.error(f"--against {path}: no hookloop package there")
-    if not hasattr(operator, "call"):
-        p.error("needs Python 3.11 or later (operator.call marks what callgrind counts)")
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        p.error("needs valgrind (Debian: apt-get install valgrind)")
+    valgrind = callgrind_or_exit(p)
     rows = []
     for path in [None, *args.against]:
         where, ir = count(path, args, valgrind)

@@ -54,15 +54,13 @@ LOOPS = {
     "tb1": "… at period 1, TensorboardXWriter only",
 }
 
-# overhead.ALL_WRITERS (that module imports torch, which the parent never does)
-ALL_WRITERS = ("printer", "json", "tb")
-
-# The trainers' loops: tiny_mlp.make_trainer's hooks, the writers' period, which writers.
-TRAINERS = {
-    "none": ("none", 20, ALL_WRITERS),
-    "stack": ("stack", 20, ALL_WRITERS),
-    "native": ("native", 20, ALL_WRITERS),
-    "stack1": ("stack", 1, ALL_WRITERS),
+# The trainers' loops: tiny_mlp.make_trainer's hooks, the writers' period, which writers
+# (None: make_trainer's default, all three). The other loops are the hand-written ones.
+TRAINERS: Dict[str, Tuple[str, int, Optional[Tuple[str, ...]]]] = {
+    "none": ("none", 20, None),
+    "stack": ("stack", 20, None),
+    "native": ("native", 20, None),
+    "stack1": ("stack", 1, None),
     "printer1": ("stack", 1, ("printer",)),
     "json1": ("stack", 1, ("json",)),
     "tb1": ("stack", 1, ("tb",)),
@@ -72,7 +70,7 @@ TRAINERS = {
 TOGGLE = "_operator_call"
 
 
-def _counted(f: Callable[..., object], *args: object) -> None:
+def counted_call(f: Callable[..., object], *args: object) -> None:
     """``f(*args)`` inside ``operator.call`` (what callgrind counts), with Python's garbage
     collector off: a collection of the whole heap, which falls into one run and not another,
     would add thousands of instructions per step to one count."""
@@ -85,7 +83,7 @@ def _counted(f: Callable[..., object], *args: object) -> None:
 
 
 def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
-    """Runs each loop for each length inside :func:`_counted` (after 5 uncounted warm-up steps
+    """Runs each loop for each length inside :func:`counted_call` (after 5 uncounted warm-up steps
     of the same loop on a model of their own), in order: the hand loops as
     ``tiny_mlp.time_hand`` runs them, the trainers' ``train()``. Building the model counts in
     both runs of a loop, and so cancels out."""
@@ -100,17 +98,19 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
         with overhead.printer_logging():
             for loop in loops:
                 for n in lengths:
-                    if loop in ("hand", "book"):
+                    if loop not in TRAINERS:
                         book = loop == "book"
                         tiny_mlp.time_hand(dev, batches, 5, False, book)
-                        _counted(tiny_mlp.time_hand, dev, batches, n, False, book)
+                        counted_call(tiny_mlp.time_hand, dev, batches, n, False, book)
                     else:
                         hooks, period, writers = TRAINERS[loop]
-                        kw: Dict[str, Any] = dict(period=period, writers=writers)
+                        kw: Dict[str, Any] = dict(period=period)
+                        if writers is not None:
+                            kw["writers"] = writers
                         warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks, **kw)
                         warm.train(0, 5)
                         t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, hooks, **kw)
-                        _counted(t.train, 0, n)
+                        counted_call(t.train, 0, n)
                     print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,6 +129,17 @@ def parse_counts(path: str) -> Dict[str, int]:
     if not events or totals is None:
         raise ValueError(f"{path} is not a callgrind output file (no events or totals)")
     return dict(zip(events, totals + [0] * (len(events) - len(totals))))
+
+
+def callgrind_or_exit(p: argparse.ArgumentParser) -> str:
+    """valgrind's path, or ``p.error`` naming what is missing to count instructions (Python
+    3.11's ``operator.call``, which marks what callgrind counts, and valgrind itself)."""
+    if not hasattr(operator, "call"):
+        p.error("needs Python 3.11 or later (operator.call marks what callgrind counts)")
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        p.error("needs valgrind (Debian: apt-get install valgrind)")
+    return valgrind
 
 
 def run_counted(
@@ -227,11 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.getLogger("hookloop").setLevel(logging.WARNING)
         child(loops, (args.short, args.long))
         return 0
-    if not hasattr(operator, "call"):
-        p.error("needs Python 3.11 or later (operator.call marks what callgrind counts)")
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        p.error("needs valgrind (Debian: apt-get install valgrind)")
+    valgrind = callgrind_or_exit(p)
     out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
     print("running under callgrind (torch's import alone takes minutes) ...", file=sys.stderr)
     child_args = [os.path.abspath(__file__), "--child", "--loops", ",".join(loops),
@@ -252,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\n".join(lines))
     own: Dict[str, List[Tuple[str, float]]] = {}
     for k, loop in enumerate(loops):
-        if loop in ("hand", "book"):
+        if loop not in TRAINERS:
             continue
         own[loop] = own_functions(dumps[2 * k + 1], args.long)
         if own[loop]:

@@ -33,6 +33,10 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, Optional, Sequence
 
+# The callgrind plumbing of the tiny MLP's instruction bench, beside this script (no torch).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mlp_instructions import TOGGLE, callgrind_or_exit, parse_counts  # noqa: E402
+
 PIECES = {
     "put": "the iteration's puts (9 scalars, 3 calls)",
     "all": "the three writers' write()",
@@ -134,13 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [x for x in pieces if x not in PIECES]
     if bad:
         p.error(f"unknown piece(s) {bad}: choose from {', '.join(PIECES)}")
-    if not hasattr(operator, "call"):
-        p.error("needs Python 3.11 or later (operator.call marks what callgrind counts)")
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        p.error("needs valgrind (Debian: apt-get install valgrind)")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_mlp_instructions import TOGGLE, parse_counts
+    valgrind = callgrind_or_exit(p)
 
     out_dir = tempfile.mkdtemp(prefix="hookloop-callgrind-")
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # dict and set probing repeat from run to run

@@ -163,8 +163,10 @@ class Figure:
         return cls(statistics.median(values), min(values))
 
     @classmethod
-    def throughput(cls, values: Sequence[float]) -> Figure:
-        return cls(statistics.median(values), max(values))
+    def throughput(
+        cls, values: Sequence[float], ci95: Optional[Tuple[float, float]] = None
+    ) -> Figure:
+        return cls(statistics.median(values), max(values), ci95)
 
 
 @dataclass
@@ -410,8 +412,8 @@ def _mlp(s: Sizes, engines: Sequence[str], device: Any) -> List[Row]:
         for e in engines:
             v = paired.Variant(e, hooks)
             if v in res:
-                r = paired.ratios(res, floor, v)
-                out[e] = Figure(statistics.median(r), max(r), paired.ratio_ci(res, floor, v))
+                ci = paired.ratio_ci(res, floor, v)
+                out[e] = Figure.throughput(paired.ratios(res, floor, v), ci)
         return out
 
     def steps_per_s(floor: Any) -> Figure:

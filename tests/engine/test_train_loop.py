@@ -959,6 +959,36 @@ def test_deferred_and_per_step_metrics_store_the_same_values():
     assert runs[False] == runs[True]
 
 
+def test_deferred_losses_of_a_model_that_refills_one_dict_are_each_steps_own():
+    """A model may return the same dict object every step, refilled in its forward; the
+    deferred read must still store each step's losses, as the per-step read does."""
+
+    class Refills(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.losses = {}
+            self.steps = 0
+
+        def forward(self, data):
+            self.steps += 1
+            self.losses["loss_a"] = self.w * self.steps
+            self.losses["loss_b"] = self.w * (100 * self.steps)
+            return self.losses
+
+    runs = {}
+    for every_step in (False, True):
+        model = Refills()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        trainer = SimpleTrainer(model, loader(), opt, check_finite_every_step=every_step)
+        trainer.train(0, 5)
+        runs[every_step] = {
+            k: trainer.storage.history(k).values() for k in ("total_loss", "loss_a", "loss_b")
+        }
+    assert runs[False] == runs[True]
+    assert runs[False]["loss_a"] == [(float(i + 1), i) for i in range(5)]
+
+
 def test_a_hook_reading_the_storage_sees_this_steps_losses():
     seen = []
 

@@ -924,9 +924,10 @@ class SimpleTrainer(TrainerBase):
         iter = self.iter if iter is None else iter
         if (iter + 1) % self.gather_metric_period == 0:
             if self._deferring:
-                # Kept as tensors: no device synchronization, no torch call, this step.
+                # Kept as tensors: no device synchronization, no torch call, this step. The
+                # dict is copied: a model may return the same dict every step, refilled.
                 pending = self._pending_metrics
-                pending.append((iter, data_time, loss_dict, prefix))
+                pending.append((iter, data_time, dict(loss_dict), prefix))
                 if len(pending) == 1:
                     self.storage._defer(self._settler)
                 elif len(pending) >= self.METRICS_READ_EVERY:

@@ -3,6 +3,7 @@ per step, free of the machine's noise.
 
     python benches/bench_mlp_instructions.py               # ~9 min (torch's import under valgrind)
     python benches/bench_mlp_instructions.py --cache-sim   # with simulated cache misses, ~15 min
+    python benches/bench_mlp_instructions.py --branch-sim  # with simulated branch mispredictions
 
 Each loop (the hand-written loops and hookloop's trainer with no hooks, the default stack, the
 stack on the native schedule, the default stack at period 1 with all three writers and with each
@@ -222,6 +223,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--short", type=int, default=100)
     p.add_argument("--long", type=int, default=600)
     p.add_argument("--cache-sim", action="store_true", help="also count simulated cache misses")
+    p.add_argument(
+        "--branch-sim", action="store_true", help="also count simulated branch mispredictions"
+    )
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -243,9 +247,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("running under callgrind (torch's import alone takes minutes) ...", file=sys.stderr)
     child_args = [os.path.abspath(__file__), "--child", "--loops", ",".join(loops),
                   "--short", str(args.short), "--long", str(args.long)]  # fmt: skip
-    dumps, _ = run_counted(
-        valgrind, out_dir, child_args, ["--cache-sim=yes"] if args.cache_sim else []
-    )
+    sims = ["--cache-sim=yes"] * args.cache_sim + ["--branch-sim=yes"] * args.branch_sim
+    dumps, _ = run_counted(valgrind, out_dir, child_args, sims)
     counts = [parse_counts(f) for f in dumps]
     steps = per_step(counts, loops, (args.short, args.long))
     events = list(next(iter(steps.values())))

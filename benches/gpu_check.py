@@ -8,7 +8,9 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
 4 losses, data already on the device):
 
 1. **Synchronizations.** hookloop's ``SimpleTrainer`` and ``AMPTrainer`` with IterationTimer +
-   LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard], 20) train with
+   LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard], 20), and a hook
+   that puts a CUDA scalar tensor at every iteration (``put_scalar``, as model code puts
+   accuracies from inside ``forward``), train with
    ``torch.cuda.set_sync_debug_mode`` on every iteration where nothing is written (from the
    end of the iteration before to the end of that one; write iterations run in the default
    mode). A first run in ``"warn"`` mode counts the synchronizations and where they come from;
@@ -82,6 +84,26 @@ def _guard(period: int, mode: str) -> Any:
     return SyncGuard()
 
 
+# What _DevicePuts puts: model code's scalars on the device (detectron2 models put accuracies
+# and counts from inside forward).
+DEVICE_SCALAR = "gpu_check/device_scalar"
+
+
+def _device_puts() -> Any:
+    """A hook that puts a scalar tensor on the model's device at every iteration, before the
+    step (inside the checked span): ``put_scalar`` must keep it unread."""
+    from hookloop.engine.train_loop import HookBase
+
+    class DevicePuts(HookBase):
+        def before_train(self) -> None:
+            self._x = torch.ones((), device=next(self.trainer.model.parameters()).device)
+
+        def before_step(self) -> None:
+            self.trainer.storage.put_scalar(DEVICE_SCALAR, self._x * 0.5)
+
+    return DevicePuts()
+
+
 def _where(filename: str, lineno: int) -> str:
     parts = filename.replace(os.sep, "/").split("/")
     return f"{'/'.join(parts[-3:])}:{lineno}"
@@ -144,10 +166,13 @@ def _sync_checks(
         def run(mode: str, amp: bool = amp, trainer: List[Any] = trainer) -> None:
             t = tiny_mlp.make_trainer(
                 "hl", device, batches, iters, tmpdir, "stack", amp, PERIOD,
-                extra=[lambda: _guard(PERIOD, mode)],
+                extra=[_device_puts, lambda: _guard(PERIOD, mode)],
             )  # fmt: skip
             trainer[:] = [t]
             t.train(0, iters)
+            stored = len(t.storage.history(DEVICE_SCALAR).values())
+            if stored != iters:
+                raise RuntimeError(f"{DEVICE_SCALAR}: {stored} values stored for {iters} puts")
 
         count, where = _count_syncs(lambda: run("warn"))
         error = "finished"

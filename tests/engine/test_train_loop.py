@@ -1030,7 +1030,7 @@ def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):
 def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
     """Losses that are not on the CPU are read with one stack and one copy (one
     synchronization), not one item() each. Simulated with tensors whose device is not the
-    CPU: the meta device, whose values _read_all is patched to supply."""
+    CPU: the meta device, whose values read_scalars is patched to supply."""
     from hookloop.engine import train_loop
 
     batches = []
@@ -1039,7 +1039,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
         batches.append(len(tensors))
         return [0.5] * len(tensors)
 
-    monkeypatch.setattr(train_loop, "_read_all", read_all)
+    monkeypatch.setattr(train_loop, "read_scalars", read_all)
     trainer = simple_trainer()
     trainer._deferring = True
     with EventStorage(0) as storage:

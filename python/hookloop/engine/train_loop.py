@@ -25,6 +25,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from hookloop import _core
 from hookloop.checkpoint.rng import get_rng_state, set_rng_state
 from hookloop.utils import comm
+from hookloop.utils._tensors import read_scalars, stack_scalars
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
 __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer", "HookStat"]
@@ -991,7 +992,7 @@ class SimpleTrainer(TrainerBase):
         tensors = (
             _losses_if(pending, _is_cuda) if len(self._in_flight) < self.MAX_IN_FLIGHT else None
         )
-        flat = _stack_losses(tensors) if tensors else None
+        flat = stack_scalars(tensors) if tensors else None
         if flat is not None:
             self._pending_metrics = []
             self._in_flight.append((pending, _HostCopy(flat)))
@@ -1013,7 +1014,7 @@ class SimpleTrainer(TrainerBase):
             # The first loss on the CPU (every settle of a CPU run): _losses_if stops there and
             # the core reads them all (a stray device tensor is still read, with item()).
             tensors = _losses_if(pending, _off_cpu)
-            batches.append((pending, _read_all(tensors) if tensors else None))
+            batches.append((pending, read_scalars(tensors) if tensors else None))
         try:
             for entries, values in batches:
                 self.storage._write_metrics_batch(entries, values)
@@ -1116,7 +1117,7 @@ def _write_metrics_across(
     # Every rank gets every value, so a non-finite total fails on all ranks at this
     # iteration, not on the main process alone while the others wait in their next
     # collective, and a stop asked for on one rank stops every rank after this iteration.
-    packed = _read_all([v for v in loss_dict.values()]) + [float(data_time), float(stop)]
+    packed = read_scalars([v for v in loss_dict.values()]) + [float(data_time), float(stop)]
     gathered = _all_gather_floats(packed, len(names), cur_iter, group)
     # data_time among workers can have high variance. The actual latency caused by
     # data_time is the maximum among workers.
@@ -1154,32 +1155,6 @@ def _all_gather_floats(
     return rows
 
 
-def _stack_losses(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Single-element tensors stacked on their device as float64, shape ``(n, 1)``; None when
-    they cannot be stacked (different shapes or devices)."""
-    with torch.no_grad():
-        try:
-            flat = torch.stack(tensors).reshape(len(tensors), -1)
-        except RuntimeError:
-            return None
-        if flat.shape[1] != 1:
-            raise TypeError(
-                f"a loss must be a single-element tensor, got one with {flat.shape[1]} elements"
-            )
-        return flat.to(torch.float64)
-
-
-def _read_all(tensors: List[torch.Tensor]) -> List[float]:
-    """The values of single-element tensors, read in one batch: one stack, one copy to the
-    host (one device synchronization for all of them)."""
-    if not tensors:
-        return []
-    flat = _stack_losses(tensors)
-    if flat is None:  # one at a time
-        return [float(t.detach().reshape(-1)[0].item()) for t in tensors]
-    return flat.cpu().reshape(-1).tolist()
-
-
 def _losses_if(
     pending: List[Tuple[int, float, Mapping[str, Any], str]], accept: Any
 ) -> Optional[List[Any]]:
@@ -1207,8 +1182,8 @@ def _is_cuda(value: Any) -> bool:
 
 
 class _HostCopy:
-    """Losses stacked on a CUDA device (:func:`_stack_losses`) on their way to the host,
-    copied without blocking into pinned memory, with an event recorded after the copy.
+    """Losses stacked on a CUDA device (``stack_scalars``) on their way to the host, copied
+    without blocking into pinned memory, with an event recorded after the copy.
     :meth:`values` waits for that event only (not for the whole device)."""
 
     def __init__(self, flat: torch.Tensor) -> None:

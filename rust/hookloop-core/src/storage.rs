@@ -184,6 +184,39 @@ impl Storage {
         }
     }
 
+    /// Where a put of `name` made now stores its value: the full name (this thread's name
+    /// scope applied) and the iteration (`cur_iter`, else the current one), after checking
+    /// the name's smoothing hint. A deferred put fixes both when it is made and stores the
+    /// value later with [`Storage::put_at`].
+    pub fn resolve_put(
+        &self,
+        name: &str,
+        smoothing_hint: bool,
+        cur_iter: Option<Iter>,
+    ) -> Result<(String, Iter)> {
+        let iter = cur_iter.unwrap_or(Iter::Int(self.iter));
+        let full = self.full_name(name);
+        match self.scalars.get(full.as_str()) {
+            Some(s) if s.smoothing_hint != smoothing_hint => Err(Error::HintChanged {
+                name: full,
+                old: s.smoothing_hint,
+                new: smoothing_hint,
+                iter: iter.to_string(),
+            }),
+            _ => Ok((full, iter)),
+        }
+    }
+
+    /// `name` with this thread's name scope applied.
+    pub fn full_name(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix())
+    }
+
+    /// Stores `value` under the full name and iteration that [`Storage::resolve_put`] fixed.
+    pub fn put_at(&mut self, full_name: &str, value: f64, hint: bool, iter: Iter) -> Result<()> {
+        self.put_resolved(full_name, value, hint, iter)
+    }
+
     fn put_resolved(&mut self, name: &str, value: f64, hint: bool, iter: Iter) -> Result<()> {
         if let Some(scalar) = self.scalars.get_mut(name) {
             if scalar.smoothing_hint != hint {
@@ -451,6 +484,30 @@ mod tests {
             "smoothing_hint for 'lr' changed from False to True at iter 120"
         );
         assert_eq!(s.scalar("lr").unwrap().history.len(), 1);
+    }
+
+    #[test]
+    fn a_deferred_put_keeps_the_scope_and_iteration_of_when_it_was_made() {
+        let mut s = storage();
+        s.put_scalar("val/lr", 0.1, false, None).unwrap();
+        s.set_prefix("val/".into());
+        s.set_iter(7).unwrap();
+        let (name, iter) = s.resolve_put("acc", true, None).unwrap();
+        assert_eq!((name.as_str(), iter), ("val/acc", Iter::Int(7)));
+        // The hint is checked when the put is made, against what is stored by then.
+        let err = s.resolve_put("lr", true, None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "smoothing_hint for 'val/lr' changed from False to True at iter 7"
+        );
+        s.set_prefix(String::new());
+        s.set_iter(9).unwrap();
+        s.put_at(&name, 0.5, true, iter).unwrap();
+        assert_eq!(s.scalar("val/acc").unwrap().latest, (0.5, Iter::Int(7)));
+        assert_eq!(
+            s.resolve_put("x", true, Some(Iter::Int(3))).unwrap(),
+            ("x".to_owned(), Iter::Int(3))
+        );
     }
 
     #[test]

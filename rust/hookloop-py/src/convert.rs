@@ -90,6 +90,38 @@ fn tensor_type(py: Python<'_>) -> Option<&Bound<'_, PyType>> {
     TENSOR.get(py).map(|t| t.bind(py))
 }
 
+/// Whether `value` is a one-element, non-complex, dense torch tensor with data on a device
+/// (not the CPU, not `meta`): what `put_scalar` keeps unread until the next read, since
+/// reading it now would wait for the device. Anything else (floats first, at the cost of one
+/// type check) is read at once, and errors as it would.
+pub fn is_device_scalar(value: &Bound<'_, PyAny>) -> bool {
+    if value.is_exact_instance_of::<PyFloat>() || value.is_instance_of::<PyInt>() {
+        return false;
+    }
+    let py = value.py();
+    if !tensor_type(py).is_some_and(|t| value.is_instance(t).unwrap_or(false)) {
+        return false;
+    }
+    let flag = |name: &Bound<'_, PyString>| {
+        value
+            .getattr(name)
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(true)
+    };
+    if flag(intern!(py, "is_cpu")) || flag(intern!(py, "is_meta")) || flag(intern!(py, "is_sparse"))
+    {
+        return false;
+    }
+    let one = value
+        .call_method0(intern!(py, "numel"))
+        .and_then(|n| n.extract::<i64>())
+        .is_ok_and(|n| n == 1);
+    one && !value
+        .call_method0(intern!(py, "is_complex"))
+        .and_then(|c| c.is_truthy())
+        .unwrap_or(true)
+}
+
 /// The number of elements of a tensor (`numel()`) or array (`size`).
 fn element_count(value: &Bound<'_, PyAny>) -> Option<i64> {
     let py = value.py();

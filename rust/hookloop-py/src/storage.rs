@@ -4,6 +4,7 @@
 //! Python call; values are converted before locking, and Python objects removed from the state
 //! are released after unlocking.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -13,10 +14,11 @@ use hookloop_core::storage::{Bounded, ScalarState, Storage, StorageState};
 use hookloop_core::tfevents::{check_chw, HistogramPoint};
 use hookloop_core::{error::positive, Error, History};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{intern, PyTraverseError, PyVisit};
 
-use crate::convert::{int64, iter_to_py, iteration, scalar_value};
+use crate::convert::{int64, is_device_scalar, iter_to_py, iteration, scalar_value};
 use crate::errors::{to_py, IntoPyResult};
 use crate::history::PyHistoryBuffer;
 use crate::state::{PendingImage, Shared, SharedState, State};
@@ -37,12 +39,41 @@ pub struct PyEventStorage {
     pending: AtomicBool,
     /// What `settle` calls to put the pending values (a Python function).
     settler: Mutex<Option<Py<PyAny>>>,
+    /// Tensors put on a device (`put_scalar` of a CUDA tensor), not read yet: read in one
+    /// batch by `settle`, before the next read of the scalars. `device_pending` says whether
+    /// there are any, without the lock.
+    device: Mutex<DevicePuts>,
+    device_pending: AtomicBool,
 }
+
+/// The deferred puts of device tensors, in the order they were made.
+#[derive(Default)]
+struct DevicePuts {
+    puts: Vec<DevicePut>,
+    /// Their full names: a put of a plain value under one of them reads them first (a
+    /// history keeps its values in the order they were put).
+    names: HashSet<String>,
+}
+
+/// One deferred put: its name and iteration fixed when it was made (`Storage::resolve_put`).
+struct DevicePut {
+    name: String,
+    hint: bool,
+    iter: Iter,
+    value: Py<PyAny>,
+}
+
+/// At most this many device tensors wait for a read; the next put reads them all (one
+/// synchronization per device), so a run that never reads its storage holds a bounded number.
+const MAX_DEVICE_PUTS: usize = 1024;
 
 impl PyEventStorage {
     /// Puts the values deferred with `_defer` before anything reads the scalars: every read
     /// (histories, latest values, writers) sees the same storage as without deferral.
     pub fn settle(&self, py: Python<'_>) -> PyResult<()> {
+        if self.device_pending.load(Ordering::Acquire) {
+            self.settle_device(py)?;
+        }
         if !self.pending.swap(false, Ordering::AcqRel) {
             return Ok(());
         }
@@ -56,6 +87,102 @@ impl PyEventStorage {
             Some(f) => f.bind(py).call0().map(drop),
             None => Ok(()),
         }
+    }
+
+    /// Reads every deferred device tensor (`hookloop.utils._tensors.read_scalars`: one stack
+    /// and one copy to the host per device) and puts the values under the names and
+    /// iterations fixed when they were put. A failed read drops them and raises its error.
+    fn settle_device(&self, py: Python<'_>) -> PyResult<()> {
+        let puts = {
+            let mut q = self.device.lock().unwrap_or_else(|e| e.into_inner());
+            self.device_pending.store(false, Ordering::Release);
+            q.names.clear();
+            std::mem::take(&mut q.puts)
+        };
+        if puts.is_empty() {
+            return Ok(());
+        }
+        // The module is kept, its function looked up at each read (once per batch).
+        static TENSORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+        let module = TENSORS.get_or_try_init(py, || {
+            py.import(intern!(py, "hookloop.utils._tensors"))
+                .map(Bound::unbind)
+        })?;
+        let read = module.bind(py).getattr(intern!(py, "read_scalars"))?;
+        let tensors = PyList::new(py, puts.iter().map(|p| p.value.bind(py)))?;
+        let values: Vec<f64> = read.call1((tensors,))?.extract()?;
+        if values.len() != puts.len() {
+            return Err(to_py(Error::bad_value(
+                "read_scalars",
+                format!(
+                    "returned {} values for {} tensors",
+                    values.len(),
+                    puts.len()
+                ),
+            )));
+        }
+        let result = self.with(|s| {
+            puts.iter()
+                .zip(&values)
+                .try_for_each(|(p, v)| s.put_at(&p.name, *v, p.hint, p.iter))
+        });
+        drop(puts); // the tensors, released after the lock
+        result.py_err()
+    }
+
+    /// Keeps device tensors for the next read instead of reading them now (a read would
+    /// wait for the device): each with the name and iteration of this moment.
+    fn defer_device(
+        &self,
+        py: Python<'_>,
+        items: Vec<(&str, Bound<'_, PyAny>)>,
+        hint: bool,
+        it: Option<Iter>,
+    ) -> PyResult<()> {
+        let names: Vec<&str> = items.iter().map(|(name, _)| *name).collect();
+        let resolved = self
+            .with(|s| {
+                names
+                    .iter()
+                    .map(|name| s.resolve_put(name, hint, it))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .py_err()?;
+        let full = {
+            let mut q = self.device.lock().unwrap_or_else(|e| e.into_inner());
+            for ((name, iter), (_, value)) in resolved.into_iter().zip(items.iter()) {
+                q.names.insert(name.clone());
+                q.puts.push(DevicePut {
+                    name,
+                    hint,
+                    iter,
+                    value: value.clone().unbind(),
+                });
+            }
+            self.device_pending.store(true, Ordering::Release);
+            q.puts.len() >= MAX_DEVICE_PUTS
+        };
+        if full {
+            self.settle_device(py)?;
+        }
+        Ok(())
+    }
+
+    /// Before a plain value is put under `name`: the device tensors deferred under the same
+    /// full name are read first, so its history keeps the order of the puts.
+    fn settle_device_of(&self, py: Python<'_>, names: &[&str]) -> PyResult<()> {
+        if !self.device_pending.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let full: Vec<String> = self.with(|s| names.iter().map(|n| s.full_name(n)).collect());
+        let waiting = {
+            let q = self.device.lock().unwrap_or_else(|e| e.into_inner());
+            full.iter().any(|n| q.names.contains(n))
+        };
+        if waiting {
+            self.settle_device(py)?;
+        }
+        Ok(())
     }
 
     /// Runs `f` on the core storage under the lock.
@@ -92,20 +219,29 @@ impl PyEventStorage {
             state: Arc::new(Shared::new(state)),
             pending: AtomicBool::new(false),
             settler: Mutex::new(None),
+            device: Mutex::new(DevicePuts::default()),
+            device_pending: AtomicBool::new(false),
         })
     }
 
-    /// Adds a scalar `value` for `name` at the current iteration (or `cur_iter`).
+    /// Adds a scalar `value` for `name` at the current iteration (or `cur_iter`). A tensor on
+    /// a device is kept and read at the next read of the scalars (no synchronization now).
     #[pyo3(signature = (name, value, smoothing_hint = true, cur_iter = None))]
     fn put_scalar(
         &self,
+        py: Python<'_>,
         name: &str,
         value: &Bound<'_, PyAny>,
         smoothing_hint: bool,
         cur_iter: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        if is_device_scalar(value) {
+            let it = iteration("cur_iter", cur_iter)?;
+            return self.defer_device(py, vec![(name, value.clone())], smoothing_hint, it);
+        }
         let v = scalar_value(name, value)?;
         let it = iteration("cur_iter", cur_iter)?;
+        self.settle_device_of(py, &[name])?;
         self.with(|s| s.put_scalar(name, v, smoothing_hint, it))
             .py_err()
     }
@@ -114,6 +250,7 @@ impl PyEventStorage {
     #[pyo3(signature = (*, smoothing_hint = true, cur_iter = None, **kwargs))]
     fn put_scalars(
         &self,
+        py: Python<'_>,
         smoothing_hint: bool,
         cur_iter: Option<&Bound<'_, PyAny>>,
         kwargs: Option<&Bound<'_, PyDict>>,
@@ -121,13 +258,22 @@ impl PyEventStorage {
         let Some(kwargs) = kwargs else { return Ok(()) };
         let it = iteration("cur_iter", cur_iter)?;
         // Convert first (Python code may run), then store under one lock. As in detectron2's
-        // loop of put_scalar calls, the values before a bad one are kept.
+        // loop of put_scalar calls, the values before a bad one are kept; device tensors are
+        // kept for the next read.
         let mut items: Vec<(String, f64)> = Vec::with_capacity(kwargs.len());
+        let mut keys = Vec::with_capacity(kwargs.len());
         let mut failure = None;
         for (k, v) in kwargs.iter() {
-            let k = k.cast_into::<PyString>()?;
+            keys.push((k.cast_into::<PyString>()?, v));
+        }
+        let mut device = Vec::new();
+        for (k, v) in &keys {
             let k = k.to_str()?;
-            match scalar_value(k, &v) {
+            if is_device_scalar(v) {
+                device.push((k, v.clone()));
+                continue;
+            }
+            match scalar_value(k, v) {
                 Ok(value) => items.push((k.to_owned(), value)),
                 Err(e) => {
                     failure = Some(e);
@@ -135,6 +281,11 @@ impl PyEventStorage {
                 }
             }
         }
+        if !device.is_empty() {
+            self.defer_device(py, device, smoothing_hint, it)?;
+        }
+        let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+        self.settle_device_of(py, &names)?;
         self.with(|s| {
             items
                 .iter()
@@ -588,6 +739,11 @@ impl PyEventStorage {
                 visit.call(s)?;
             }
         }
+        if let Ok(q) = self.device.try_lock() {
+            for p in &q.puts {
+                visit.call(&p.value)?;
+            }
+        }
         Ok(())
     }
 
@@ -596,6 +752,11 @@ impl PyEventStorage {
         drop(taken);
         let settler = self.settler.try_lock().ok().and_then(|mut s| s.take());
         drop(settler);
+        let device = self.device.try_lock().ok().map(|mut q| {
+            q.names.clear();
+            std::mem::take(&mut q.puts)
+        });
+        drop(device);
     }
 }
 

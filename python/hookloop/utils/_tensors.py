@@ -1,0 +1,72 @@
+"""Reading single-element tensors in batches: the values hookloop keeps unread until something
+needs them (``SimpleTrainer``'s losses, ``EventStorage.put_scalar`` of a device tensor).
+
+One mechanism for both: per device, one stack of the values as float64 and one copy to the
+host, so a batch costs one device synchronization per device instead of one per value. The
+values are the ones ``item()`` gives, also across dtypes (an int64 count is not rounded
+through float32 by type promotion).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["read_scalars", "stack_scalars"]
+
+
+def stack_scalars(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Single-element tensors stacked on their device as float64, shape ``(n, 1)``; None when
+    they cannot be stacked (different shapes or devices).
+
+    Raises:
+        TypeError: a tensor with more than one element.
+    """
+    try:
+        flat = _stack(tensors).reshape(len(tensors), -1)
+    except RuntimeError:
+        return None
+    if flat.shape[1] != 1:
+        raise TypeError(
+            f"a scalar must be a single-element tensor, got one with {flat.shape[1]} elements"
+        )
+    return flat
+
+
+def _stack(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` as float64 (RuntimeError for different shapes or devices)."""
+    with torch.no_grad():
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            # Promotion would round to the widest input type; float64 first is exact.
+            tensors = [t.to(torch.float64) for t in tensors]
+        return torch.stack(tensors).to(torch.float64)
+
+
+def read_scalars(tensors: List[torch.Tensor]) -> List[float]:
+    """The values of single-element tensors, in order: one stack and one copy to the host per
+    device (one synchronization per device)."""
+    if not tensors:
+        return []
+    flat = stack_scalars(tensors)
+    if flat is not None:
+        return flat.cpu().reshape(-1).tolist()
+    # Several devices or shapes: a batch per device, each value made 0-d first.
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out = [0.0] * len(tensors)
+    for indices in by_device.values():
+        values = _stack([_as_0d(tensors[i]) for i in indices]).cpu().tolist()
+        for i, v in zip(indices, values):
+            out[i] = v
+    return out
+
+
+def _as_0d(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() != 1:
+        raise TypeError(
+            f"a scalar must be a single-element tensor, got one with shape {tuple(t.shape)}"
+        )
+    return t.detach().reshape(())

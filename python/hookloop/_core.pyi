@@ -43,7 +43,8 @@ EVENTS_FSYNC_DEFAULT: str
 #   scheduler.step() (_LRSchedulerBase.after_step); sys.modules["torch"].Tensor (a plain
 #   tensor's item() first); tensor/array .ndim, .shape, .numel(),
 #   .size and .item() (scalar conversion); a tensor's .is_cpu, .is_meta, .is_sparse,
-#   .numel() and .is_complex() (put_scalar keeps a device tensor unread), and
+#   .numel(), .is_complex(), .requires_grad and .detach() (put_scalar keeps a device
+#   tensor unread, detached), and
 #   hookloop.utils._tensors.read_scalars (which reads those at the next read of the
 #   scalars); image .shape (EventStorage._put_image);
 #   param_groups[i]["lr"], written (NativeSchedule.step_lrs); a Python schedule's __call__

@@ -8,8 +8,10 @@ False; the CUDA test at the end proves the same on a GPU with the sync debug mod
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import weakref
 
 import pytest
 import torch
@@ -156,6 +158,36 @@ def test_waiting_values_are_bounded_without_reads(reads, monkeypatch):
         assert reads["batches"] == [1024, 1024]
         assert len(s.history("a").values()) == 2500
         assert reads["batches"] == [1024, 1024, 452]
+
+
+def test_a_waiting_tensor_does_not_keep_its_autograd_graph_alive():
+    """A value computed with grad (a mean of logits) waits detached: what its graph saved is
+    freed at once, not at the read."""
+
+    class Saved:
+        pass
+
+    class KeepsSaved(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, saved):
+            ctx.saved = saved  # held by the graph's node as long as the graph lives
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2, None
+
+    saved = Saved()
+    gone = weakref.ref(saved)
+    x = dev(1.5).requires_grad_()
+    y = KeepsSaved.apply(x, saved)
+    assert isinstance(y, OnDevice) and y.requires_grad
+    with EventStorage(0) as s:
+        s.put_scalar("a", y)
+        del y, saved
+        gc.collect()
+        assert gone() is None
+        assert s.latest()["a"] == (3.0, 0)
 
 
 def test_cpu_tensors_are_read_at_the_put(reads):

@@ -148,15 +148,27 @@ impl PyEventStorage {
                     .collect::<Result<Vec<_>, _>>()
             })
             .py_err()?;
+        // Kept detached: a tensor that requires grad would keep its autograd graph (and the
+        // activations it saved) alive until the read.
+        let values = items
+            .iter()
+            .map(|(_, v)| {
+                if v.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
+                    v.call_method0(intern!(py, "detach")).map(Bound::unbind)
+                } else {
+                    Ok(v.clone().unbind())
+                }
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let full = {
             let mut q = self.device.lock().unwrap_or_else(|e| e.into_inner());
-            for ((name, iter), (_, value)) in resolved.into_iter().zip(items.iter()) {
+            for ((name, iter), value) in resolved.into_iter().zip(values) {
                 q.names.insert(name.clone());
                 q.puts.push(DevicePut {
                     name,
                     hint,
                     iter,
-                    value: value.clone().unbind(),
+                    value,
                 });
             }
             self.device_pending.store(true, Ordering::Release);
@@ -261,19 +273,16 @@ impl PyEventStorage {
         // loop of put_scalar calls, the values before a bad one are kept; device tensors are
         // kept for the next read.
         let mut items: Vec<(String, f64)> = Vec::with_capacity(kwargs.len());
-        let mut keys = Vec::with_capacity(kwargs.len());
+        let mut device: Vec<(String, Bound<'_, PyAny>)> = Vec::new();
         let mut failure = None;
         for (k, v) in kwargs.iter() {
-            keys.push((k.cast_into::<PyString>()?, v));
-        }
-        let mut device = Vec::new();
-        for (k, v) in &keys {
+            let k = k.cast_into::<PyString>()?;
             let k = k.to_str()?;
-            if is_device_scalar(v) {
-                device.push((k, v.clone()));
+            if is_device_scalar(&v) {
+                device.push((k.to_owned(), v));
                 continue;
             }
-            match scalar_value(k, v) {
+            match scalar_value(k, &v) {
                 Ok(value) => items.push((k.to_owned(), value)),
                 Err(e) => {
                     failure = Some(e);
@@ -282,10 +291,16 @@ impl PyEventStorage {
             }
         }
         if !device.is_empty() {
+            let device = device
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect();
             self.defer_device(py, device, smoothing_hint, it)?;
         }
-        let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
-        self.settle_device_of(py, &names)?;
+        if self.device_pending.load(Ordering::Acquire) {
+            let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+            self.settle_device_of(py, &names)?;
+        }
         self.with(|s| {
             items
                 .iter()

@@ -346,9 +346,22 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
 
 def test_progress_is_a_plain_line_without_tqdm(monkeypatch: Any, capsys: Any) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert main(["bench", "--smoke", "--only", "dispatch"]) == 0
     err = capsys.readouterr().err
-    assert "hookloop bench: dispatch" in err and "100%" in err
+    assert "\rhookloop bench: dispatch" in err and "100%" in err  # redrawn in place
+
+
+def test_progress_into_a_log_is_whole_lines(capsys: Any) -> None:
+    """stderr that is not a terminal (a log, CI) gets a line per section and per tenth done,
+    not a bar redrawn with carriage returns."""
+    assert main(["bench", "--smoke", "--only", "dispatch,stack"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("hookloop bench:")]
+    assert lines[0].split() == ["hookloop", "bench:", "dispatch", "0%"]
+    assert lines[-1].split() == ["hookloop", "bench:", "stack", "100%"]
+    assert len(lines) == len(set(lines)) <= 2 * 11
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:

@@ -524,18 +524,21 @@ def _ticks(section: str, s: Sizes, engines: Sequence[str]) -> int:
 @contextlib.contextmanager
 def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
     """Points ``overhead.progress`` at a tqdm bar on stderr (a plain line when tqdm is not
-    importable); yields a function that names the running section."""
+    importable); yields a function that names the running section. When stderr is not a
+    terminal (a log file, CI), a line per section and per tenth done instead, each ended:
+    no carriage returns in the log."""
     from hookloop.bench import overhead
 
     saved = overhead.progress
     if not enabled:
         yield lambda name: None
         return
+    tty = sys.stderr.isatty()
     try:
         from tqdm import tqdm
     except ImportError:
         tqdm = None
-    if tqdm is not None:
+    if tqdm is not None and tty:
         bar = tqdm(total=total, unit="run", file=sys.stderr, leave=False, dynamic_ncols=True)
         overhead.progress = lambda: bar.update(1)
         try:
@@ -544,15 +547,19 @@ def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
             overhead.progress = saved
             bar.close()
         return
-    state = {"done": 0, "name": ""}
+    state: Dict[str, Any] = {"done": 0, "name": "", "shown": None}
 
     def show() -> None:
-        pct = 100 * state["done"] // max(total, 1)  # type: ignore[operator]
-        print(f"\rhookloop bench: {state['name']:<8} {pct:3d}%", end="", file=sys.stderr,
-              flush=True)  # fmt: skip
+        pct = 100 * state["done"] // max(total, 1)
+        if tty:
+            print(f"\rhookloop bench: {state['name']:<8} {pct:3d}%", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        elif state["shown"] != (state["name"], pct // 10):
+            state["shown"] = (state["name"], pct // 10)
+            print(f"hookloop bench: {state['name']:<8} {pct:3d}%", file=sys.stderr, flush=True)
 
     def tick() -> None:
-        state["done"] += 1  # type: ignore[operator]
+        state["done"] += 1
         show()
 
     def name(section: str) -> None:
@@ -564,7 +571,8 @@ def _progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
         yield name
     finally:
         overhead.progress = saved
-        print(file=sys.stderr, flush=True)
+        if tty:
+            print(file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

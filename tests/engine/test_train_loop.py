@@ -1002,6 +1002,25 @@ def test_a_hook_reading_the_storage_sees_this_steps_losses():
     assert seen == [0, 1, 2, 3, 4]
 
 
+def test_a_hook_holding_a_history_buffer_sees_this_steps_losses():
+    """``storage.history(name)`` is the storage's own buffer, as in detectron2: a hook may keep
+    it and read it at later steps, and must see each step's deferred losses there too."""
+    seen = []
+
+    class Holder(HookBase):
+        buffer = None
+
+        def after_step(self):
+            if self.buffer is None:
+                self.buffer = self.trainer.storage.history("total_loss")
+            seen.append((len(self.buffer), self.buffer.values()[-1][1]))
+
+    trainer = simple_trainer()
+    trainer.register_hooks([Holder()])
+    trainer.train(0, 5)
+    assert seen == [(i + 1, i) for i in range(5)]
+
+
 def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):
     """Between batched reads the trainer keeps the losses as they are: no item(), no copy.
     The read (here after the last step) is one call into the core, which on the CPU reads

@@ -150,6 +150,16 @@ def test_every_read_sees_the_waiting_values(tmp_path):
     assert json.loads(path.read_text()) == {"a": 4.0, "iteration": 0}
 
 
+def test_a_kept_history_buffer_sees_the_waiting_values():
+    with EventStorage(0) as s:
+        s.put_scalar("a", 1.0)
+        buffer = s.history("a")
+        s.step()
+        s.put_scalar("a", dev(2.0))
+        assert buffer.latest() == 2.0
+        assert buffer.values() == [(1.0, 0), (2.0, 1)]
+
+
 def test_waiting_values_are_bounded_without_reads(reads, monkeypatch):
     with EventStorage(0) as s:
         for _ in range(2500):

@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 
 mod convert;
+mod deferred;
 mod dispatch;
 mod errors;
 mod history;

@@ -4,9 +4,7 @@
 //! Python call; values are converted before locking, and Python objects removed from the state
 //! are released after unlocking.
 
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use hookloop_core::history::{HistoryState, Iter};
 use hookloop_core::metrics::{write_metrics, Reduced};
@@ -14,11 +12,11 @@ use hookloop_core::storage::{Bounded, ScalarState, Storage, StorageState};
 use hookloop_core::tfevents::{check_chw, HistogramPoint};
 use hookloop_core::{error::positive, Error, History};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::{intern, PyTraverseError, PyVisit};
 
 use crate::convert::{int64, is_device_scalar, iter_to_py, iteration, scalar_value};
+use crate::deferred::Deferred;
 use crate::errors::{to_py, IntoPyResult};
 use crate::history::PyHistoryBuffer;
 use crate::state::{PendingImage, Shared, SharedState, State};
@@ -34,167 +32,17 @@ use crate::state::{PendingImage, Shared, SharedState, State};
 )]
 pub struct PyEventStorage {
     pub state: SharedState,
-    /// Values put but not read yet (losses kept as tensors, see `SimpleTrainer`): set by
-    /// `_defer`, cleared by `settle`, which every read of the scalars calls first.
-    pending: AtomicBool,
-    /// What `settle` calls to put the pending values (a Python function).
-    settler: Mutex<Option<Py<PyAny>>>,
-    /// Tensors put on a device (`put_scalar` of a CUDA tensor), not read yet: read in one
-    /// batch by `settle`, before the next read of the scalars. `device_pending` says whether
-    /// there are any, without the lock.
-    device: Mutex<DevicePuts>,
-    device_pending: AtomicBool,
+    /// What is put but not read yet, shared with the storage's `HistoryBuffer` views (a
+    /// view read later settles it too).
+    pub deferred: Arc<Deferred>,
 }
-
-/// The deferred puts of device tensors, in the order they were made.
-#[derive(Default)]
-struct DevicePuts {
-    puts: Vec<DevicePut>,
-    /// Their full names: a put of a plain value under one of them reads them first (a
-    /// history keeps its values in the order they were put).
-    names: HashSet<String>,
-}
-
-/// One deferred put: its name and iteration fixed when it was made (`Storage::resolve_put`).
-struct DevicePut {
-    name: String,
-    hint: bool,
-    iter: Iter,
-    value: Py<PyAny>,
-}
-
-/// At most this many device tensors wait for a read; the next put reads them all (one
-/// synchronization per device), so a run that never reads its storage holds a bounded number.
-const MAX_DEVICE_PUTS: usize = 1024;
 
 impl PyEventStorage {
-    /// Puts the values deferred with `_defer` before anything reads the scalars: every read
-    /// (histories, latest values, writers) sees the same storage as without deferral.
+    /// Puts the values deferred with `_defer` and the waiting device tensors before anything
+    /// reads the scalars: every read (histories, latest values, writers) sees the same storage
+    /// as without deferral.
     pub fn settle(&self, py: Python<'_>) -> PyResult<()> {
-        if self.device_pending.load(Ordering::Acquire) {
-            self.settle_device(py)?;
-        }
-        if !self.pending.swap(false, Ordering::AcqRel) {
-            return Ok(());
-        }
-        let settler = self
-            .settler
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|s| s.clone_ref(py));
-        match settler {
-            Some(f) => f.bind(py).call0().map(drop),
-            None => Ok(()),
-        }
-    }
-
-    /// Reads every deferred device tensor (`hookloop.utils._tensors.read_scalars`: one stack
-    /// and one copy to the host per device) and puts the values under the names and
-    /// iterations fixed when they were put. A failed read drops them and raises its error.
-    fn settle_device(&self, py: Python<'_>) -> PyResult<()> {
-        let puts = {
-            let mut q = self.device.lock().unwrap_or_else(|e| e.into_inner());
-            self.device_pending.store(false, Ordering::Release);
-            q.names.clear();
-            std::mem::take(&mut q.puts)
-        };
-        if puts.is_empty() {
-            return Ok(());
-        }
-        // The module is kept, its function looked up at each read (once per batch).
-        static TENSORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-        let module = TENSORS.get_or_try_init(py, || {
-            py.import(intern!(py, "hookloop.utils._tensors"))
-                .map(Bound::unbind)
-        })?;
-        let read = module.bind(py).getattr(intern!(py, "read_scalars"))?;
-        let tensors = PyList::new(py, puts.iter().map(|p| p.value.bind(py)))?;
-        let values: Vec<f64> = read.call1((tensors,))?.extract()?;
-        if values.len() != puts.len() {
-            return Err(to_py(Error::bad_value(
-                "read_scalars",
-                format!(
-                    "returned {} values for {} tensors",
-                    values.len(),
-                    puts.len()
-                ),
-            )));
-        }
-        let result = self.with(|s| {
-            puts.iter()
-                .zip(&values)
-                .try_for_each(|(p, v)| s.put_at(&p.name, *v, p.hint, p.iter))
-        });
-        drop(puts); // the tensors, released after the lock
-        result.py_err()
-    }
-
-    /// Keeps device tensors for the next read instead of reading them now (a read would
-    /// wait for the device): each with the name and iteration of this moment.
-    fn defer_device(
-        &self,
-        py: Python<'_>,
-        items: Vec<(&str, Bound<'_, PyAny>)>,
-        hint: bool,
-        it: Option<Iter>,
-    ) -> PyResult<()> {
-        let names: Vec<&str> = items.iter().map(|(name, _)| *name).collect();
-        let resolved = self
-            .with(|s| {
-                names
-                    .iter()
-                    .map(|name| s.resolve_put(name, hint, it))
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .py_err()?;
-        // Kept detached: a tensor that requires grad would keep its autograd graph (and the
-        // activations it saved) alive until the read.
-        let values = items
-            .iter()
-            .map(|(_, v)| {
-                if v.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
-                    v.call_method0(intern!(py, "detach")).map(Bound::unbind)
-                } else {
-                    Ok(v.clone().unbind())
-                }
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        let full = {
-            let mut q = self.device.lock().unwrap_or_else(|e| e.into_inner());
-            for ((name, iter), value) in resolved.into_iter().zip(values) {
-                q.names.insert(name.clone());
-                q.puts.push(DevicePut {
-                    name,
-                    hint,
-                    iter,
-                    value,
-                });
-            }
-            self.device_pending.store(true, Ordering::Release);
-            q.puts.len() >= MAX_DEVICE_PUTS
-        };
-        if full {
-            self.settle_device(py)?;
-        }
-        Ok(())
-    }
-
-    /// Before a plain value is put under `name`: the device tensors deferred under the same
-    /// full name are read first, so its history keeps the order of the puts.
-    fn settle_device_of(&self, py: Python<'_>, names: &[&str]) -> PyResult<()> {
-        if !self.device_pending.load(Ordering::Acquire) {
-            return Ok(());
-        }
-        let full: Vec<String> = self.with(|s| names.iter().map(|n| s.full_name(n)).collect());
-        let waiting = {
-            let q = self.device.lock().unwrap_or_else(|e| e.into_inner());
-            full.iter().any(|n| q.names.contains(n))
-        };
-        if waiting {
-            self.settle_device(py)?;
-        }
-        Ok(())
+        self.deferred.settle(py)
     }
 
     /// Runs `f` on the core storage under the lock.
@@ -227,12 +75,10 @@ impl PyEventStorage {
             core,
             images: Bounded::new(max_images),
         };
+        let state = Arc::new(Shared::new(state));
         Ok(PyEventStorage {
-            state: Arc::new(Shared::new(state)),
-            pending: AtomicBool::new(false),
-            settler: Mutex::new(None),
-            device: Mutex::new(DevicePuts::default()),
-            device_pending: AtomicBool::new(false),
+            deferred: Arc::new(Deferred::new(state.clone())),
+            state,
         })
     }
 
@@ -249,11 +95,13 @@ impl PyEventStorage {
     ) -> PyResult<()> {
         if is_device_scalar(value) {
             let it = iteration("cur_iter", cur_iter)?;
-            return self.defer_device(py, vec![(name, value.clone())], smoothing_hint, it);
+            return self
+                .deferred
+                .defer_device(py, vec![(name, value.clone())], smoothing_hint, it);
         }
         let v = scalar_value(name, value)?;
         let it = iteration("cur_iter", cur_iter)?;
-        self.settle_device_of(py, &[name])?;
+        self.deferred.settle_device_of(py, &[name])?;
         self.with(|s| s.put_scalar(name, v, smoothing_hint, it))
             .py_err()
     }
@@ -295,11 +143,11 @@ impl PyEventStorage {
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.clone()))
                 .collect();
-            self.defer_device(py, device, smoothing_hint, it)?;
+            self.deferred.defer_device(py, device, smoothing_hint, it)?;
         }
-        if self.device_pending.load(Ordering::Acquire) {
+        if self.deferred.device_pending() {
             let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
-            self.settle_device_of(py, &names)?;
+            self.deferred.settle_device_of(py, &names)?;
         }
         self.with(|s| {
             items
@@ -313,13 +161,7 @@ impl PyEventStorage {
     /// Marks values as pending: before the next read of the scalars, `settle()` is called
     /// once (it puts them). One call per batch of deferred values, not per value.
     fn _defer(&self, settle: Py<PyAny>) {
-        let old = self
-            .settler
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .replace(settle);
-        self.pending.store(true, Ordering::Release);
-        drop(old);
+        self.deferred.defer(settle);
     }
 
     /// Puts what is pending now (what every read does first).
@@ -489,7 +331,10 @@ impl PyEventStorage {
     fn history(&self, py: Python<'_>, name: &str) -> PyResult<PyHistoryBuffer> {
         self.settle(py)?;
         self.with(|s| s.scalar(name).map(|_| ())).py_err()?;
-        Ok(PyHistoryBuffer::view(self.state.clone(), name.to_owned()))
+        Ok(PyHistoryBuffer::view(
+            self.deferred.clone(),
+            name.to_owned(),
+        ))
     }
 
     /// `{name: HistoryBuffer}` for every scalar, in first-put order.
@@ -498,7 +343,7 @@ impl PyEventStorage {
         let names: Vec<String> = self.with(|s| s.scalars().map(|(k, _)| k.to_owned()).collect());
         let out = PyDict::new(py);
         for name in names {
-            let view = PyHistoryBuffer::view(self.state.clone(), name.clone());
+            let view = PyHistoryBuffer::view(self.deferred.clone(), name.clone());
             out.set_item(name, Py::new(py, view)?)?;
         }
         Ok(out)
@@ -625,7 +470,7 @@ impl PyEventStorage {
     /// later reads and writers see it, with its latest entry as the latest value. A name seen
     /// before keeps its smoothing hint; a new one is smoothed.
     fn _set_history(&self, name: String, buffer: &Bound<'_, PyHistoryBuffer>) -> PyResult<()> {
-        let state = buffer.get().state()?;
+        let state = buffer.get().state(buffer.py())?;
         let history = History::from_state(state).py_err()?;
         self.with(move |s| s.set_history(&name, history)).py_err()
     }
@@ -749,29 +594,13 @@ impl PyEventStorage {
         for image in &images {
             visit.call(&**image)?;
         }
-        if let Ok(settler) = self.settler.try_lock() {
-            if let Some(s) = settler.as_ref() {
-                visit.call(s)?;
-            }
-        }
-        if let Ok(q) = self.device.try_lock() {
-            for p in &q.puts {
-                visit.call(&p.value)?;
-            }
-        }
-        Ok(())
+        self.deferred.traverse(&visit)
     }
 
     fn __clear__(&self) {
         let taken = self.state.try_with(|s| s.images.take()).unwrap_or_default();
         drop(taken);
-        let settler = self.settler.try_lock().ok().and_then(|mut s| s.take());
-        drop(settler);
-        let device = self.device.try_lock().ok().map(|mut q| {
-            q.names.clear();
-            std::mem::take(&mut q.puts)
-        });
-        drop(device);
+        self.deferred.clear();
     }
 }
 

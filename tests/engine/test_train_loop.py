@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import inspect
 import itertools
 import logging
 import math
+import sys
 import threading
 import time
 import weakref
@@ -1019,6 +1021,41 @@ def test_a_hook_holding_a_history_buffer_sees_this_steps_losses():
     trainer.register_hooks([Holder()])
     trainer.train(0, 5)
     assert seen == [(i + 1, i) for i in range(5)]
+
+
+def test_a_settle_between_reading_the_pending_list_and_appending_loses_nothing():
+    """Another thread that reads the storage may settle the pending losses at any moment of
+    the training thread's step, also between the lines of ``_write_metrics`` (the GIL switches
+    between bytecodes). Made deterministic with a line tracer: a settle runs right before the
+    training thread appends each step's losses, after it has read the pending list. Every
+    iteration must still be stored once, in order."""
+    trainer = simple_trainer()
+    code = SimpleTrainer._write_metrics.__code__
+    lines = inspect.getsource(code).splitlines()
+    append = next(
+        code.co_firstlineno + i for i, line in enumerate(lines) if "pending.append(" in line
+    )
+    settles = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def on_line(frame, event, arg):
+            if event == "line" and frame.f_lineno == append and trainer.iter % 2:
+                settles.append(trainer.iter)
+                trainer.storage.latest()  # "another thread" settles now
+            return on_line
+
+        return on_line
+
+    sys.settrace(tracer)
+    try:
+        trainer.train(0, 6)
+    finally:
+        sys.settrace(None)
+    assert settles == [1, 3, 5]
+    assert [it for _, it in trainer.storage.history("total_loss").values()] == list(range(6))
 
 
 def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):

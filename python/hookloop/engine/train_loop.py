@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import operator
+import threading
 import time
 import types
 import weakref
@@ -692,8 +693,14 @@ class SimpleTrainer(TrainerBase):
         # One worker, so metric writes run in submission order.
         self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
-        # Losses recorded but not read yet: (iteration, data_time, loss_dict, prefix).
+        # Losses recorded but not read yet: (iteration, data_time, loss_dict, prefix). The
+        # training thread appends to this one list without a lock (an append is atomic); a
+        # settle, which any thread reading the storage may run, removes what it takes, under
+        # _settle_lock. The list is never replaced: an append made while a settle runs lands
+        # either in what it takes or in a list it left empty (and that append sets the
+        # storage's flag again).
         self._pending_metrics: List[Tuple[int, float, Mapping[str, Any], str]] = []
+        self._settle_lock = threading.RLock()
         # Losses of earlier iterations on their way to the host (a CUDA copy not waited for).
         self._in_flight: List[Tuple[List[Tuple[int, float, Mapping[str, Any], str]], Any]] = []
         self._deferring = False
@@ -988,16 +995,24 @@ class SimpleTrainer(TrainerBase):
         copy to the host (one stack, one non-blocking copy into pinned memory, an event after
         it) without waiting for it, so no iteration synchronizes until something reads the
         storage; other losses are put now."""
-        pending = self._pending_metrics
-        tensors = (
-            _losses_if(pending, _is_cuda) if len(self._in_flight) < self.MAX_IN_FLIGHT else None
-        )
-        flat = stack_scalars(tensors) if tensors else None
-        if flat is not None:
-            self._pending_metrics = []
-            self._in_flight.append((pending, _HostCopy(flat)))
-            return  # the storage's deferred flag stays set: a read completes the copy
+        with self._settle_lock:
+            pending = self._pending_metrics
+            tensors = (
+                _losses_if(pending, _is_cuda) if len(self._in_flight) < self.MAX_IN_FLIGHT else None
+            )
+            flat = stack_scalars(tensors) if tensors else None
+            if flat is not None:
+                self._in_flight.append((self._take_pending(), _HostCopy(flat)))
+                return  # the storage's deferred flag stays set: a read completes the copy
         self.storage._settle()
+
+    def _take_pending(self) -> List[Tuple[int, float, Mapping[str, Any], str]]:
+        """The pending entries, removed from the list in place (under ``_settle_lock``): what
+        the training thread appends meanwhile stays for the next settle."""
+        pending = self._pending_metrics
+        taken = pending[:]
+        del pending[: len(taken)]
+        return taken
 
     def _settle_metrics(self) -> None:
         """Puts the pending losses of every recorded iteration with the one write_metrics
@@ -1005,22 +1020,24 @@ class SimpleTrainer(TrainerBase):
         (one stack, one copy to the host: one synchronization, or a wait for a copy started
         earlier); on the CPU the core reads each with ``item()``, which costs less than
         stacking many small tensors."""
-        in_flight, self._in_flight = self._in_flight, []
-        pending, self._pending_metrics = self._pending_metrics, []
-        batches: List[Tuple[List[Any], Optional[List[float]]]] = [
-            (entries, copy.values()) for entries, copy in in_flight
-        ]
-        if pending:
-            # The first loss on the CPU (every settle of a CPU run): _losses_if stops there and
-            # the core reads them all (a stray device tensor is still read, with item()).
-            tensors = _losses_if(pending, _off_cpu)
-            batches.append((pending, read_scalars(tensors) if tensors else None))
-        try:
-            for entries, values in batches:
-                self.storage._write_metrics_batch(entries, values)
-        except Exception:
-            logger.exception("Exception in writing metrics: ")
-            raise
+        with self._settle_lock:
+            in_flight, self._in_flight = self._in_flight, []
+            pending = self._take_pending()
+            batches: List[Tuple[List[Any], Optional[List[float]]]] = [
+                (entries, copy.values()) for entries, copy in in_flight
+            ]
+            if pending:
+                # The first loss on the CPU (every settle of a CPU run): _losses_if stops
+                # there and the core reads them all (a stray device tensor is still read, with
+                # item()).
+                tensors = _losses_if(pending, _off_cpu)
+                batches.append((pending, read_scalars(tensors) if tensors else None))
+            try:
+                for entries, values in batches:
+                    self.storage._write_metrics_batch(entries, values)
+            except Exception:
+                logger.exception("Exception in writing metrics: ")
+                raise
 
     @staticmethod
     def write_metrics(

@@ -116,6 +116,29 @@ def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> No
             bench_mlp_paired.main(bad)
 
 
+@pytest.mark.skipif(not Path("/proc/thread-self/status").exists(), reason="needs Linux /proc")
+def test_runtime_bench_reports_every_figure_for_each_loop(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import bench_mlp_runtime as runtime
+    finally:
+        sys.path.remove(str(BENCHES))
+    out = tmp_path / "runtime.json"
+    argv = ["--loops", "hand,stack1", "--rounds", "1", "--steps", "30", "--json", str(out)]
+    assert runtime.main(argv) == 0
+    res = json.loads(out.read_text(encoding="utf-8"))
+    assert set(res["runs"]) == {"hand", "stack1"}
+    keys = {"wall_us", "user_us", "sys_us", "minor_faults", "voluntary_switches",
+            "involuntary_switches", "gc_collections", "gc_us"}  # fmt: skip
+    for loop in ("hand", "stack1"):
+        (run,) = res["runs"][loop]
+        assert set(run) == keys
+        assert run["wall_us"] > 0 and all(v >= 0 for v in run.values())
+    for bad in (["--loops", "nope"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            runtime.main(bad)
+
+
 @pytest.fixture(scope="module")
 def instructions() -> Iterator[Any]:
     sys.path.insert(0, str(BENCHES))

@@ -143,7 +143,7 @@ UNCLOSED_RUN = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsync", ["always", "never"])
+@pytest.mark.parametrize("fsync", ["always", "periodic", "never"])
 def test_normal_exit_without_close_flushes_everything(tmp_path, fsync):
     n = 500
     done = subprocess.run(

@@ -890,18 +890,18 @@ def stack_hooks(
     n: int,
     d: str,
     writers: Sequence[str] = ALL_WRITERS,
-    json_fsync: str = "always",
+    json_fsync: Optional[str] = None,
 ) -> List[Any]:
     """IterationTimer, LRScheduler, PeriodicWriter([printer, JSON, TB], period) of engine ``e``
     (see :func:`engine`), as detectron2's DefaultTrainer orders them, writing into ``d``.
     ``writers`` picks a subset (none: no PeriodicWriter); ``json_fsync`` is hookloop's
-    JSONWriter option."""
+    JSONWriter option (None: its default, what a user gets)."""
     json_path = os.path.join(d, "metrics.json")
     make: Dict[str, Callable[[], Any]] = {
         "printer": lambda: e.CommonMetricPrinter(n),
         "json": (
             (lambda: e.JSONWriter(json_path, fsync=json_fsync))
-            if e.name == "hl"
+            if e.name == "hl" and json_fsync is not None
             else (lambda: e.JSONWriter(json_path))
         ),
         "tb": lambda: e.TensorboardXWriter(d),
@@ -918,7 +918,7 @@ def make_stack_trainer(
     n: int,
     d: str,
     writers: Sequence[str] = ALL_WRITERS,
-    json_fsync: str = "always",
+    json_fsync: Optional[str] = None,
 ) -> Any:
     """SimpleTrainer on the one-parameter model with :func:`stack_hooks`, for engine ``impl``
     (see :func:`engine`)."""
@@ -1019,11 +1019,12 @@ def _stack_case(cfg: Config, period: int, n: int, tmpdir: str) -> List[Row]:
 
 
 _BREAKDOWN = (
-    ("IterationTimer + LRScheduler + write_metrics, no writer", (), "always"),
-    ("… + PeriodicWriter([CommonMetricPrinter])", ("printer",), "always"),
-    ("… + PeriodicWriter([JSONWriter])", ("json",), "always"),
+    ("IterationTimer + LRScheduler + write_metrics, no writer", (), None),
+    ("… + PeriodicWriter([CommonMetricPrinter])", ("printer",), None),
+    ("… + PeriodicWriter([JSONWriter]) (fsync='periodic', the default)", ("json",), None),
+    ("… + PeriodicWriter([JSONWriter(fsync='always')])", ("json",), "always"),
     ("… + PeriodicWriter([JSONWriter(fsync='never')])", ("json",), "never"),
-    ("… + PeriodicWriter([TensorboardXWriter])", ("tb",), "always"),
+    ("… + PeriodicWriter([TensorboardXWriter])", ("tb",), None),
 )
 
 

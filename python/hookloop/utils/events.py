@@ -288,9 +288,13 @@ class JSONWriter(_NativeFileWriter):
             file exists; the file is opened (created) here, so an unwritable path fails now.
         window_size (int): the window size of median smoothing for scalars whose
             ``smoothing_hint`` is True.
-        fsync (str): ``"always"`` (default: the writer thread fsyncs each batch of lines it
-            writes, every 5 ms at most, so a line is on disk milliseconds after ``write()``;
-            detectron2 fsyncs inside each ``write()``), ``"close"`` (only when closed) or
+        fsync (str): when the writer thread fsyncs the file. Lines reach the file (the OS)
+            within 5 ms of ``write()`` under every policy, so they survive a kill of the
+            process; an fsync makes them survive a crash of the machine. ``"periodic"``
+            (default): at most once a second while lines keep coming, and whenever writing
+            pauses, at ``flush()`` and at ``close()``. ``"always"``: after each batch of lines
+            (detectron2 fsyncs inside each ``write()``; on a VM each fsync's I/O interrupt
+            also costs the CPU the training thread runs on). ``"close"`` (only when closed) or
             ``"never"``.
     """
 
@@ -363,7 +367,8 @@ class TensorboardXWriter(_NativeFileWriter):
         window_size (int): the scalars will be median-smoothed by this window size
         kwargs: SummaryWriter's keyword arguments. ``filename_suffix`` is honoured;
             ``max_queue`` and ``flush_secs`` are accepted and ignored (every ``write()`` reaches
-            the file); ``fsync`` (``"close"`` by default, or ``"always"``/``"never"``) is
+            the file); ``fsync`` (``"close"`` by default, or ``"always"``/``"periodic"``/
+            ``"never"``, as for :class:`JSONWriter`) is
             hookloop's own.
     """
 

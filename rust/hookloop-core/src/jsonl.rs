@@ -6,12 +6,13 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::append;
 use crate::history::Iter;
 use crate::pyfmt::{write_json_str, write_repr_f64};
 use crate::storage::SmoothedScalar;
-use crate::writer::{FsyncPolicy, Payload, Sink};
+use crate::writer::{Durability, FsyncPolicy, Payload, Sink};
 use crate::{Error, Result};
 
 /// One iteration's scalars for metrics.json.
@@ -94,10 +95,19 @@ pub struct JsonSink {
     pending: String,
     /// The file ends with a whole object but no newline: the next line starts with one.
     needs_newline: bool,
-    fsync: FsyncPolicy,
+    fsync: Durability,
 }
 
 impl JsonSink {
+    /// fsyncs the file's data (`Durability` decides when).
+    fn sync_data(&mut self, now: Instant) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| Error::io(&self.path, e))?;
+        self.fsync.synced(now);
+        Ok(())
+    }
+
     /// Opens `path` for appending (creating it), on the calling thread so that an unwritable
     /// location fails at construction as in detectron2. A torn last line left by a killed run
     /// is cut off, so the file parses line by line.
@@ -151,7 +161,7 @@ impl JsonSink {
             file,
             pending: String::new(),
             needs_newline,
-            fsync,
+            fsync: Durability::new(fsync),
         })
     }
 }
@@ -336,10 +346,17 @@ impl Sink for JsonSink {
 
     fn sync(&mut self) -> Result<()> {
         self.write_pending()?;
-        if self.fsync == FsyncPolicy::Always {
-            self.file
-                .sync_data()
-                .map_err(|e| Error::io(&self.path, e))?;
+        let now = Instant::now();
+        if self.fsync.after_batch(now) {
+            self.sync_data(now)?;
+        }
+        Ok(())
+    }
+
+    fn tick(&mut self, pause: bool) -> Result<()> {
+        let now = Instant::now();
+        if self.fsync.due(now, pause) {
+            self.sync_data(now)?;
         }
         Ok(())
     }
@@ -356,7 +373,7 @@ impl Sink for JsonSink {
     fn close(&mut self) -> Result<()> {
         self.write_pending()?;
         self.verify()?;
-        if self.fsync != FsyncPolicy::Never {
+        if self.fsync.policy() != FsyncPolicy::Never {
             self.file
                 .sync_data()
                 .map_err(|e| Error::io(&self.path, e))?;
@@ -483,7 +500,7 @@ mod tests {
             file,
             pending: String::new(),
             needs_newline: false,
-            fsync: FsyncPolicy::Never,
+            fsync: Durability::new(FsyncPolicy::Never),
         };
         let mut h = SinkHandle::open(Box::new(sink), "JSONWriter", path.clone()).unwrap();
         h.send(Payload::Json(vec![row(0, &[("a", 1.0)])])).unwrap();

@@ -9,14 +9,14 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::PathBuf;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, ImageError, Result};
-use crate::writer::{FsyncPolicy, Payload, Sink};
+use crate::writer::{Durability, FsyncPolicy, Payload, Sink};
 
 /// The `file_version` of every event file TensorBoard reads today.
 pub const FILE_VERSION: &str = "brain.Event:2";
@@ -638,7 +638,7 @@ impl EventFile {
 /// A TensorBoard event file, created at its first non-empty write.
 pub struct EventSink {
     file: EventFile,
-    fsync: FsyncPolicy,
+    fsync: Durability,
     buf: Vec<u8>,
 }
 
@@ -660,7 +660,7 @@ impl EventSink {
             + filename_suffix;
         EventSink {
             file: EventFile::new(log_dir, name),
-            fsync,
+            fsync: Durability::new(fsync),
             buf: Vec::new(),
         }
     }
@@ -700,9 +700,26 @@ impl Sink for EventSink {
 
     fn sync(&mut self) -> Result<()> {
         self.write_pending()?;
+        let now = Instant::now();
+        let fsync = self.fsync.after_batch(now);
         self.file
-            .flush(self.fsync == FsyncPolicy::Always)
-            .map_err(|e| Error::io(self.file.path(), e))
+            .flush(fsync)
+            .map_err(|e| Error::io(self.file.path(), e))?;
+        if fsync {
+            self.fsync.synced(now);
+        }
+        Ok(())
+    }
+
+    fn tick(&mut self, pause: bool) -> Result<()> {
+        let now = Instant::now();
+        if self.fsync.due(now, pause) {
+            self.file
+                .flush(true)
+                .map_err(|e| Error::io(self.file.path(), e))?;
+            self.fsync.synced(now);
+        }
+        Ok(())
     }
 
     fn purge(&mut self, wall_time: f64, from: f64) -> Result<u64> {
@@ -719,7 +736,7 @@ impl Sink for EventSink {
         self.write_pending()?;
         self.file.verify()?;
         self.file
-            .flush(self.fsync != FsyncPolicy::Never)
+            .flush(self.fsync.policy() != FsyncPolicy::Never)
             .map_err(|e| Error::io(self.file.path(), e))
     }
 }

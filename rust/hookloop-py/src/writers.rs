@@ -35,7 +35,7 @@ fn fsync_policy(s: Option<&str>, default: FsyncPolicy) -> PyResult<FsyncPolicy> 
     FsyncPolicy::parse(s).ok_or_else(|| {
         to_py(Error::bad_value(
             "fsync",
-            format!("must be 'always', 'close' or 'never', got '{s}'"),
+            format!("must be 'always', 'periodic', 'close' or 'never', got '{s}'"),
         ))
     })
 }

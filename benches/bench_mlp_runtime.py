@@ -3,6 +3,7 @@ kernel, and the scheduler, per step (Linux).
 
     python benches/bench_mlp_runtime.py [--steps 3000] [--rounds 3] [--loops hand,stack,...]
     python benches/bench_mlp_runtime.py --busy    # with a busy-looping process on every other CPU
+    python benches/bench_mlp_runtime.py --json-fsync always   # JSONWriter's fsync per pickup
 
 Each loop runs in a fresh process per round (rounds interleaved), ``--steps`` steps after a
 warm-up, and reports per step: the training thread's user and system CPU time
@@ -59,7 +60,7 @@ def _switches() -> Dict[str, int]:
     return out
 
 
-def child(loop: str, steps: int) -> Dict[str, float]:
+def child(loop: str, steps: int, json_fsync: Optional[str] = None) -> Dict[str, float]:
     """One loop's figures per step, in this process."""
     import itertools
     import logging
@@ -109,7 +110,7 @@ def child(loop: str, steps: int) -> Dict[str, float]:
         hooks, period = TRAINERS[loop]
         trainer = tiny_mlp.make_trainer(
             "hl", torch.device("cpu"), batches, WARMUP + steps, tmp, hooks=hooks, period=period,
-            extra=[Marks],
+            extra=[Marks], json_fsync=json_fsync,
         )  # fmt: skip
         trainer.train(0, WARMUP + steps)
     else:
@@ -155,11 +156,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--busy", action="store_true", help="keep every other CPU busy")
+    p.add_argument(
+        "--json-fsync", metavar="POLICY", help="the trainers' JSONWriter fsync (default: its own)"
+    )
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--child", metavar="LOOP", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.steps)))
+        print(json.dumps(child(args.child, args.steps, args.json_fsync)))
         return 0
     loops = args.loops.split(",")
     bad = [x for x in loops if x not in LOOPS]
@@ -177,9 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         for r in range(args.rounds):
             for loop in loops:
+                fsync = ["--json-fsync", args.json_fsync] if args.json_fsync else []
                 out = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--child", loop,
-                     "--steps", str(args.steps)],
+                     "--steps", str(args.steps), *fsync],
                     capture_output=True, text=True, check=True,
                 ).stdout  # fmt: skip
                 rows[loop].append(json.loads(out.strip().splitlines()[-1]))

@@ -339,13 +339,15 @@ def make_trainer(
     extra: Sequence[Callable[[], Any]] = (),
     writers: Sequence[str] = overhead.ALL_WRITERS,
     data: Optional[Iterable[Batch]] = None,
+    json_fsync: Optional[str] = None,
 ) -> Any:
     """Engine ``impl``'s trainer on a fresh tiny model, its data ``batches`` cycled (or
     ``data`` when given). ``hooks``: ``"stack"`` for
     IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
     ``period``) in detectron2's order (``writers`` picks a subset), ``"native"`` for the same
     with :func:`native_scheduler` in place of MultiStepLR, ``"none"`` for none; ``extra``
-    makes more hooks (registered after those)."""
+    makes more hooks (registered after those); ``json_fsync``: hookloop's JSONWriter option
+    (None: its default)."""
     if hooks not in ("none", "stack", "native"):
         raise ValueError(f"hooks must be 'none', 'stack' or 'native', got {hooks!r}")
     model, opt, sched = build(device)
@@ -357,7 +359,7 @@ def make_trainer(
     if hooks != "none":
         e = overhead.engine(impl)
         d = tempfile.mkdtemp(prefix=f"mlp-{impl}-", dir=tmpdir)
-        hs = overhead.stack_hooks(e, opt, sched, period, n, d, writers)
+        hs = overhead.stack_hooks(e, opt, sched, period, n, d, writers, json_fsync)
     hs += [make() for make in extra]
     t.register_hooks(hs)
     return t

@@ -978,17 +978,38 @@ def test_deferred_losses_of_a_model_that_refills_one_dict_are_each_steps_own():
             self.losses["loss_b"] = self.w * (100 * self.steps)
             return self.losses
 
+    class LateExecutor(concurrent.futures.Executor):
+        """Runs what is submitted at shutdown (the end of training): the executor's reads
+        come after every later step's refill, deterministically."""
+
+        def __init__(self):
+            self.queued = []
+
+        def submit(self, fn, *args, **kwargs):
+            future = concurrent.futures.Future()
+            self.queued.append((future, fn, args, kwargs))
+            return future
+
+        def shutdown(self, wait=True, **kwargs):
+            for future, fn, args, kwargs in self.queued:
+                future.set_result(fn(*args, **kwargs))
+            self.queued = []
+
     runs = {}
-    for every_step in (False, True):
+    for mode in ("deferred", "every_step", "async"):
         model = Refills()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        trainer = SimpleTrainer(model, loader(), opt, check_finite_every_step=every_step)
+        trainer = SimpleTrainer(
+            model, loader(), opt, check_finite_every_step=mode == "every_step",
+            async_write_metrics=mode == "async",
+        )  # fmt: skip
+        trainer.concurrent_executor = LateExecutor()
         trainer.train(0, 5)
-        runs[every_step] = {
+        runs[mode] = {
             k: trainer.storage.history(k).values() for k in ("total_loss", "loss_a", "loss_b")
         }
-    assert runs[False] == runs[True]
-    assert runs[False]["loss_a"] == [(float(i + 1), i) for i in range(5)]
+    assert runs["deferred"] == runs["every_step"] == runs["async"]
+    assert runs["deferred"]["loss_a"] == [(float(i + 1), i) for i in range(5)]
 
 
 def test_a_hook_reading_the_storage_sees_this_steps_losses():

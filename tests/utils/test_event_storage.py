@@ -218,9 +218,13 @@ def test_history_and_histories_are_live(storage):
     assert len(loss) == 10
     assert loss.latest() == 9.0
     assert storage.histories()["acc"].values() == [(float(-i), i) for i in range(5)]
-    # New names appear in later calls.
+    # New names appear in later calls, and are found in a dict taken before their first put
+    # (a hook that keeps storage.histories() from before_train), as the storage's own buffer.
     storage.put_scalar("new", 1.0)
     assert list(storage.histories()) == ["loss", "acc", "new"]
+    assert hist["new"].latest() == 1.0
+    storage.put_scalar("new", 2.0)
+    assert hist["new"].latest() == 2.0
 
 
 def test_latest_items_densepose_style(storage):

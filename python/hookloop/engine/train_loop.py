@@ -753,9 +753,12 @@ class SimpleTrainer(TrainerBase):
             self.optimizer.step()
 
     def _submit_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
-        """Writes metrics on the executor thread, after re-raising any earlier write's error."""
+        """Writes metrics on the executor thread, after re-raising any earlier write's error.
+        The executor gets a copy of the loss dict: the model may refill its dict at the next
+        step before the executor reads it (detectron2 hands over the model's own)."""
         self._raise_async_errors()
         it = self.iter
+        loss_dict = dict(loss_dict)
         if (it + 1) % self.gather_metric_period == 0 and self._stop_rides_collective():
             # Across ranks: the stop agreed in the previous period's collective is taken
             # here, at the same iteration on every rank (the wait is for a write a period

@@ -98,9 +98,10 @@ class EventStorage(_core.EventStorage):
 
     def histories(self) -> Dict[str, HistoryBuffer]:  # type: ignore[override]
         """``{name: HistoryBuffer}`` for every scalar, in first-put order. Like detectron2's
-        ``defaultdict(HistoryBuffer)``: reading a name never put gives an empty buffer (which
-        writers do not see), and assigning ``histories()[name] = buffer`` makes it that
-        scalar's history in this storage."""
+        ``defaultdict(HistoryBuffer)``: each buffer is the storage's own (live); a name put
+        after this call is found when it is read from the dict; reading a name never put gives
+        an empty buffer (which writers do not see); and assigning
+        ``histories()[name] = buffer`` makes it that scalar's history in this storage."""
         return _HistoryMap(self, super().histories())
 
     @property
@@ -212,8 +213,13 @@ class _HistoryMap(dict):  # type: ignore[type-arg]
         self._storage = storage
 
     def __missing__(self, name: str) -> HistoryBuffer:
-        # Kept in this dict only: a name that was only read appears in no writer's output.
-        buffer = HistoryBuffer()
+        # A name put since this dict was made: the storage's own buffer, as in detectron2,
+        # where this dict is the storage's.
+        try:
+            buffer = self._storage.history(name)
+        except KeyError:
+            # Never put: an empty buffer kept in this dict only, which no writer sees.
+            buffer = HistoryBuffer()
         dict.__setitem__(self, name, buffer)
         return buffer
 

@@ -31,9 +31,8 @@ use crate::state::{PendingImage, Shared, SharedState, State};
     weakref
 )]
 pub struct PyEventStorage {
-    pub state: SharedState,
-    /// What is put but not read yet, shared with the storage's `HistoryBuffer` views (a
-    /// view read later settles it too).
+    /// The state (`Deferred::state`) and what is put but not read yet, shared with the
+    /// storage's `HistoryBuffer` views (a view read later settles it too).
     pub deferred: Arc<Deferred>,
 }
 
@@ -45,9 +44,14 @@ impl PyEventStorage {
         self.deferred.settle(py)
     }
 
+    /// The storage's state, behind its one lock.
+    pub fn state(&self) -> &SharedState {
+        self.deferred.state()
+    }
+
     /// Runs `f` on the core storage under the lock.
     pub fn with<R>(&self, f: impl FnOnce(&mut Storage) -> R + Send) -> R {
-        self.state.with(|s| f(&mut s.core))
+        self.state().with(|s| f(&mut s.core))
     }
 
     /// Sets the iteration: the training loop's per-step call, without a Python frame.
@@ -75,10 +79,8 @@ impl PyEventStorage {
             core,
             images: Bounded::new(max_images),
         };
-        let state = Arc::new(Shared::new(state));
         Ok(PyEventStorage {
-            deferred: Arc::new(Deferred::new(state.clone())),
-            state,
+            deferred: Arc::new(Deferred::new(Arc::new(Shared::new(state)))),
         })
     }
 
@@ -281,7 +283,7 @@ impl PyEventStorage {
             })
         })?;
         let image = Arc::new(img_tensor.clone().unbind());
-        let (dropped, first) = self.state.with(move |s| {
+        let (dropped, first) = self.state().with(move |s| {
             let iter = s.core.iter();
             s.images.push(PendingImage {
                 name: img_name,
@@ -489,7 +491,7 @@ impl PyEventStorage {
     /// detectron2's `_vis_data`: a list of (name, image, iteration) waiting for a writer.
     #[getter]
     fn _vis_data<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self.state.with(|s| {
+        let items = self.state().with(|s| {
             s.images
                 .iter()
                 .map(|p| (p.name.clone(), p.image.clone(), p.iter))
@@ -516,7 +518,7 @@ impl PyEventStorage {
 
     /// Removes and returns the queued images as (name, image, iteration) tuples.
     fn _take_images<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let taken = self.state.with(|s| s.images.take());
+        let taken = self.state().with(|s| s.images.take());
         PyList::new(
             py,
             taken
@@ -527,7 +529,7 @@ impl PyEventStorage {
 
     /// The number of images waiting for a writer.
     fn _pending_images(&self) -> usize {
-        self.state.with(|s| s.images.len())
+        self.state().with(|s| s.images.len())
     }
 
     /// Removes and returns the queued histograms as keyword dicts.
@@ -542,7 +544,7 @@ impl PyEventStorage {
 
     /// Drops the queued images (the TensorBoard writer calls this after writing them).
     fn clear_images(&self) {
-        let taken = self.state.with(|s| s.images.take());
+        let taken = self.state().with(|s| s.images.take());
         drop(taken); // after unlocking, see the module comment
     }
 
@@ -588,7 +590,7 @@ impl PyEventStorage {
         // try_with: the lock is never held across Python code, so this only fails while
         // another thread is inside a Rust call, and then the images are reachable next time.
         let images = self
-            .state
+            .state()
             .try_with(|s| s.images.iter().map(|p| p.image.clone()).collect::<Vec<_>>())
             .unwrap_or_default();
         for image in &images {
@@ -598,7 +600,10 @@ impl PyEventStorage {
     }
 
     fn __clear__(&self) {
-        let taken = self.state.try_with(|s| s.images.take()).unwrap_or_default();
+        let taken = self
+            .state()
+            .try_with(|s| s.images.take())
+            .unwrap_or_default();
         drop(taken);
         self.deferred.clear();
     }

@@ -149,7 +149,7 @@ impl PyNativeWriter {
         handle.check().py_err()?;
         let window = self.window_size;
         let mut last_write = self.last_write();
-        let (smoothed, taken) = storage.get().state.with(|state| {
+        let (smoothed, taken) = storage.get().state().with(|state| {
             let smoothed = state.core.smoothed_since(window, &mut last_write);
             (smoothed, take(state))
         });

@@ -67,6 +67,16 @@ TRAINERS: Dict[str, Tuple[str, int, Optional[Tuple[str, ...]]]] = {
     "tb1": ("stack", 1, ("tb",)),
 }
 
+
+def trainer_args(loop: str) -> Tuple[str, Dict[str, Any]]:
+    """``tiny_mlp.make_trainer``'s ``hooks`` and keyword arguments for one of the TRAINERS."""
+    hooks, period, writers = TRAINERS[loop]
+    kw: Dict[str, Any] = dict(period=period)
+    if writers is not None:
+        kw["writers"] = writers
+    return hooks, kw
+
+
 # callgrind counts inside calls of this C function only: each loop runs under operator.call
 TOGGLE = "_operator_call"
 
@@ -104,10 +114,7 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
                         tiny_mlp.time_hand(dev, batches, 5, False, book)
                         counted_call(tiny_mlp.time_hand, dev, batches, n, False, book)
                     else:
-                        hooks, period, writers = TRAINERS[loop]
-                        kw: Dict[str, Any] = dict(period=period)
-                        if writers is not None:
-                            kw["writers"] = writers
+                        hooks, kw = trainer_args(loop)
                         warm = tiny_mlp.make_trainer("hl", dev, batches, 5, tmp, hooks, **kw)
                         warm.train(0, 5)
                         t = tiny_mlp.make_trainer("hl", dev, batches, n, tmp, hooks, **kw)

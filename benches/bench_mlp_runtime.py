@@ -33,20 +33,11 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-LOOPS = {
-    "hand": "hand-written loop (model calls only)",
-    "book": "hand loop with its own bookkeeping",
-    "none": "SimpleTrainer, no hooks",
-    "stack": "default stack (MultiStepLR), period 20",
-    "native": "default stack, native schedule, period 20",
-    "stack1": "default stack at period 1",
-}
-TRAINERS = {
-    "none": ("none", 20),
-    "stack": ("stack", 20),
-    "native": ("native", 20),
-    "stack1": ("stack", 1),
-}
+# The tiny MLP's loops, one table for its benches (the instruction bench's; no torch there).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mlp_instructions import LOOPS, TRAINERS, trainer_args  # noqa: E402
+
+DEFAULT_LOOPS = ("hand", "book", "none", "stack", "native", "stack1")
 WARMUP = 200
 
 
@@ -107,10 +98,10 @@ def child(loop: str, steps: int, json_fsync: Optional[str] = None) -> Dict[str, 
                 if self.trainer.iter == WARMUP + steps - 1:
                     mark()
 
-        hooks, period = TRAINERS[loop]
+        hooks, kw = trainer_args(loop)
         trainer = tiny_mlp.make_trainer(
-            "hl", torch.device("cpu"), batches, WARMUP + steps, tmp, hooks=hooks, period=period,
-            extra=[Marks], json_fsync=json_fsync,
+            "hl", torch.device("cpu"), batches, WARMUP + steps, tmp, hooks=hooks,
+            extra=[Marks], json_fsync=json_fsync, **kw,
         )  # fmt: skip
         trainer.train(0, WARMUP + steps)
     else:
@@ -152,7 +143,9 @@ def _spin() -> None:  # pragma: no cover - runs in a process that is killed
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--loops", default=",".join(LOOPS))
+    p.add_argument(
+        "--loops", default=",".join(DEFAULT_LOOPS), help="comma-separated, of " + ",".join(LOOPS)
+    )
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--busy", action="store_true", help="keep every other CPU busy")

@@ -3,26 +3,30 @@ writes. Sizes are tiny and no timing is asserted."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterator, List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 
 BENCHES = Path(__file__).resolve().parents[1] / "benches"
 
 
-@pytest.fixture(scope="module")
-def bench() -> Iterator[Any]:
+def _bench_module(name: str) -> Any:
+    """A script of benches/ imported as a module (benches/ is not a package)."""
     sys.path.insert(0, str(BENCHES))
     try:
-        import bench_overhead
-
-        yield bench_overhead
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHES))
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    return _bench_module("bench_overhead")
 
 
 def _lines(path: Path) -> List[dict]:
@@ -92,11 +96,7 @@ def test_only_runs_the_sections_named(bench: Any, tmp_path: Path) -> None:
 
 
 def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import bench_mlp_paired
-    finally:
-        sys.path.remove(str(BENCHES))
+    bench_mlp_paired = _bench_module("bench_mlp_paired")
     out = tmp_path / "paired.json"
     assert bench_mlp_paired.main(["--rounds", "3", "--window", "4", "--warmup", "1",
                                   "--replicas", "2", "--json", str(out)]) == 0  # fmt: skip
@@ -118,11 +118,7 @@ def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> No
 
 @pytest.mark.skipif(not Path("/proc/thread-self/status").exists(), reason="needs Linux /proc")
 def test_runtime_bench_reports_every_figure_for_each_loop(tmp_path: Path) -> None:
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import bench_mlp_runtime as runtime
-    finally:
-        sys.path.remove(str(BENCHES))
+    runtime = _bench_module("bench_mlp_runtime")
     out = tmp_path / "runtime.json"
     argv = ["--loops", "hand,stack1", "--rounds", "1", "--steps", "30", "--json", str(out)]
     assert runtime.main(argv) == 0
@@ -140,14 +136,8 @@ def test_runtime_bench_reports_every_figure_for_each_loop(tmp_path: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def instructions() -> Iterator[Any]:
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import bench_mlp_instructions
-
-        yield bench_mlp_instructions
-    finally:
-        sys.path.remove(str(BENCHES))
+def instructions() -> Any:
+    return _bench_module("bench_mlp_instructions")
 
 
 def test_instruction_bench_child_runs_every_loop_for_each_length(
@@ -211,11 +201,7 @@ def test_writers_instruction_bench_child_counts_each_piece_once_per_iteration() 
     import subprocess
 
     script = str(BENCHES / "bench_writers_instructions.py")
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import bench_writers_instructions as writers
-    finally:
-        sys.path.remove(str(BENCHES))
+    writers = _bench_module("bench_writers_instructions")
     for piece in writers.PIECES:
         done = subprocess.run(
             [sys.executable, script, "--child", piece, "--long", "5"],
@@ -233,11 +219,7 @@ def test_compare_builds_child_runs_both_loops_on_its_own_copy_of_the_tiny_mlp(
     import torch
     from hookloop.bench import tiny_mlp
 
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import bench_compare_builds as builds
-    finally:
-        sys.path.remove(str(BENCHES))
+    builds = _bench_module("bench_compare_builds")
     # the child's own copy of the model and data (for builds older than hookloop.bench)
     model_cls, batches = builds.tiny_mlp()
     ours = tiny_mlp.make_batches()

@@ -9,7 +9,7 @@
 //! Digits come from std's float formatting and the `ryu` crate, which match CPython's
 //! `dtoa.c`: `{:.N}` / `{:.Ne}` are correctly rounded with exact ties going to the even digit
 //! (since Rust 1.67), as `format(x, ".Nf")` and `format(x, ".Ng")` are; ryu yields the
-//! shortest digit string that round-trips, as `repr` does (see `shortest_digits`). Only the
+//! shortest digit string that round-trips, as `repr` does (see `ShortDigits`). Only the
 //! layout (where the point goes, exponent spelling, what is stripped) is done here.
 
 // Writing into a String cannot fail, which is why `write!` results are discarded below.
@@ -20,29 +20,6 @@ const MAX_FRACTION_DIGITS: usize = 1074;
 
 /// Most significant digits in the exact decimal expansion of a double (767, rounded up).
 const MAX_SIGNIFICANT_DIGITS: usize = 800;
-
-/// Decimal digits and exponent of a non-negative finite float: the value is
-/// `d1.d2d3... × 10^exp`.
-struct Sci {
-    /// ASCII digits, no sign, no point; never empty.
-    digits: String,
-    /// Exponent of the first digit.
-    exp: i32,
-}
-
-impl Sci {
-    /// Drops trailing zeros, keeping at least one digit (dtoa's digit strings never end in
-    /// zero, and `format_float_short` only pads them back for `repr`'s `.0` or `#`).
-    fn strip_trailing_zeros(&mut self) {
-        let kept = self.digits.trim_end_matches('0').len().max(1);
-        self.digits.truncate(kept);
-    }
-
-    /// Python's position of the decimal point: value = 0.DIGITS × 10^decpt.
-    fn decpt(&self) -> i32 {
-        self.exp + 1
-    }
-}
 
 /// Appends `digits` with the decimal point placed so that value = 0.DIGITS × 10^decpt.
 /// `dot_zero` adds `.0` to an integral result, as `repr` does and `g` does not.
@@ -84,27 +61,63 @@ fn push_exponent_form(out: &mut String, digits: &str, exp: i32) {
 
 /// Shortest round-trip digits of a non-negative finite `x`, as CPython's `repr` (dtoa mode 0)
 /// chooses them, ties between two shortest candidates going to the even digit: the `ryu`
-/// crate's digits (std's `{:e}` rounds such ties up). Only ryu's layout is undone here.
-fn shortest_digits(x: f64) -> Sci {
-    let mut buf = ryu::Buffer::new();
-    let text = buf.format_finite(x);
-    let (mantissa, exp_text) = text.split_once('e').unwrap_or((text, "0"));
-    let exp10 = exp_text.parse::<i32>().unwrap_or(0);
-    let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let all: String = int_part.chars().chain(frac_part.chars()).collect();
-    let leading = all.bytes().take_while(|&b| b == b'0').count();
-    if leading == all.len() {
-        return Sci {
-            digits: "0".into(),
+/// crate's digits (std's `{:e}` rounds such ties up). Only ryu's layout is undone here, into a
+/// buffer on the stack (ryu writes at most 17 significant digits).
+struct ShortDigits {
+    buf: [u8; 24],
+    len: usize,
+    /// Exponent of the first digit.
+    exp: i32,
+}
+
+impl ShortDigits {
+    fn of(x: f64) -> ShortDigits {
+        let mut ryu_buf = ryu::Buffer::new();
+        let text = ryu_buf.format_finite(x).as_bytes();
+        let e = text.iter().position(|&b| b == b'e').unwrap_or(text.len());
+        // ryu always writes a plain decimal exponent after `e`; 0 keeps this total.
+        let exp10 = std::str::from_utf8(&text[(e + 1).min(text.len())..])
+            .ok()
+            .and_then(|t| t.parse::<i32>().ok())
+            .unwrap_or(0);
+        let mantissa = &text[..e];
+        let int_len = mantissa
+            .iter()
+            .position(|&b| b == b'.')
+            .unwrap_or(mantissa.len());
+        let mut out = ShortDigits {
+            buf: [0; 24],
+            len: 0,
             exp: 0,
         };
+        // The mantissa's digits without the point; `leading` counts the zeros before the
+        // first non-zero one.
+        let mut leading = 0i32;
+        for &b in mantissa.iter().filter(|&&b| b != b'.') {
+            if out.len == 0 && b == b'0' {
+                leading += 1;
+            } else if out.len < out.buf.len() {
+                out.buf[out.len] = b;
+                out.len += 1;
+            }
+        }
+        out.len = out.buf[..out.len]
+            .iter()
+            .rposition(|&b| b != b'0')
+            .map_or(0, |i| i + 1);
+        if out.len == 0 {
+            out.buf[0] = b'0';
+            out.len = 1;
+            return out; // zero: "0", exponent 0
+        }
+        out.exp = int_len as i32 - 1 - leading + exp10;
+        out
     }
-    let mut sci = Sci {
-        digits: all[leading..].to_owned(),
-        exp: int_part.len() as i32 - 1 - leading as i32 + exp10,
-    };
-    sci.strip_trailing_zeros();
-    sci
+
+    fn digits(&self) -> &str {
+        // Only ASCII digits are stored.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("0")
+    }
 }
 
 /// Appends `x` exactly as Python's `json.dumps` writes a float: `float.__repr__` for finite
@@ -123,13 +136,13 @@ pub fn write_repr_f64(out: &mut String, x: f64) {
     if x.is_sign_negative() {
         out.push('-');
     }
-    let sci = shortest_digits(x.abs());
-    let decpt = sci.decpt();
+    let short = ShortDigits::of(x.abs());
+    let decpt = short.exp + 1;
     // float_repr_style 'short': exponent form outside -4 < decpt <= 16.
     if decpt <= -4 || decpt > 16 {
-        push_exponent_form(out, &sci.digits, sci.exp);
+        push_exponent_form(out, short.digits(), short.exp);
     } else {
-        push_fixed(out, &sci.digits, decpt, true);
+        push_fixed(out, short.digits(), decpt, true);
     }
 }
 

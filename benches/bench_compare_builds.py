@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -71,17 +72,19 @@ def tiny_mlp() -> Tuple[Any, List[Any]]:
     return TinyMLP, batches
 
 
-def child(period: int, lengths: Sequence[int]) -> None:
-    """Each loop for each length inside ``operator.call``, after 5 uncounted steps of its own."""
-    import hookloop
+def make_loops(
+    period: int, tmp: str, data: Optional[Callable[[List[Any]], Iterator[Any]]] = None
+) -> Dict[str, Callable[[int], Callable[[], None]]]:
+    """The two loops, each as ``make(n)``: a fresh model and a function that trains it ``n``
+    steps (the hand-written loop, and ``SimpleTrainer`` with the default stack at ``period``
+    writing under ``tmp``), taking its batches from ``data(batches)`` (default: cycled).
+    Only hookloop's public API: it runs against builds older than ``hookloop.bench``."""
     import torch
     from hookloop.engine import SimpleTrainer, hooks
     from hookloop.utils import events
 
-    print(f"hookloop from {os.path.dirname(hookloop.__file__)}", file=sys.stderr, flush=True)
-    torch.set_num_threads(1)
     model_cls, batches = tiny_mlp()
-    tmp = tempfile.mkdtemp(prefix="hookloop-builds-")
+    feed = data if data is not None else itertools.cycle
 
     def build() -> Tuple[Any, Any, Any]:
         torch.manual_seed(0)
@@ -92,12 +95,12 @@ def child(period: int, lengths: Sequence[int]) -> None:
 
     def hand(n: int) -> Callable[[], None]:
         model, opt, _ = build()
-        data = itertools.cycle(batches)
+        it = feed(batches)
 
         def loop() -> None:
             model.train()
             for _ in range(n):
-                loss_dict = model(next(data))
+                loss_dict = model(next(it))
                 losses = sum(loss_dict.values())
                 opt.zero_grad()
                 losses.backward()
@@ -107,7 +110,7 @@ def child(period: int, lengths: Sequence[int]) -> None:
 
     def stack(n: int) -> Callable[[], None]:
         model, opt, sched = build()
-        trainer = SimpleTrainer(model, itertools.cycle(batches), opt)
+        trainer = SimpleTrainer(model, feed(batches), opt)
         d = tempfile.mkdtemp(dir=tmp)
         writers = [
             events.CommonMetricPrinter(n),
@@ -118,8 +121,19 @@ def child(period: int, lengths: Sequence[int]) -> None:
         trainer.register_hooks([*stack, hooks.PeriodicWriter(writers, period)])
         return lambda: trainer.train(0, n)
 
-    makes = {"hand": hand, "stack": stack}
+    return {"hand": hand, "stack": stack}
+
+
+def child(period: int, lengths: Sequence[int]) -> None:
+    """Each loop for each length inside ``operator.call``, after 5 uncounted steps of its own."""
+    import hookloop
+    import torch
+
+    print(f"hookloop from {os.path.dirname(hookloop.__file__)}", file=sys.stderr, flush=True)
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="hookloop-builds-")
     try:
+        makes = make_loops(period, tmp)
         with _printer_logging():
             for loop in LOOPS:
                 for n in lengths:
@@ -128,6 +142,52 @@ def child(period: int, lengths: Sequence[int]) -> None:
                     print(f"{loop} {n} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: hookloop.bench.paired of this checkout, which the timed children load from its file:
+#: importing it as part of the package would import this build's hookloop.
+PAIRED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "hookloop", "bench",
+    "paired.py",
+)  # fmt: skip
+
+
+def timed_child(
+    conn: Any, python_path: Optional[str], loop: str, period: int, window: int, steps: int,
+    tmp: str,
+) -> None:  # fmt: skip
+    """One process of ``--timed`` (a fresh interpreter): ``loop`` of the hookloop found first
+    on ``python_path`` (the parent's when None) trains, taking its turns through
+    ``paired._turns``, until the parent stops it."""
+    import importlib.util
+    import traceback
+
+    if python_path is not None:
+        sys.path.insert(0, python_path)
+    try:
+        import hookloop
+        import torch
+
+        where = os.path.dirname(os.path.abspath(hookloop.__file__))
+        if python_path is not None and os.path.realpath(where) != os.path.realpath(
+            os.path.join(python_path, "hookloop")
+        ):
+            raise RuntimeError(f"imported hookloop from {where}, not from {python_path}")
+        spec = importlib.util.spec_from_file_location("_hookloop_paired_turns", PAIRED)
+        assert spec is not None and spec.loader is not None
+        turns = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = turns  # dataclasses look their module up
+        spec.loader.exec_module(turns)
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        makes = make_loops(period, tmp, lambda batches: turns._turns(conn, batches, window, device))
+        with _printer_logging():
+            makes[loop](steps)()
+        conn.send(("error", f"{loop} ({where}) ended after {steps} steps, before it was stopped"))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    conn.close()
+    os._exit(0)
 
 
 @contextlib.contextmanager
@@ -183,18 +243,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--period", type=int, default=20)
     p.add_argument("--short", type=int, default=100)
     p.add_argument("--long", type=int, default=600)
+    p.add_argument("--timed", action="store_true",
+                   help="time the loops in paired turns, not count instructions")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=200, help="--timed: rounds of turns")
+    p.add_argument("--window", type=int, default=20, help="--timed: steps per turn")
+    p.add_argument("--warmup", type=int, default=5, help="--timed: untimed first rounds")
+    p.add_argument("--replicas", type=int, default=4, help="--timed: processes per loop")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.period < 1:
         p.error("--period must be positive")
     if not 0 < args.short < args.long:
         p.error("--short and --long must be positive, --short below --long")
+    if args.rounds < 1 or args.window < 1 or args.replicas < 1 or args.warmup < 0:
+        p.error("--rounds, --window and --replicas must be positive, --warmup not negative")
     if args.child:
         child(args.period, (args.short, args.long))
         return 0
     for path in args.against:
         if not os.path.isdir(os.path.join(path, "hookloop")):
             p.error(f"--against {path}: no hookloop package there")
+    if args.timed:
+        return timed(args)
     valgrind = callgrind_or_exit(p)
     rows = []
     for path in [None, *args.against]:
@@ -205,6 +275,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("|---|---|---|")
     for name, hand, over in rows:
         print(f"| {name} | {hand:,.0f} | {over:+,.0f} |")
+    return 0
+
+
+def timed(args: argparse.Namespace) -> int:
+    """``--timed``: the hand loop and each build's stack in paired turns
+    (``hookloop.bench.paired``, every process a fresh interpreter), and per build the stack's
+    µs per step over the hand loop, with 95% intervals that resample the processes and the
+    rounds, and its ratio to the first build's."""
+    import numpy as np
+    from hookloop.bench import paired
+
+    builds: List[Optional[str]] = [None, *args.against]
+    hand = paired.Variant("hand")
+    stacks = [paired.Variant(f"build {i}", "stack") for i in range(len(builds))]
+    path_of = dict(zip(stacks, builds))
+
+    def spawn(v: Any, conn: Any, steps: int, tmp: str) -> Tuple[Callable[..., None], Tuple]:
+        loop = "hand" if v == hand else "stack"
+        return timed_child, (conn, path_of.get(v), loop, args.period, args.window, steps, tmp)
+
+    print(f"{len(builds) + 1} loops x {args.replicas} processes, {args.rounds} rounds "
+          "(each process imports torch first) ...", file=sys.stderr, flush=True)  # fmt: skip
+    times = paired.run(
+        [hand, *stacks], window=args.window, rounds=args.rounds, warmup=args.warmup,
+        replicas=args.replicas, spawn=spawn,
+    )  # fmt: skip
+    us = 1e6 / args.window  # seconds per window -> µs per step
+
+    def over(h: Any, v: Any) -> float:
+        return float(np.median(v - h)) * us
+
+    def relative(h: Any, v: Any, first: Any) -> float:
+        return float(np.median(v - h) / np.median(first - h))
+
+    print(f"\n| hookloop | hand loop µs/step | default stack (period {args.period}) µs/step over "
+          "it (95% interval) | over-hand time ÷ the first build's (95% interval) |")  # fmt: skip
+    print("|---|---|---|---|")
+    hand_us = statistics.median(paired.windows(times, hand)) * us
+    for v, path in zip(stacks, builds):
+        o = over(np.asarray(paired.windows(times, hand)), np.asarray(paired.windows(times, v)))
+        lo, hi = paired.bootstrap_ci(times, [hand, v], over)
+        cell = "1"
+        if v != stacks[0]:
+            r = relative(*(np.asarray(paired.windows(times, x)) for x in (hand, v, stacks[0])))
+            rlo, rhi = paired.bootstrap_ci(times, [hand, v, stacks[0]], relative)
+            cell = f"{r:.3f} ({rlo:.3f}–{rhi:.3f})"
+        name = path if path is not None else "this build"
+        print(f"| {name} | {hand_us:,.1f} | {o:+,.1f} ({lo:+,.1f} to {hi:+,.1f}) | {cell} |")
     return 0
 
 

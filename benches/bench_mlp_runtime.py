@@ -7,12 +7,14 @@ kernel, and the scheduler, per step (Linux).
 
 Each loop runs in a fresh process per round (rounds interleaved), ``--steps`` steps after a
 warm-up, and reports per step: the training thread's user and system CPU time
-(``getrusage(RUSAGE_THREAD)``), its voluntary and involuntary context switches
-(``/proc/thread-self/status``), minor page faults, and the garbage collector's collections and
-the time spent in them (``gc.callbacks``). ``bench_mlp_instructions.py`` counts instructions
-and simulated cache misses and branch mispredictions, but only inside the training thread's
-user-space code: this is the rest. Wall time per step is printed for reference; it is as noisy
-here as anywhere on a shared machine (``bench_mlp_paired.py`` measures ratios properly).
+(``getrusage(RUSAGE_THREAD)``), the CPU time of the process's other threads (the writers'
+threads: the process's CPU clock less the training thread's), the training thread's voluntary
+and involuntary context switches (``/proc/thread-self/status``), minor page faults, and the
+garbage collector's collections and the time spent in them (``gc.callbacks``).
+``bench_mlp_instructions.py`` counts instructions and simulated cache misses and branch
+mispredictions, but only inside the training thread's user-space code: this is the rest. Wall
+time per step is printed for reference; it is as noisy here as anywhere on a shared machine
+(``bench_mlp_paired.py`` measures ratios properly).
 
 ``--busy`` starts a process that spins on each CPU but one before the rounds (as data-loader
 workers or a neighbour's job would keep them busy), so that the writers' threads, which poll
@@ -84,7 +86,12 @@ def child(loop: str, steps: int, json_fsync: Optional[str] = None) -> Dict[str, 
             gc.callbacks.append(on_gc)
         else:
             gc.callbacks.remove(on_gc)
-        marks.append((resource.getrusage(resource.RUSAGE_THREAD), _switches(), time.perf_counter()))
+        # CPU clocks (exact runtimes, where rusage's user/system split is scaled from ticks)
+        cpu = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID) - time.clock_gettime(
+            time.CLOCK_THREAD_CPUTIME_ID
+        )
+        marks.append((resource.getrusage(resource.RUSAGE_THREAD), cpu, _switches(),
+                      time.perf_counter()))  # fmt: skip
 
     if loop in TRAINERS:
         from hookloop.engine import HookBase
@@ -118,13 +125,16 @@ def child(loop: str, steps: int, json_fsync: Optional[str] = None) -> Dict[str, 
         mark()
         run(steps)
         mark()
-    (r0, s0, t0), (r1, s1, t1) = marks
+    (r0, p0, s0, t0), (r1, p1, s1, t1) = marks
     wall = t1 - t0
     per = 1.0 / steps
     return {
         "wall_us": wall * 1e6 * per,
         "user_us": (r1.ru_utime - r0.ru_utime) * 1e6 * per,
         "sys_us": (r1.ru_stime - r0.ru_stime) * 1e6 * per,
+        # the process's other threads (the writers'), user and system: their work runs on
+        # another CPU, if there is one free
+        "other_threads_us": (p1 - p0) * 1e6 * per,
         "minor_faults": (r1.ru_minflt - r0.ru_minflt) * per,
         "voluntary_switches": (s1["voluntary_ctxt_switches"] - s0["voluntary_ctxt_switches"]) * per,
         "involuntary_switches": (

@@ -124,12 +124,16 @@ def test_runtime_bench_reports_every_figure_for_each_loop(tmp_path: Path) -> Non
     assert runtime.main(argv) == 0
     res = json.loads(out.read_text(encoding="utf-8"))
     assert set(res["runs"]) == {"hand", "stack1"}
-    keys = {"wall_us", "user_us", "sys_us", "minor_faults", "voluntary_switches",
-            "involuntary_switches", "gc_collections", "gc_us"}  # fmt: skip
+    keys = {"wall_us", "user_us", "sys_us", "other_threads_us", "minor_faults",
+            "voluntary_switches", "involuntary_switches", "gc_collections", "gc_us"}  # fmt: skip
     for loop in ("hand", "stack1"):
         (run,) = res["runs"][loop]
         assert set(run) == keys
-        assert run["wall_us"] > 0 and all(v >= 0 for v in run.values())
+        assert run["wall_us"] > 0
+        assert all(v >= 0 for k, v in run.items() if k != "other_threads_us")
+        # two CPU clocks read one after the other: a loop with no other thread may come out a
+        # few ns below zero
+        assert run["other_threads_us"] > -0.1
     for bad in (["--loops", "nope"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             runtime.main(bad)
@@ -247,3 +251,39 @@ def test_compare_builds_child_runs_both_loops_on_its_own_copy_of_the_tiny_mlp(
     for bad in (["--period", "0"], ["--against", "/nonexistent"]):
         with pytest.raises(SystemExit):
             builds.main(bad)
+
+
+def test_compare_builds_timed_takes_turns_with_another_build(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hookloop
+
+    builds = _bench_module("bench_compare_builds")
+    monkeypatch.syspath_prepend(str(BENCHES))  # the spawned children import the bench
+    python_dir = str(Path(hookloop.__file__).resolve().parents[1])
+    argv = ["--timed", "--period", "1", "--against", python_dir, "--rounds", "2",
+            "--window", "2", "--replicas", "1", "--warmup", "0"]  # fmt: skip
+    assert builds.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[1].startswith("| this build |") and rows[1].endswith("| 1 |")  # rows[0]: header
+    assert rows[2].startswith(f"| {python_dir} |") and len(rows) == 3
+    for bad in (["--timed", "--rounds", "0"], ["--timed", "--replicas", "0"]):
+        with pytest.raises(SystemExit):
+            builds.main(bad)
+
+
+def test_compare_builds_timed_child_refuses_a_build_it_did_not_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hookloop.bench import paired
+
+    builds = _bench_module("bench_compare_builds")
+    monkeypatch.syspath_prepend(str(BENCHES))
+    v = paired.Variant("elsewhere")
+
+    def spawn(variant: Any, conn: Any, steps: int, tmp: str) -> Tuple[Any, Tuple[Any, ...]]:
+        # no hookloop under tmp_path: the child finds the installed one, and must say so
+        return builds.timed_child, (conn, str(tmp_path), "stack", 1, 2, steps, tmp)
+
+    with pytest.raises(RuntimeError, match="imported hookloop from .*, not from"):
+        paired.run([v], window=2, rounds=1, warmup=0, spawn=spawn)

@@ -41,7 +41,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 __all__ = [
-    "Variant", "HAND", "HAND_BOOKKEEPING", "GOALS", "Times", "run", "windows", "ratios", "ratio_ci",
+    "Variant", "HAND", "HAND_BOOKKEEPING", "GOALS", "Times", "Spawn", "run", "windows", "ratios",
+    "ratio_ci", "bootstrap_ci",
 ]  # fmt: skip
 
 #: seconds a child may take to start (import, build its model) and to run one window
@@ -161,6 +162,14 @@ def _turn(conn: Any, variant: Variant, timeout: float) -> float:
 Times = Dict[Variant, List[List[float]]]
 
 
+#: ``spawn(variant, conn, steps, tmpdir)``: the target of a variant's process and its
+#: arguments, for loops that :func:`_child` does not build (other builds of hookloop:
+#: ``benches/bench_compare_builds.py``). The target trains ``steps`` steps taking its turns
+#: through :func:`_turns` on ``conn``; it runs in a fresh interpreter (``spawn``), so its
+#: arguments should be plain values.
+Spawn = Callable[[Variant, Any, int, str], Tuple[Callable[..., None], Tuple[Any, ...]]]
+
+
 def run(
     variants: Sequence[Variant],
     *,
@@ -172,17 +181,18 @@ def run(
     writers: Sequence[str] = ("printer", "json", "tb"),
     tick: Optional[Callable[[], None]] = None,
     seed: int = 0,
+    spawn: Optional[Spawn] = None,
 ) -> Times:
     """Seconds of the window of each of every variant's ``replicas`` processes in each of
     ``rounds`` rounds (after ``warmup`` untimed ones), in round order: ratios are formed
     between the entries of one round. Each round takes the processes in an order drawn from
-    ``seed``."""
+    ``seed``. With ``spawn``, each process runs what it returns (see :data:`Spawn`)."""
     if window < 1 or rounds < 1 or warmup < 0 or replicas < 1:
         raise ValueError(f"window, rounds and replicas must be positive, warmup not negative; "
                          f"got {window}, {rounds}, {replicas}, {warmup}")  # fmt: skip
     if len(set(variants)) != len(variants):
         raise ValueError(f"variants must differ, got {list(variants)}")
-    ctx = _context()
+    ctx = _context() if spawn is None else multiprocessing.get_context("spawn")
     steps = window * (warmup + rounds + 2)  # never reached: the parent stops them first
     tmpdir = tempfile.mkdtemp(prefix="hookloop-paired-")
     kids: List[Tuple[Variant, List[float], Any, Any]] = []
@@ -192,12 +202,13 @@ def run(
         for _ in range(replicas):
             for v in variants:
                 ours, theirs = ctx.Pipe()
-                p = ctx.Process(
-                    target=_child,
-                    args=(theirs, v, str(device), window, steps, tuple(writers), tmpdir,
-                          list(sys.path)),
-                    daemon=True,
-                )  # fmt: skip
+                if spawn is None:
+                    target: Callable[..., None] = _child
+                    args: Tuple[Any, ...] = (theirs, v, str(device), window, steps,
+                                             tuple(writers), tmpdir, list(sys.path))  # fmt: skip
+                else:
+                    target, args = spawn(v, theirs, steps, tmpdir)
+                p = ctx.Process(target=target, args=args, daemon=True)
                 p.start()
                 theirs.close()
                 own: List[float] = []
@@ -243,24 +254,40 @@ def ratio_ci(
     times: Times, floor: Variant, variant: Variant, level: float = 0.95,
     resamples: int = 1000, seed: int = 0,
 ) -> Tuple[float, float]:  # fmt: skip
-    """A bootstrap confidence interval of the median of :func:`ratios`: each resample draws
-    the processes of both variants and the rounds, with replacement (the percentile method,
-    a fixed seed: the same times give the same interval). With one process per variant it
-    covers the rounds' noise only, not the processes' own speeds."""
-    f = np.asarray(times[floor], dtype=np.float64)
-    v = f if variant == floor else np.asarray(times[variant], dtype=np.float64)
-    if f.size == 0 or v.size == 0:
-        raise ValueError("ratio_ci needs at least one round of each variant")
-    if f.shape[1] != v.shape[1]:
-        raise ValueError(f"ratio_ci: {f.shape[1]} rounds of {floor}, {v.shape[1]} of {variant}")
+    """A bootstrap confidence interval of the median of :func:`ratios` (see
+    :func:`bootstrap_ci`). With one process per variant it covers the rounds' noise only, not
+    the processes' own speeds."""
+    return bootstrap_ci(
+        times, [floor, variant], lambda f, v: np.median(f / v), level, resamples, seed
+    )
+
+
+def bootstrap_ci(
+    times: Times, variants: Sequence[Variant], statistic: Callable[..., Any],
+    level: float = 0.95, resamples: int = 1000, seed: int = 0,
+) -> Tuple[float, float]:  # fmt: skip
+    """A bootstrap confidence interval of ``statistic(*w)``, where ``w`` holds each of
+    ``variants``' seconds per window in every round (arrays over the rounds, each the mean
+    over the variant's processes). Each resample draws every variant's processes and the
+    rounds, with replacement (the percentile method, a fixed seed: the same times give the
+    same interval); a variant named twice is drawn once."""
+    unique = list(dict.fromkeys(variants))
+    arrays = [np.asarray(times[v], dtype=np.float64) for v in unique]
+    if any(a.size == 0 for a in arrays):
+        raise ValueError("bootstrap_ci needs at least one round of each variant")
+    n = arrays[0].shape[1]
+    for v, a in zip(unique, arrays):
+        if a.shape[1] != n:
+            raise ValueError(f"bootstrap_ci: {n} rounds of {unique[0]}, {a.shape[1]} of {v}")
     rng = np.random.default_rng(seed)
-    n = f.shape[1]
     meds = np.empty(resamples)
     for b in range(resamples):
         cols = rng.integers(n, size=n)
-        fr = rng.integers(f.shape[0], size=f.shape[0])
-        vr = fr if variant == floor else rng.integers(v.shape[0], size=v.shape[0])
-        meds[b] = np.median(f[fr][:, cols].mean(axis=0) / v[vr][:, cols].mean(axis=0))
+        means = {
+            v: a[rng.integers(a.shape[0], size=a.shape[0])][:, cols].mean(axis=0)
+            for v, a in zip(unique, arrays)
+        }
+        meds[b] = statistic(*(means[v] for v in variants))
     meds.sort()
     lo = int((1 - level) / 2 * (resamples - 1))
     return float(meds[lo]), float(meds[resamples - 1 - lo])

@@ -12,6 +12,13 @@ IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, Tenso
 ``--period``), each for ``--short`` and ``--long`` steps inside ``operator.call``, the garbage
 collector off. The child uses only hookloop's public API and builds the tiny MLP itself, so
 that it runs against builds older than ``hookloop.bench``.
+
+    python benches/bench_compare_builds.py --timed --period 1 --against /tmp/old/python  # ~4 min
+
+``--timed`` times the same loops instead: the hand loop and each build's stack in paired
+turns (``hookloop.bench.paired``; every process a fresh interpreter that imports its build and
+checks that it did), and per build the stack's µs per step over the hand loop and its ratio to
+this build's, with 95% intervals that resample the processes and the rounds.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Any
 
+import numpy as np
 import pytest
 from hookloop.bench import paired
 
@@ -78,3 +80,23 @@ def test_ratio_ci_covers_the_spread_between_processes_not_only_the_rounds() -> N
     assert paired.ratios(times, A, B) == pytest.approx([1 / 1.1] * 40)
     one = {A: [[1.0] * 40], B: [[1.1] * 40]}  # one process each: the rounds' noise only
     assert paired.ratio_ci(one, A, B) == pytest.approx((1 / 1.1, 1 / 1.1))
+
+
+def test_bootstrap_ci_of_a_statistic_of_three_loops() -> None:
+    # C costs 0.3 over A in every round and B 0.1: the ratio of their costs over A is 3
+    # whatever is resampled; B named twice is drawn once (its two arguments are the same).
+    C = paired.Variant("hl", "stack")
+    times = {A: [[1.0] * 30] * 2, B: [[1.1] * 30] * 2, C: [[1.3] * 30] * 2}
+
+    def over(a: Any, b: Any, c: Any) -> float:
+        return float(np.median(c - a) / np.median(b - a))
+
+    lo, hi = paired.bootstrap_ci(times, [A, B, C], over)
+    assert lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
+    two = {B: [[1.0] * 30, [1.2] * 30]}  # B's processes differ: drawn twice, x and y would
+    assert paired.bootstrap_ci(two, [B, B], lambda x, y: float(np.max(np.abs(x - y)))) == (
+        0.0,
+        0.0,
+    )
+    with pytest.raises(ValueError, match="30 rounds of .* 2 of"):
+        paired.bootstrap_ci({**times, C: [[1.0] * 2]}, [A, C], over)

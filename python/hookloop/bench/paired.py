@@ -280,14 +280,14 @@ def bootstrap_ci(
         if a.shape[1] != n:
             raise ValueError(f"bootstrap_ci: {n} rounds of {unique[0]}, {a.shape[1]} of {v}")
     rng = np.random.default_rng(seed)
-    meds = np.empty(resamples)
+    stats = np.empty(resamples)
     for b in range(resamples):
         cols = rng.integers(n, size=n)
         means = {
             v: a[rng.integers(a.shape[0], size=a.shape[0])][:, cols].mean(axis=0)
             for v, a in zip(unique, arrays)
         }
-        meds[b] = statistic(*(means[v] for v in variants))
-    meds.sort()
+        stats[b] = statistic(*(means[v] for v in variants))
+    stats.sort()
     lo = int((1 - level) / 2 * (resamples - 1))
-    return float(meds[lo]), float(meds[resamples - 1 - lo])
+    return float(stats[lo]), float(stats[resamples - 1 - lo])

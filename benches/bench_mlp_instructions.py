@@ -77,6 +77,16 @@ def trainer_args(loop: str) -> Tuple[str, Dict[str, Any]]:
     return hooks, kw
 
 
+def chosen_loops(p: argparse.ArgumentParser, text: str) -> List[str]:
+    """The comma-separated ``--loops`` of a tiny-MLP bench, or ``p.error`` naming the unknown
+    ones."""
+    loops = text.split(",")
+    bad = [x for x in loops if x not in LOOPS]
+    if bad:
+        p.error(f"unknown loop(s) {bad}: choose from {', '.join(LOOPS)}")
+    return loops
+
+
 # callgrind counts inside calls of this C function only: each loop runs under operator.call
 TOGGLE = "_operator_call"
 
@@ -236,10 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    loops = args.loops.split(",")
-    bad = [x for x in loops if x not in LOOPS]
-    if bad:
-        p.error(f"unknown loop(s) {bad}: choose from {', '.join(LOOPS)}")
+    loops = chosen_loops(p, args.loops)
     if not 0 < args.short < args.long:
         p.error("--short and --long must be positive, --short below --long")
     if args.child:

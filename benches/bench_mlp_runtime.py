@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 # The tiny MLP's loops, one table for its benches (the instruction bench's; no torch there).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mlp_instructions import LOOPS, TRAINERS, trainer_args  # noqa: E402
+from bench_mlp_instructions import LOOPS, TRAINERS, chosen_loops, trainer_args  # noqa: E402
 
 DEFAULT_LOOPS = ("hand", "book", "none", "stack", "native", "stack1")
 WARMUP = 200
@@ -168,10 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.steps, args.json_fsync)))
         return 0
-    loops = args.loops.split(",")
-    bad = [x for x in loops if x not in LOOPS]
-    if bad:
-        p.error(f"unknown loop(s) {bad}: choose from {', '.join(LOOPS)}")
+    loops = chosen_loops(p, args.loops)
     if args.steps <= 0 or args.rounds <= 0:
         p.error("--steps and --rounds must be positive")
     spinners: List[Any] = []

@@ -373,10 +373,8 @@ impl Sink for JsonSink {
     fn close(&mut self) -> Result<()> {
         self.write_pending()?;
         self.verify()?;
-        if self.fsync.policy() != FsyncPolicy::Never {
-            self.file
-                .sync_data()
-                .map_err(|e| Error::io(&self.path, e))?;
+        if self.fsync.at_close() {
+            self.sync_data(Instant::now())?;
         }
         Ok(())
     }

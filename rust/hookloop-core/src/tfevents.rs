@@ -736,7 +736,7 @@ impl Sink for EventSink {
         self.write_pending()?;
         self.file.verify()?;
         self.file
-            .flush(self.fsync.policy() != FsyncPolicy::Never)
+            .flush(self.fsync.at_close())
             .map_err(|e| Error::io(self.file.path(), e))
     }
 }

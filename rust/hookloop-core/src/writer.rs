@@ -129,9 +129,9 @@ impl Durability {
         self.waiting = false;
     }
 
-    /// The policy.
-    pub fn policy(&self) -> FsyncPolicy {
-        self.policy
+    /// Whether closing fsyncs: every policy but `Never`.
+    pub fn at_close(&self) -> bool {
+        self.policy != FsyncPolicy::Never
     }
 }
 
@@ -833,6 +833,9 @@ mod tests {
             assert!(!d.after_batch(now));
             assert!(!d.due(now, true));
         }
+        let at_close = |p| Durability::new(p).at_close();
+        assert!(at_close(FsyncPolicy::Always) && at_close(FsyncPolicy::Periodic));
+        assert!(at_close(FsyncPolicy::Close) && !at_close(FsyncPolicy::Never));
         for p in ["always", "periodic", "close", "never"] {
             assert_eq!(FsyncPolicy::parse(p).map(FsyncPolicy::as_str), Some(p));
         }

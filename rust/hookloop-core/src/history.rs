@@ -5,7 +5,7 @@
 //! or once every N iterations, is one run however long, so the typical entry costs 8 bytes and the
 //! worst case (every iteration irregular) 8 + 16 = 24 bytes.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::fmt;
 
@@ -68,6 +68,28 @@ impl Run {
     fn last(&self) -> f64 {
         self.at(self.len - 1)
     }
+
+    /// The smallest `k` such that the entries `k..len` are all above `threshold` (`len` when
+    /// the last one is not): the entries a walk back from the run's end passes first.
+    fn first_above(&self, threshold: f64) -> u32 {
+        if self.last() <= threshold {
+            return self.len;
+        }
+        if self.step <= 0 {
+            return 0; // non-increasing: every earlier entry is at least the last
+        }
+        // Increasing: estimate the first entry above the threshold, then settle it by the
+        // entries themselves (the division may round either way).
+        let estimate = ((threshold - self.first) / f64::from(self.step)).floor() + 1.0;
+        let mut k = estimate.clamp(0.0, f64::from(self.len - 1)) as u32;
+        while k > 0 && self.at(k - 1) > threshold {
+            k -= 1;
+        }
+        while self.at(k) <= threshold {
+            k += 1;
+        }
+        k
+    }
 }
 
 /// The last `max_length` (value, iteration) pairs of one metric, plus a running average over
@@ -83,7 +105,13 @@ pub struct History {
     /// True while every iteration given was an integer: then iterations read back as ints.
     int_iterations: bool,
     /// The last values in order, for [`History::median_tracked`]; None until it is asked for.
-    sorted: Option<SortedWindow>,
+    sorted: Option<Box<SortedWindow>>,
+    /// The same for [`History::windowed_median`] (the writers' smoothing window, 20 by
+    /// default), apart from `sorted`: the printer asks both of one history (`time`: the ETA's
+    /// 1,000 and the smoothing's 20), and one copy following both would be rebuilt each time.
+    /// A `RefCell`: reads take `&self`; no borrow of it outlives `windowed_median`. Both
+    /// copies are boxed: a history that is never smoothed (most of a storage's) stays small.
+    smoothing: RefCell<Option<Box<SortedWindow>>>,
     /// The last answer of [`History::windowed_median`]: (update count, window, median). The
     /// writers of one iteration (printer, JSON, TensorBoard) ask for the same median in turn;
     /// every change of the history is an update, which moves the count on.
@@ -92,11 +120,12 @@ pub struct History {
 
 /// The order keys ([`order_key`]) of the values of a history's last `window` entries, sorted,
 /// as they were when the history had had `synced` updates; NaNs have no key and are counted.
-/// [`History::median_tracked`] brings it up to date from the updates since (one merge pass),
-/// so that the median of a long window asked for at every write (the printer's ETA: the
-/// last 1,000 iteration times) costs neither a selection over the whole window, whose memory
-/// is cold by then, nor anything on the updates in between.
-#[derive(Debug, Clone)]
+/// [`SortedWindow::sync`] brings it up to date from the updates since (each key in place, or one
+/// merge pass), so that a median asked for at every write (the printer's ETA over the last
+/// 1,000 iteration times; at period 1, the smoothing window of every loss) costs neither a
+/// selection over the whole window, whose memory is cold by then, nor anything on the updates
+/// in between.
+#[derive(Debug, Clone, Default)]
 struct SortedWindow {
     window: usize,
     keys: Vec<u64>,
@@ -109,7 +138,75 @@ struct SortedWindow {
     spare: Vec<u64>,
 }
 
+/// Up to this many keys leaving and entering together are moved one at a time (binary search,
+/// shift); more take one merge pass.
+const IN_PLACE_KEYS: u64 = 4;
+
 impl SortedWindow {
+    /// Brings the copy up to the last `window` of `values` (a history's ring after `count`
+    /// updates): from what left and entered the window since the last sync when those are
+    /// still held and fewer than half the copy, or made anew (reusing its buffer).
+    fn sync(&mut self, values: &VecDeque<f64>, count: u64, window: usize) {
+        let len = values.len() as u64;
+        let first = count - len; // the index of the oldest value held
+        let start = count - (window as u64).min(len); // of the window's first value
+        let value = |i: u64| values[(i - first) as usize];
+        let tracked = self.window == window
+            && self.synced > 0
+            && self.start >= first
+            && count - self.synced <= self.keys.len() as u64 / 2;
+        if tracked {
+            // Left: [self.start, left_end) of those in the copy; entered: since the last sync.
+            let left_end = start.min(self.synced);
+            let entered = self.synced.max(start);
+            if (left_end - self.start) + (count - entered) <= IN_PLACE_KEYS {
+                for v in (self.start..left_end).map(value) {
+                    self.remove(v);
+                }
+                for v in (entered..count).map(value) {
+                    self.insert(v);
+                }
+            } else {
+                let (leaving, nan_out) = Self::keys_of((self.start..left_end).map(value));
+                let (entering, nan_in) = Self::keys_of((entered..count).map(value));
+                self.merge(&leaving, &entering);
+                self.nan = self.nan + nan_in - nan_out;
+            }
+        } else {
+            self.keys.clear();
+            self.nan = 0;
+            for v in (start..count).map(value) {
+                if v.is_nan() {
+                    self.nan += 1;
+                } else {
+                    self.keys.push(order_key(v));
+                }
+            }
+            self.keys.sort_unstable();
+            self.window = window;
+        }
+        self.synced = count;
+        self.start = start;
+    }
+
+    fn remove(&mut self, v: f64) {
+        if v.is_nan() {
+            self.nan -= 1;
+        } else if let Ok(at) = self.keys.binary_search(&order_key(v)) {
+            self.keys.remove(at);
+        }
+    }
+
+    fn insert(&mut self, v: f64) {
+        if v.is_nan() {
+            self.nan += 1;
+        } else {
+            let k = order_key(v);
+            let at = self.keys.partition_point(|&x| x < k);
+            self.keys.insert(at, k);
+        }
+    }
+
     /// The keys of `values`, sorted, and how many of them are NaN.
     fn keys_of(values: impl Iterator<Item = f64>) -> (Vec<u64>, usize) {
         let mut nan = 0;
@@ -125,20 +222,8 @@ impl SortedWindow {
     }
 
     /// `keys` without one of each key in `leaving` and with those of `entering` (all three
-    /// sorted): a few keys (a read every iteration) each in place, more in one merge pass.
+    /// sorted), in one merge pass.
     fn merge(&mut self, leaving: &[u64], entering: &[u64]) {
-        if leaving.len() + entering.len() <= 4 {
-            for k in leaving {
-                if let Ok(at) = self.keys.binary_search(k) {
-                    self.keys.remove(at);
-                }
-            }
-            for &k in entering {
-                let at = self.keys.partition_point(|&x| x < k);
-                self.keys.insert(at, k);
-            }
-            return;
-        }
         let out = &mut self.spare;
         out.clear();
         out.reserve(self.keys.len() + entering.len());
@@ -190,6 +275,7 @@ impl History {
             global_avg: 0.0,
             int_iterations: true,
             sorted: None,
+            smoothing: RefCell::new(None),
             memo: Cell::new(None),
         })
     }
@@ -320,16 +406,27 @@ impl History {
         }
         // count_samples counts the newest entry itself, so it is >= 1 for a non-empty history.
         let samples = self.count_samples(window_size).max(1);
-        let median = self.median(samples as i64)?;
+        let median = if samples <= Self::TRACKED_SMOOTHING {
+            let mut sorted = self.smoothing.borrow_mut();
+            let s = sorted.get_or_insert_with(Box::default);
+            s.sync(&self.values, self.count, samples);
+            s.median()
+        } else {
+            self.median(samples as i64)?
+        };
         self.memo.set(Some((self.count, window_size, median)));
         Ok(median)
     }
 
+    /// The longest smoothing window [`History::windowed_median`] keeps a sorted copy of; a
+    /// longer one is selected anew at each read, holding no second copy of its values.
+    const TRACKED_SMOOTHING: usize = 4096;
+
     /// [`History::median`], from a sorted copy of the last `window_size` values that this
-    /// call keeps: brought up to date by one merge with the values put since the last call
-    /// (those that entered the window and those that left it), or made anew when that is
-    /// not cheaper or the values that left were evicted. Updates cost nothing extra. The copy
-    /// follows one window size, the one asked for last.
+    /// call keeps: brought up to date from the values put since the last call (those that
+    /// entered the window and those that left it), or made anew when that is not cheaper or
+    /// the values that left were evicted. Updates cost nothing extra. The copy follows one
+    /// window size, the one asked for last.
     pub fn median_tracked(&mut self, window_size: i64) -> crate::Result<f64> {
         if window_size <= 0 {
             return Err(crate::Error::BadWindow(window_size));
@@ -337,39 +434,8 @@ impl History {
         let window = usize::try_from(window_size)
             .unwrap_or(usize::MAX)
             .min(self.max_length);
-        let len = self.values.len();
-        let first = self.count - len as u64; // the index of the oldest value held
-        let start = self.count - window.min(len) as u64; // of the window's first value
-        let value = |i: u64| self.values[(i - first) as usize];
-        match &mut self.sorted {
-            Some(s)
-                if s.window == window
-                    && s.start >= first
-                    && self.count - s.synced <= s.keys.len() as u64 / 2 =>
-            {
-                // Left: [s.start, start) of those in the copy; entered: since the last sync.
-                let left_end = start.min(s.synced);
-                let (leaving, nan_out) = SortedWindow::keys_of((s.start..left_end).map(value));
-                let (entering, nan_in) =
-                    SortedWindow::keys_of((s.synced.max(start)..self.count).map(value));
-                s.merge(&leaving, &entering);
-                s.nan = s.nan + nan_in - nan_out;
-            }
-            _ => {
-                let (keys, nan) = SortedWindow::keys_of((start..self.count).map(value));
-                self.sorted = Some(SortedWindow {
-                    window,
-                    keys,
-                    nan,
-                    synced: 0,
-                    start: 0,
-                    spare: Vec::new(),
-                });
-            }
-        }
-        let s = self.sorted.as_mut().expect("set above");
-        s.synced = self.count;
-        s.start = start;
+        let s = self.sorted.get_or_insert_with(Box::default);
+        s.sync(&self.values, self.count, window);
         Ok(s.median())
     }
 
@@ -447,12 +513,13 @@ impl History {
         let threshold = last - window_size as f64;
         let mut samples = 0;
         for run in self.runs.iter().rev() {
-            for k in (0..run.len).rev() {
-                if run.at(k) > threshold {
-                    samples += 1;
-                } else {
-                    return samples;
-                }
+            // Walking back from the newest entry, how many of this run's entries come before
+            // the first one at or below the threshold; a run is arithmetic, so that is found
+            // without visiting its entries.
+            let within = run.len - run.first_above(threshold);
+            samples += within as usize;
+            if within < run.len {
+                return samples;
             }
         }
         samples
@@ -743,6 +810,65 @@ mod tests {
     }
 
     #[test]
+    fn the_smoothed_median_equals_a_fresh_selection_through_updates_and_evictions() {
+        // windowed_median keeps its own sorted copy (apart from median_tracked's): read at
+        // every update (keys moved in place), after gaps (merges, rebuilds), with iterations
+        // that skip or repeat (the sample count changes), and beside median_tracked on the same
+        // history, as the printer asks both of `time`.
+        let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for &(max_length, window) in &[(30, 20), (20, 20), (8, 20), (1000, 5), (64, 1)] {
+            let mut h = History::new(max_length).unwrap();
+            let mut it = 0i64;
+            for step in 0..800 {
+                let r = next();
+                let v = match r % 23 {
+                    0 => f64::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    3 => f64::INFINITY,
+                    4..=9 => (r % 4) as f64,
+                    _ => (r % 10_000) as f64 / 3.0 - 1000.0,
+                };
+                // Mostly one entry per iteration; sometimes a skipped or a repeated one.
+                it += match (r >> 8) % 13 {
+                    0 => 0,
+                    1 => 3,
+                    _ => 1,
+                };
+                h.update(v, Some(Iter::Int(it)));
+                let gap = if (300..360).contains(&step) {
+                    29
+                } else {
+                    1 + (r >> 24) % 4
+                };
+                if step % gap == 0 {
+                    let n = h.count_samples(window).max(1) as i64;
+                    let fresh = h.median(n).unwrap();
+                    let kept = h.windowed_median(window).unwrap();
+                    assert!(
+                        kept.to_bits() == fresh.to_bits() || (kept.is_nan() && fresh.is_nan()),
+                        "max_length {max_length} window {window} step {step}: {kept} != {fresh}"
+                    );
+                    if step % 3 == 0 {
+                        let long = h.median_tracked(1000).unwrap();
+                        let selected = h.median(1000).unwrap();
+                        assert!(
+                            long.to_bits() == selected.to_bits()
+                                || (long.is_nan() && selected.is_nan())
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_tracked_median_follows_the_window_asked_for_last() {
         let mut h = History::new(100).unwrap();
         for v in [5.0, 1.0, 4.0, 2.0, 3.0] {
@@ -864,6 +990,50 @@ mod tests {
         assert_eq!(h.count_samples(20), 2);
         assert_eq!(h.count_samples(1), 1);
         assert_eq!(h.count_samples(1000), 10);
+    }
+
+    #[test]
+    fn count_samples_equals_a_walk_back_over_the_entries() {
+        // Runs that rise by one or by several, repeat an iteration, fall, or hold floats; the
+        // count from each run's arithmetic equals a walk back entry by entry.
+        let walk = |h: &History, w: i64| {
+            let entries = h.values();
+            let Some(&(_, last)) = entries.last() else {
+                return 0;
+            };
+            let threshold = last.as_f64() - w as f64;
+            entries
+                .iter()
+                .rev()
+                .take_while(|(_, it)| it.as_f64() > threshold)
+                .count()
+        };
+        let mut seed: u64 = 0x0123_4567_89AB_CDEF;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for max_length in [7usize, 100, 5000] {
+            let mut h = History::new(max_length).unwrap();
+            assert_eq!(h.count_samples(20), 0);
+            let mut it = 0.0f64;
+            for step in 0..3000 {
+                let r = next();
+                it += match (step / 300) % 5 {
+                    0 => 1.0,
+                    1 => [1.0, 1.0, 0.0, 3.0][(r % 4) as usize],
+                    2 => -2.0,
+                    3 => 7.0,
+                    _ => [0.5, 1.0, 2.25][(r % 3) as usize],
+                };
+                h.update(1.0, Some(Iter::Float(it)));
+                for w in [1, 2, 20, 21, 1000] {
+                    assert_eq!(h.count_samples(w), walk(&h, w), "step {step} window {w}");
+                }
+            }
+        }
     }
 
     #[test]

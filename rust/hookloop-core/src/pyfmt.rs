@@ -9,8 +9,10 @@
 //! Digits come from std's float formatting and the `ryu` crate, which match CPython's
 //! `dtoa.c`: `{:.N}` / `{:.Ne}` are correctly rounded with exact ties going to the even digit
 //! (since Rust 1.67), as `format(x, ".Nf")` and `format(x, ".Ng")` are; ryu yields the
-//! shortest digit string that round-trips, as `repr` does (see `ShortDigits`). Only the
-//! layout (where the point goes, exponent spelling, what is stripped) is done here.
+//! shortest digit string that round-trips, as `repr` does (see `ShortDigits`). The few
+//! significant digits of a log line's numbers are computed here by exact integer arithmetic
+//! where it fits a `u128` (`DecimalDigits`, tested against std), std's otherwise. The layout
+//! (where the point goes, exponent spelling, what is stripped) is done here.
 
 // Writing into a String cannot fail, which is why `write!` results are discarded below.
 use std::fmt::Write as _;
@@ -178,8 +180,14 @@ pub fn push_g(out: &mut String, x: f64, precision: usize) {
     // Rounding first, then choosing the layout from the rounded exponent, is what makes
     // 9999.5 with .4g come out as 1e+04.
     let mut text = StackText::new();
-    let _ = write!(text, "{:.*e}", digit_precision - 1, x.abs());
-    let (digits, exp) = text.split_scientific();
+    let mut exact = DecimalDigits::new();
+    let (digits, exp) = match exact.significant(x.abs(), digit_precision) {
+        Some(exp) => (exact.digits(), exp),
+        None => {
+            let _ = write!(text, "{:.*e}", digit_precision - 1, x.abs());
+            text.split_scientific()
+        }
+    };
     let digits = digits.trim_end_matches('0');
     let digits = if digits.is_empty() { "0" } else { digits };
     let decpt = exp + 1;
@@ -188,6 +196,148 @@ pub fn push_g(out: &mut String, x: f64, precision: usize) {
         push_exponent_form(out, digits, exp);
     } else {
         push_fixed(out, digits, decpt, false);
+    }
+}
+
+/// Powers of ten that fit a `u128` (10^38 is the last).
+const POW10: [u128; 39] = {
+    let mut p = [1u128; 39];
+    let mut i = 1;
+    while i < 39 {
+        p[i] = p[i - 1] * 10;
+        i += 1;
+    }
+    p
+};
+
+/// Correctly rounded decimal digits of a double by exact integer arithmetic in a `u128`: the
+/// fast path of [`push_g`] and [`push_f`] for the numbers a log line holds (losses, learning
+/// rates, times: a few significant digits of a value between about 1e-18 and 1e30). std's
+/// `{:.Ne}` / `{:.N}` (Grisu with a Dragon fallback) cost 3-5x as much for them. Whatever
+/// does not fit a `u128` exactly (subnormals, far exponents, many digits) is left to std:
+/// this path never approximates.
+struct DecimalDigits {
+    buf: [u8; 40],
+    start: usize,
+}
+
+impl DecimalDigits {
+    fn new() -> DecimalDigits {
+        DecimalDigits {
+            buf: [b'0'; 40],
+            start: 40,
+        }
+    }
+
+    /// `round(x * 10^scale)` for a finite `x >= 0`, the exact product rounded to the nearest
+    /// integer with exact ties to even (as CPython's dtoa and std round); None where the
+    /// exact fraction does not fit a `u128`.
+    fn round_scaled(x: f64, scale: i32) -> Option<u128> {
+        let bits = x.to_bits();
+        let biased = (bits >> 52) as i32; // x >= 0: no sign bit
+        if biased == 0 || biased == 0x7ff || scale.unsigned_abs() as usize >= POW10.len() {
+            return None; // zero and subnormals (callers take zero apart), non-finite, far
+        }
+        // x = m * 2^q exactly.
+        let m = u128::from(bits & ((1 << 52) - 1) | 1 << 52);
+        let q = biased - 1075;
+        let ten = POW10[scale.unsigned_abs() as usize];
+        // x * 10^scale = n / d, both integers.
+        let (mut n, mut d) = if scale >= 0 {
+            (m.checked_mul(ten)?, 1u128)
+        } else {
+            (m, ten)
+        };
+        if q >= 0 {
+            if n.leading_zeros() <= q as u32 {
+                return None;
+            }
+            n <<= q;
+        } else {
+            let shift = q.unsigned_abs();
+            if d.leading_zeros() <= shift {
+                return None;
+            }
+            d <<= shift;
+        }
+        let (quotient, remainder) = if d.is_power_of_two() {
+            (n >> d.trailing_zeros(), n & (d - 1))
+        } else {
+            (n / d, n % d)
+        };
+        let up = remainder > d - remainder || (remainder == d - remainder && quotient & 1 == 1);
+        Some(quotient + u128::from(up))
+    }
+
+    /// `round(x * 10^precision)` for [`push_f`], zero included.
+    fn rounded_scaled(x: f64, precision: usize) -> Option<u128> {
+        if x == 0.0 {
+            return Some(0);
+        }
+        Self::round_scaled(x, i32::try_from(precision).ok()?)
+    }
+
+    /// Sets the digits of `n` (no leading zeros; "0" for zero).
+    fn set(&mut self, mut n: u128) {
+        // In chunks of 19 digits (10^19 fits a u64): a u128 division is a library call, a u64
+        // one by 10 a multiplication, and a log line's numbers fit one chunk.
+        const CHUNK: u128 = 10_000_000_000_000_000_000;
+        self.start = self.buf.len();
+        loop {
+            let (rest, mut low) = if n < CHUNK {
+                (0, n as u64)
+            } else {
+                (n / CHUNK, (n % CHUNK) as u64)
+            };
+            let chunk_end = self.start;
+            loop {
+                self.start -= 1;
+                self.buf[self.start] = b'0' + (low % 10) as u8;
+                low /= 10;
+                // A chunk below the highest is written with its leading zeros.
+                if low == 0 && (rest == 0 || chunk_end - self.start == 19) {
+                    break;
+                }
+            }
+            if rest == 0 {
+                return;
+            }
+            n = rest;
+        }
+    }
+
+    /// Sets the first `precision` significant digits of a finite `x >= 0`, correctly rounded,
+    /// and returns the decimal exponent of the first one: what std's `{:.(precision-1)e}`
+    /// writes (zero: "0", exponent 0). None where [`DecimalDigits::round_scaled`] is.
+    fn significant(&mut self, x: f64, precision: usize) -> Option<i32> {
+        if x == 0.0 {
+            self.set(0);
+            return Some(0);
+        }
+        let p = i32::try_from(precision).ok().filter(|&p| p <= 30)?;
+        let (low, high) = (POW10[p as usize - 1], POW10[p as usize]);
+        // x lies in [2^e2, 2^(e2+1)): its decimal exponent is this estimate or one more.
+        let e2 = ((x.to_bits() >> 52) as i32) - 1023;
+        let mut exp = (f64::from(e2) * std::f64::consts::LOG10_2).floor() as i32;
+        // Each wrong guess moves the exponent one way (a rounding up to 10^p is the next
+        // exponent's 10^(p-1)), so two retries settle it.
+        for _ in 0..3 {
+            let scaled = Self::round_scaled(x, p - 1 - exp)?;
+            if scaled >= high {
+                exp += 1;
+            } else if scaled < low {
+                exp -= 1;
+            } else {
+                self.set(scaled);
+                return Some(exp);
+            }
+        }
+        None
+    }
+
+    fn digits(&self) -> &str {
+        // Only ASCII digits are stored.
+        std::str::from_utf8(&self.buf[self.start..]).unwrap_or("0")
     }
 }
 
@@ -256,6 +406,23 @@ pub fn push_f(out: &mut String, x: f64, precision: usize) {
     if x.is_nan() {
         // std would write "NaN"; Python writes "nan" whatever the sign bit.
         out.push_str("nan");
+        return;
+    }
+    if let Some(scaled) = DecimalDigits::rounded_scaled(x.abs(), precision) {
+        if x.is_sign_negative() {
+            out.push('-'); // "-0.0000" for negative zero and negatives that round to it
+        }
+        let mut digits = DecimalDigits::new();
+        digits.set(scaled);
+        // At least one digit before the point: 0.0025 at .4f is the digits "25" -> "0.0025".
+        let text = digits.digits();
+        let int_len = text.len().saturating_sub(precision);
+        out.push_str(if int_len == 0 { "0" } else { &text[..int_len] });
+        if precision > 0 {
+            out.push('.');
+            out.extend(std::iter::repeat('0').take(precision - (text.len() - int_len)));
+            out.push_str(&text[int_len..]);
+        }
         return;
     }
     // std already matches Python here: "inf"/"-inf", and "-0.0000" for negative zero.
@@ -911,6 +1078,89 @@ mod tests {
             assert_eq!(format_f(f64::INFINITY, p), "inf");
             assert_eq!(format_g(f64::NEG_INFINITY, p), "-inf");
             assert_eq!(format_f(f64::NEG_INFINITY, p), "-inf");
+        }
+    }
+
+    /// The exact integer path (`DecimalDigits`) against std's correctly rounded formatting,
+    /// which the CPython cases above hold to Python's: random doubles across the fast path's
+    /// range and beyond it, exact binary ties (`k / 2^j`: 0.125, 2.5, ...), the neighbours of
+    /// decimal halves (`...5 * 10^e`) and of powers of ten, where rounding carries into the
+    /// next exponent (9.9995 at .4g).
+    #[test]
+    fn exact_digits_equal_std_rounding() {
+        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut values = vec![0.0, 1.0, 0.5, 9.9995, 99_995.0, 0.000_999_95, 1e-18, 1e30];
+        for _ in 0..20_000 {
+            let r = next();
+            values.push(f64::from_bits(r >> 1)); // any non-negative double, NaN/inf skipped
+            let log = (r % 50_000) as f64 / 1_000.0 - 20.0; // 1e-20 .. 1e30
+            values.push(10f64.powf(log));
+            values.push((r >> 20) as f64 % 100_000.0 / f64::from(1u32 << (r % 24) as u32));
+            let e = (r >> 8) as i32 % 40 - 20;
+            let half = ((r >> 30) % 2_000_000 * 10 + 5) as f64 * 10f64.powi(e);
+            values.extend([half, half.next_up(), half.next_down()]);
+            let ten = 10f64.powi(e);
+            values.extend([ten, ten.next_up(), ten.next_down()]);
+        }
+        let (mut checked_g, mut checked_f) = (0, 0);
+        for &x in values.iter().filter(|x| x.is_finite()) {
+            for p in [1, 2, 3, 4, 5, 6, 9, 12, 17, 25] {
+                let mut exact = DecimalDigits::new();
+                if let Some(exp) = exact.significant(x, p) {
+                    let mut text = StackText::new();
+                    let _ = write!(text, "{:.*e}", p - 1, x);
+                    let (std_digits, std_exp) = text.split_scientific();
+                    // As push_g uses them: zero is "0" here, p zeros from std.
+                    assert_eq!(
+                        (exact.digits().trim_end_matches('0'), exp),
+                        (std_digits.trim_end_matches('0'), std_exp),
+                        "{x:e} to {p} digits"
+                    );
+                    checked_g += 1;
+                }
+            }
+            for p in [0, 1, 2, 4, 6, 10] {
+                if DecimalDigits::rounded_scaled(x, p).is_some() {
+                    for signed in [x, -x] {
+                        assert_eq!(
+                            format_f(signed, p),
+                            format!("{signed:.p$}"),
+                            "{signed:e} .{p}f"
+                        );
+                    }
+                    checked_f += 1;
+                }
+            }
+        }
+        // Most of the log-uniform, tie and power-of-ten values take the exact path.
+        assert!(
+            checked_g > 700_000 && checked_f > 300_000,
+            "{checked_g} {checked_f}"
+        );
+    }
+
+    #[test]
+    fn decimal_digits_of_integers_across_chunks() {
+        for n in [
+            0u128,
+            7,
+            10,
+            u128::from(u64::MAX),
+            10_000_000_000_000_000_000,
+            10_000_000_000_000_000_005,
+            123_456_789_012_345_678_901_234_567_890,
+            100_000_000_000_000_000_000_000_000_000_000_000_000,
+            u128::MAX,
+        ] {
+            let mut d = DecimalDigits::new();
+            d.set(n);
+            assert_eq!(d.digits(), n.to_string());
         }
     }
 

@@ -1,5 +1,5 @@
-"""Bit-for-bit parity with the real fvcore, where it is installed (skipped otherwise: the
-always-run oracle is tests/compat/fvcore_reference.py)."""
+"""Bit-for-bit parity with the real fvcore (a test dependency; skipped where it is missing,
+and then tests/solver/test_param_scheduler.py's formulas still check the schedules)."""
 
 from __future__ import annotations
 

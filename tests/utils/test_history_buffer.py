@@ -1,4 +1,5 @@
-"""``HistoryBuffer`` against fvcore's behaviour, through the public API."""
+"""``HistoryBuffer`` against fvcore's behaviour, through the public API: the property tests run
+against the reference model and against the real fvcore alike."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ from hookloop.utils.events import HistoryBuffer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+try:  # the real fvcore, a test dependency: the reference model and fvcore are checked alike
+    from fvcore.common.history_buffer import HistoryBuffer as FvcoreHistoryBuffer
+except ImportError:  # pragma: no cover - installed by the "test" extra
+    FvcoreHistoryBuffer = None
+
+REFERENCES = [
+    pytest.param(RefHistoryBuffer, id="model"),
+    pytest.param(
+        FvcoreHistoryBuffer,
+        id="fvcore",
+        marks=pytest.mark.skipif(FvcoreHistoryBuffer is None, reason="fvcore is not installed"),
+    ),
+]
+
 
 def same(a: float, b: float) -> bool:
     """Identical floats: NaN equals NaN, and the sign of zero counts (no tolerance)."""
@@ -22,7 +37,7 @@ def same(a: float, b: float) -> bool:
     return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
-def assert_matches(h: HistoryBuffer, ref: RefHistoryBuffer, windows: List[int]) -> None:
+def assert_matches(h: HistoryBuffer, ref: Any, windows: List[int]) -> None:
     got = h.values()
     want = ref.values()
     assert len(got) == len(want) == len(h)
@@ -251,15 +266,16 @@ values_st = st.one_of(
 iteration_st = st.one_of(st.none(), st.integers(-(10**6), 10**6))
 
 
+@pytest.mark.parametrize("Ref", REFERENCES)
 @settings(max_examples=200, deadline=None)
 @given(
     updates=st.lists(st.tuples(values_st, iteration_st), max_size=60),
     max_length=st.integers(1, 40),
     windows=st.lists(st.integers(1, 80), min_size=1, max_size=5),
 )
-def test_matches_reference_model(updates, max_length, windows):
+def test_matches_reference_model(Ref, updates, max_length, windows):
     h = HistoryBuffer(max_length)
-    ref = RefHistoryBuffer(max_length)
+    ref = Ref(max_length)
     for v, it in updates:
         h.update(v, it)
         ref.update(float(v), it)
@@ -268,6 +284,7 @@ def test_matches_reference_model(updates, max_length, windows):
     assert all(type(it) is int for _, it in h.values())
 
 
+@pytest.mark.parametrize("Ref", REFERENCES)
 @settings(max_examples=100, deadline=None)
 @given(
     n=st.integers(0, 700),
@@ -276,19 +293,20 @@ def test_matches_reference_model(updates, max_length, windows):
     seed=st.integers(0, 2**32 - 1),
     windows=st.lists(st.integers(1, 700), min_size=1, max_size=4),
 )
-def test_long_windows_match_numpy_exactly(n, max_length, scale, seed, windows):
+def test_long_windows_match_numpy_exactly(Ref, n, max_length, scale, seed, windows):
     # Long windows exercise numpy's pairwise summation (blocks of 8, halves above 128) and the
     # wrapped ring (the window spans the end of the ring storage).
     rng = np.random.default_rng(seed)
     data = (rng.standard_normal(n) * scale).tolist()
     h = HistoryBuffer(max_length)
-    ref = RefHistoryBuffer(max_length)
+    ref = Ref(max_length)
     for v in data:
         h.update(v)
         ref.update(v)
     assert_matches(h, ref, windows + [max_length, 10**9])
 
 
+@pytest.mark.parametrize("Ref", REFERENCES)
 @settings(max_examples=150, deadline=None)
 @given(
     updates=st.lists(
@@ -303,9 +321,9 @@ def test_long_windows_match_numpy_exactly(n, max_length, scale, seed, windows):
     ),
     max_length=st.integers(1, 20),
 )
-def test_float_iterations_match_reference(updates, max_length):
+def test_float_iterations_match_reference(Ref, updates, max_length):
     h = HistoryBuffer(max_length)
-    ref = RefHistoryBuffer(max_length)
+    ref = Ref(max_length)
     for v, it in updates:
         h.update(v, it)
         ref.update(v, it)

@@ -124,16 +124,18 @@ def test_runtime_bench_reports_every_figure_for_each_loop(tmp_path: Path) -> Non
     assert runtime.main(argv) == 0
     res = json.loads(out.read_text(encoding="utf-8"))
     assert set(res["runs"]) == {"hand", "stack1"}
-    keys = {"wall_us", "user_us", "sys_us", "other_threads_us", "minor_faults",
-            "voluntary_switches", "involuntary_switches", "gc_collections", "gc_us"}  # fmt: skip
+    keys = {"wall_us", "user_us", "sys_us", "other_threads_us", "other_threads_err_us",
+            "minor_faults", "voluntary_switches", "involuntary_switches", "gc_collections",
+            "gc_us"}  # fmt: skip
     for loop in ("hand", "stack1"):
         (run,) = res["runs"][loop]
         assert set(run) == keys
         assert run["wall_us"] > 0
         assert all(v >= 0 for k, v in run.items() if k != "other_threads_us")
-        # two CPU clocks read one after the other: a loop with no other thread may come out a
-        # few ns below zero
-        assert run["other_threads_us"] > -0.1
+        # The other threads' time is never negative, and the figure is within its stated
+        # error of it: a loop with no other thread may come out below zero by that much (a
+        # fixed bound failed on a loaded machine, where the clock reads are slow).
+        assert run["other_threads_us"] >= -run["other_threads_err_us"]
     for bad in (["--loops", "nope"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             runtime.main(bad)

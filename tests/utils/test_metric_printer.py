@@ -365,3 +365,29 @@ def test_printer_holds_its_trainer_weakly(log):
     first, second = _lines(log)
     assert " iter: 12  epoch: 2/3  total_loss: 0.5  " in first
     assert " iter: 12  total_loss: 0.5  " in second
+
+
+def test_each_line_names_the_printers_write_as_its_origin(log):
+    # As logger.info inside write() would: the record's file, function and line are those of
+    # CommonMetricPrinter.write, the same for every line and for a subclass that calls it.
+    import inspect
+
+    import hookloop.utils.events as events
+
+    class Subclass(CommonMetricPrinter):
+        def write(self):
+            super().write()
+
+    source, first = inspect.getsourcelines(CommonMetricPrinter.write)
+    with EventStorage(0) as storage:
+        for printer in (CommonMetricPrinter(), CommonMetricPrinter(), Subclass()):
+            storage.put_scalar("total_loss", 1.0)
+            printer.write()
+            storage.step()
+    records = [r for r in log.records if r.name == LOGGER and r.levelno == logging.INFO]
+    assert len(records) == 3
+    origins = {(r.pathname, r.filename, r.module, r.funcName, r.lineno) for r in records}
+    ((pathname, filename, module, func, lineno),) = origins
+    assert pathname == events.__file__ and (filename, module) == ("events.py", "events")
+    assert func == "write" and first < lineno < first + len(source)
+    assert "_getframe" in source[lineno - first]  # the line that found the origin

@@ -760,13 +760,7 @@ mod tests {
         // rebuilds after long gaps and after evictions, and a change of window.)
         // A fixed pseudo-random walk with repeats, signed zeros, NaNs and infinities, over
         // windows shorter than, equal to and longer than max_length.
-        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::testutil::xorshift(0x9E37_79B9_7F4A_7C15);
         for &(max_length, window) in &[
             (50, 7),
             (50, 50),
@@ -815,13 +809,7 @@ mod tests {
         // every update (keys moved in place), after gaps (merges, rebuilds), with iterations
         // that skip or repeat (the sample count changes), and beside median_tracked on the same
         // history, as the printer asks both of `time`.
-        let mut seed: u64 = 0x2545_F491_4F6C_DD1D;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::testutil::xorshift(0x2545_F491_4F6C_DD1D);
         for &(max_length, window) in &[(30, 20), (20, 20), (8, 20), (1000, 5), (64, 1)] {
             let mut h = History::new(max_length).unwrap();
             let mut it = 0i64;
@@ -1008,13 +996,7 @@ mod tests {
                 .take_while(|(_, it)| it.as_f64() > threshold)
                 .count()
         };
-        let mut seed: u64 = 0x0123_4567_89AB_CDEF;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::testutil::xorshift(0x0123_4567_89AB_CDEF);
         for max_length in [7usize, 100, 5000] {
             let mut h = History::new(max_length).unwrap();
             assert_eq!(h.count_samples(20), 0);

@@ -15,6 +15,9 @@ pub mod storage;
 pub mod tfevents;
 pub mod writer;
 
+#[cfg(test)]
+mod testutil;
+
 pub use error::{Error, Result};
 pub use history::History;
 pub use storage::Storage;

@@ -1088,13 +1088,7 @@ mod tests {
     /// next exponent (9.9995 at .4g).
     #[test]
     fn exact_digits_equal_std_rounding() {
-        let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::testutil::xorshift(0x9E37_79B9_7F4A_7C15);
         let mut values = vec![0.0, 1.0, 0.5, 9.9995, 99_995.0, 0.000_999_95, 1e-18, 1e30];
         for _ in 0..20_000 {
             let r = next();

@@ -3,6 +3,7 @@
 
     python benches/bench_mlp_paired.py                 # 400 rounds, 4 processes a loop: ~3 min
     python benches/bench_mlp_paired.py --rounds 50     # a quick look
+    python benches/bench_mlp_paired.py --period-1      # the period-1 stack, each writer alone
 
 Every loop trains in ``--replicas`` processes of its own and the processes take turns of
 ``--window`` steps, in a new random order each round; each ratio of steps/s is formed within a
@@ -30,18 +31,31 @@ VARIANTS = {
     "default stack, native schedule": paired.Variant("hl", "native"),
 }
 
+#: ``--period-1``: the default stack writing every iteration, and each writer alone, in time
+#: (what bench_mlp_instructions.py counts in instructions).
+PERIOD_1 = {
+    "hand-written loop (model calls only)": paired.HAND,
+    "hand loop with its own bookkeeping": paired.HAND_BOOKKEEPING,
+    "default stack at period 1": paired.Variant("hl", "stack", 1),
+    "… at period 1, CommonMetricPrinter only": paired.Variant("hl", "stack", 1, ("printer",)),
+    "… at period 1, JSONWriter only": paired.Variant("hl", "stack", 1, ("json",)),
+    "… at period 1, TensorboardXWriter only": paired.Variant("hl", "stack", 1, ("tb",)),
+}
 
-def run(rounds: int, window: int, warmup: int, replicas: int) -> Dict[str, Any]:
+
+def run(
+    rounds: int, window: int, warmup: int, replicas: int, variants: Dict[str, Any] = VARIANTS
+) -> Dict[str, Any]:
     """The figures as a dict: µs per step (median window), and per floor the median ratio
     with its 95% interval and, where issue 11 sets one, the goal."""
     t0 = time.perf_counter()
     res = paired.run(
-        list(VARIANTS.values()), window=window, rounds=rounds, warmup=warmup, replicas=replicas
+        list(variants.values()), window=window, rounds=rounds, warmup=warmup, replicas=replicas
     )
     out: Dict[str, Any] = {
         "rounds": rounds, "window": window, "replicas": replicas, "variants": {},
     }  # fmt: skip
-    for name, v in VARIANTS.items():
+    for name, v in variants.items():
         row: Dict[str, Any] = {
             "us_per_step": statistics.median(paired.windows(res, v)) / window * 1e6,
             # each process's own median: how far apart the processes of one loop are
@@ -49,7 +63,9 @@ def run(rounds: int, window: int, warmup: int, replicas: int) -> Dict[str, Any]:
         }
         for floor, key in ((paired.HAND, "x_hand"), (paired.HAND_BOOKKEEPING, "x_bookkeeping")):
             r = paired.ratios(res, floor, v)
-            goal = paired.GOALS.get((v.hooks, floor)) if v.impl == "hl" else None
+            # the goals are set for the default period and writers
+            default = v.impl == "hl" and v.period == 20 and not v.writers
+            goal = paired.GOALS.get((v.hooks, floor)) if default else None
             row[key] = {"median": statistics.median(r), "ci95": paired.ratio_ci(res, floor, v),
                         "goal": goal}  # fmt: skip
         out["variants"][name] = row
@@ -74,10 +90,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--replicas", type=int, default=4, help="processes per loop")
     p.add_argument("--json", metavar="OUT")
+    p.add_argument(
+        "--period-1", action="store_true", help="the stack at period 1 and each writer alone"
+    )
     args = p.parse_args(argv)
     if args.rounds < 1 or args.window < 1 or args.replicas < 1 or args.warmup < 0:
         p.error("--rounds, --window and --replicas must be positive, --warmup not negative")
-    out = run(args.rounds, args.window, args.warmup, args.replicas)
+    variants = PERIOD_1 if args.period_1 else VARIANTS
+    out = run(args.rounds, args.window, args.warmup, args.replicas, variants)
     lines: List[str] = [
         "| loop | µs/step (each process) | × hand (95% interval) | "
         "× hand with bookkeeping (95% interval) |",

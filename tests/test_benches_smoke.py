@@ -116,6 +116,20 @@ def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> No
             bench_mlp_paired.main(bad)
 
 
+def test_mlp_paired_period_1_times_each_writer_alone_without_goals(tmp_path: Path) -> None:
+    bench_mlp_paired = _bench_module("bench_mlp_paired")
+    out = tmp_path / "paired.json"
+    assert bench_mlp_paired.main(["--period-1", "--rounds", "2", "--window", "3", "--warmup", "0",
+                                  "--replicas", "1", "--json", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text(encoding="utf-8"))
+    assert set(res["variants"]) == set(bench_mlp_paired.PERIOD_1)
+    writers = {v.writers for v in bench_mlp_paired.PERIOD_1.values() if v.impl == "hl"}
+    assert writers == {(), ("printer",), ("json",), ("tb",)}
+    for name, row in res["variants"].items():
+        # issue 11's goals are for the default period and writers, not these loops
+        assert row["x_hand"]["goal"] is None and row["x_bookkeeping"]["goal"] is None, name
+
+
 @pytest.mark.skipif(not Path("/proc/thread-self/status").exists(), reason="needs Linux /proc")
 def test_runtime_bench_reports_every_figure_for_each_loop(tmp_path: Path) -> None:
     runtime = _bench_module("bench_mlp_runtime")

@@ -54,10 +54,13 @@ WINDOW_TIMEOUT = 120.0
 class Variant:
     """A loop of :mod:`hookloop.bench.tiny_mlp`: ``impl`` is ``"hand"`` (the hand-written
     loop; ``hooks="bookkeeping"`` for the one that does its own bookkeeping) or an engine of
-    ``tiny_mlp.make_trainer`` (``"hl"``, ``"ref"``, ``"d2"``) with its ``hooks``."""
+    ``tiny_mlp.make_trainer`` (``"hl"``, ``"ref"``, ``"d2"``) with its ``hooks``, writing every
+    ``period`` iterations with ``writers`` (empty: those :func:`run` is given)."""
 
     impl: str
     hooks: str = "none"
+    period: int = 20
+    writers: Tuple[str, ...] = ()
 
 
 HAND = Variant("hand")
@@ -118,8 +121,8 @@ def _child(
                 tiny_mlp.time_hand(dev, batches, steps, bookkeeping=bookkeeping, data=data)
             else:
                 t = tiny_mlp.make_trainer(
-                    variant.impl, dev, batches, steps, tmpdir, variant.hooks, writers=writers,
-                    data=data,
+                    variant.impl, dev, batches, steps, tmpdir, variant.hooks,
+                    period=variant.period, writers=variant.writers or writers, data=data,
                 )  # fmt: skip
                 t.train(0, steps)
         conn.send(("error", f"{variant} ended after {steps} steps, before it was stopped"))

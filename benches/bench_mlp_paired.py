@@ -64,7 +64,7 @@ def run(
         for floor, key in ((paired.HAND, "x_hand"), (paired.HAND_BOOKKEEPING, "x_bookkeeping")):
             r = paired.ratios(res, floor, v)
             # the goals are set for the default period and writers
-            default = v.impl == "hl" and v.period == 20 and not v.writers
+            default = v.impl == "hl" and v == paired.Variant(v.impl, v.hooks)
             goal = paired.GOALS.get((v.hooks, floor)) if default else None
             row[key] = {"median": statistics.median(r), "ci95": paired.ratio_ci(res, floor, v),
                         "goal": goal}  # fmt: skip

@@ -86,10 +86,15 @@ __all__ = [
     "LRMultiplier",
 ]
 
-# CommonMetricPrinter logs here (detectron2 uses "detectron2.utils.events").
-EVENTS_LOGGER = "compat.d2.events"
+# The hooks, as the corpus's backends list them (``compat.backends``).
+HOOK_NAMES = ("CallbackHook", "IterationTimer", "PeriodicWriter", "LRScheduler", "EvalHook")
 
-logger = logging.getLogger("compat.d2.engine")
+# CommonMetricPrinter logs here (detectron2 uses "detectron2.utils.events").
+EVENTS_LOGGER = "compat.d2.utils.events"
+
+# detectron2's module loggers, under compat.d2. instead of detectron2.
+logger = logging.getLogger("compat.d2.engine.train_loop")
+hooks_logger = logging.getLogger("compat.d2.engine.hooks")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +253,9 @@ class EventStorage:
     ) -> None:
         for k, v in kwargs.items():
             self.put_scalar(k, v, smoothing_hint=smoothing_hint, cur_iter=cur_iter)
+
+    def put_image(self, img_name: str, img_tensor: Any) -> None:
+        self._vis_data.append((img_name, img_tensor, self._iter))
 
     def put_histogram(self, hist_name: str, hist_tensor: torch.Tensor, bins: int = 1000) -> None:
         """detectron2's histogram parameters for ``add_histogram_raw``: ``num`` is ``len`` (the
@@ -546,6 +554,9 @@ class HookBase:
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
+    def load_state_dict(self, state_dict: Any) -> None:
+        pass
+
 
 class TrainerBase:
     # What register_hooks accepts: detectron2 asserts its own HookBase. A test widens it to run
@@ -622,6 +633,31 @@ class TrainerBase:
 
     def run_step(self) -> None:
         raise NotImplementedError
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The iteration and each stateful hook's state, keyed by its class's qualified name;
+        a second stateful hook of the same class is not saved."""
+        ret: Dict[str, Any] = {"iteration": self.iter}
+        hooks_state: Dict[str, Any] = {}
+        for h in self._hooks:
+            sd = h.state_dict()
+            if sd:
+                name = type(h).__qualname__
+                if name not in hooks_state:
+                    hooks_state[name] = sd
+        if hooks_state:
+            ret["hooks"] = hooks_state
+        return ret
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.iter = state_dict["iteration"]
+        for key, value in state_dict.get("hooks", {}).items():
+            for h in self._hooks:
+                if type(h).__qualname__ == key:
+                    h.load_state_dict(value)
+                    break
+            else:
+                logger.warning(f"Cannot find the hook '{key}', its state_dict is ignored.")
 
 
 class SimpleTrainer(TrainerBase):
@@ -731,9 +767,82 @@ class SimpleTrainer(TrainerBase):
             if len(metrics_dict) > 1:
                 storage.put_scalars(cur_iter=iter, **metrics_dict)  # type: ignore[arg-type]
 
+    def reset_data_loader(self, data_loader_builder: Any) -> None:
+        del self.data_loader
+        self.data_loader = data_loader_builder()
+        self._data_loader_iter_obj = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        ret = super().state_dict()
+        ret["optimizer"] = self.optimizer.state_dict()
+        return ret
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
     def after_train(self) -> None:
         super().after_train()
         self.concurrent_executor.shutdown(wait=True)
+
+
+class AMPTrainer(SimpleTrainer):
+    """SimpleTrainer with a ``GradScaler`` and autocast; a step needs CUDA."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data_loader: Iterable[Any],
+        optimizer: torch.optim.Optimizer,
+        gather_metric_period: int = 1,
+        zero_grad_before_forward: bool = False,
+        grad_scaler: Any = None,
+        precision: torch.dtype = torch.float16,
+        log_grad_scaler: bool = False,
+        async_write_metrics: bool = False,
+    ) -> None:
+        super().__init__(
+            model, data_loader, optimizer, gather_metric_period, zero_grad_before_forward
+        )
+        if grad_scaler is None:
+            grad_scaler = torch.amp.GradScaler("cuda")
+        self.grad_scaler = grad_scaler
+        self.precision = precision
+        self.log_grad_scaler = log_grad_scaler
+
+    def run_step(self) -> None:
+        assert self.model.training, "[AMPTrainer] model was changed to eval mode!"
+        assert torch.cuda.is_available(), "[AMPTrainer] CUDA is required for AMP training!"
+        start = time.perf_counter()
+        data = next(self._data_loader_iter)
+        data_time = time.perf_counter() - start
+        if self.zero_grad_before_forward:
+            self.optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=self.precision):
+            loss_dict = self.model(data)
+            if isinstance(loss_dict, torch.Tensor):
+                losses = loss_dict
+                loss_dict = {"total_loss": loss_dict}
+            else:
+                losses = sum(loss_dict.values())
+        if not self.zero_grad_before_forward:
+            self.optimizer.zero_grad()
+        self.grad_scaler.scale(losses).backward()
+        if self.log_grad_scaler:
+            get_event_storage().put_scalar("[metric]grad_scaler", self.grad_scaler.get_scale())
+        self.after_backward()
+        self._write_metrics(loss_dict, data_time)
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+
+    def state_dict(self) -> Dict[str, Any]:
+        ret = super().state_dict()
+        ret["grad_scaler"] = self.grad_scaler.state_dict()
+        return ret
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,7 +871,7 @@ class IterationTimer(HookBase):
         if num_iter > 0 and total_time_minus_hooks > 0:
             # Speed is meaningful only after warmup
             # NOTE this format is parsed by grep in some scripts
-            logger.info(
+            hooks_logger.info(
                 "Overall training speed: {} iterations in {} ({:.4f} s / it)".format(
                     num_iter,
                     str(datetime.timedelta(seconds=int(total_time_minus_hooks))),
@@ -770,7 +879,7 @@ class IterationTimer(HookBase):
                 )
             )
 
-        logger.info(
+        hooks_logger.info(
             "Total training time: {} ({} on hooks)".format(
                 str(datetime.timedelta(seconds=int(total_time))),
                 str(datetime.timedelta(seconds=int(hook_time))),
@@ -824,6 +933,13 @@ class LRScheduler(HookBase):
 
     def before_train(self) -> None:
         self._optimizer = self._optimizer or self.trainer.optimizer
+        if isinstance(self.scheduler, ParamScheduler):
+            self._scheduler = LRMultiplier(
+                self._optimizer,
+                self.scheduler,
+                self.trainer.max_iter,
+                last_iter=self.trainer.iter - 1,
+            )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
 
     @staticmethod
@@ -856,6 +972,101 @@ class LRScheduler(HookBase):
     @property
     def scheduler(self) -> Any:
         return self._scheduler or self.trainer.scheduler
+
+    def state_dict(self) -> Dict[str, Any]:
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
+            return self.scheduler.state_dict()
+        return {}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.LRScheduler):
+            hooks_logger.info("Loading scheduler from state_dict ...")
+            self.scheduler.load_state_dict(state_dict)
+
+
+class CallbackHook(HookBase):
+    """Calls the given functions with the trainer; drops them after training."""
+
+    def __init__(
+        self,
+        *,
+        before_train: Any = None,
+        after_train: Any = None,
+        before_step: Any = None,
+        after_step: Any = None,
+    ) -> None:
+        self._before_train = before_train
+        self._before_step = before_step
+        self._after_step = after_step
+        self._after_train = after_train
+
+    def before_train(self) -> None:
+        if self._before_train:
+            self._before_train(self.trainer)
+
+    def after_train(self) -> None:
+        if self._after_train:
+            self._after_train(self.trainer)
+        del self._before_train, self._after_train
+        del self._before_step, self._after_step
+
+    def before_step(self) -> None:
+        if self._before_step:
+            self._before_step(self.trainer)
+
+    def after_step(self) -> None:
+        if self._after_step:
+            self._after_step(self.trainer)
+
+
+def flatten_results_dict(results: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a/b": 1}``."""
+    r: Dict[str, Any] = {}
+    for k, v in results.items():
+        if isinstance(v, dict):
+            for kk, vv in flatten_results_dict(v).items():
+                r[k + "/" + kk] = vv
+        else:
+            r[k] = v
+    return r
+
+
+class EvalHook(HookBase):
+    """Runs ``eval_function`` every ``eval_period`` iterations (but the last) and after
+    training; puts its flattened results unsmoothed."""
+
+    def __init__(self, eval_period: int, eval_function: Any, eval_after_train: bool = True):
+        self._period = eval_period
+        self._func = eval_function
+        self._eval_after_train = eval_after_train
+
+    def _do_eval(self) -> None:
+        results = self._func()
+        if results:
+            assert isinstance(results, dict), (
+                "Eval function must return a dict. Got {} instead.".format(results)
+            )
+            flattened_results = flatten_results_dict(results)
+            for k, v in flattened_results.items():
+                try:
+                    v = float(v)
+                except Exception as e:
+                    raise ValueError(
+                        "[EvalHook] eval_function should return a nested dict of float. "
+                        "Got '{}: {}' instead.".format(k, v)
+                    ) from e
+            self.trainer.storage.put_scalars(**flattened_results, smoothing_hint=False)
+
+    def after_step(self) -> None:
+        next_iter = self.trainer.iter + 1
+        if self._period > 0 and next_iter % self._period == 0:
+            if next_iter != self.trainer.max_iter:
+                self._do_eval()
+
+    def after_train(self) -> None:
+        if self._eval_after_train and self.trainer.iter + 1 >= self.trainer.max_iter:
+            self._do_eval()
+        del self._func
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""The engines the usage corpus runs against, each as one namespace with detectron2's names.
+
+- ``hookloop``: the product.
+- ``reference``: the tests' model of detectron2 (``compat.d2``), written for hookloop.
+- ``d2src``: detectron2's own engine modules, imported from a source tree that
+  ``HOOKLOOP_D2_SRC`` names (``git archive HEAD detectron2 | tar -x -C $DIR``), with fvcore
+  from PyPI. Its packages' ``__init__`` files (which import the whole model zoo) are never run:
+  each package is registered as an empty module whose ``__path__`` points into the tree, so
+  only the engine's own modules and what they import are loaded.
+
+A pattern receives one of these and writes its code against ``E.SimpleTrainer``,
+``E.hooks.PeriodicWriter``, ``E.EventStorage``..., as the real code writes it against
+``detectron2.engine`` and ``detectron2.utils.events``. ``E.logger_prefix`` is the prefix of the
+engine's logger names (``hookloop.``/``detectron2.``/``compat.d2.``): log records are compared
+with it removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import types
+from typing import Any, Dict
+
+__all__ = ["Engine", "backend", "BACKENDS", "d2src_dir"]
+
+
+class Engine(types.SimpleNamespace):
+    """One backend's engine: ``name``, ``logger_prefix``, the trainers, ``hooks`` (a module),
+    the storage and writers, ``Checkpointer``/``PeriodicCheckpointer``, ``comm``."""
+
+    name: str
+    logger_prefix: str
+
+
+BACKENDS = ("hookloop", "reference", "d2src")
+
+
+def d2src_dir() -> str:
+    """The detectron2 source tree named by ``HOOKLOOP_D2_SRC`` (the folder holding the
+    ``detectron2`` package), or '' when it is not set or holds no engine."""
+    root = os.environ.get("HOOKLOOP_D2_SRC", "")
+    if root and os.path.isfile(os.path.join(root, "detectron2", "engine", "train_loop.py")):
+        return root
+    return ""
+
+
+def _hookloop() -> Engine:
+    from hookloop import checkpoint
+    from hookloop.engine import hooks, train_loop
+    from hookloop.utils import comm, events
+
+    return Engine(
+        name="hookloop",
+        logger_prefix="hookloop.",
+        HookBase=train_loop.HookBase,
+        TrainerBase=train_loop.TrainerBase,
+        SimpleTrainer=train_loop.SimpleTrainer,
+        AMPTrainer=train_loop.AMPTrainer,
+        hooks=hooks,
+        EventStorage=events.EventStorage,
+        get_event_storage=events.get_event_storage,
+        HistoryBuffer=events.HistoryBuffer,
+        EventWriter=events.EventWriter,
+        JSONWriter=events.JSONWriter,
+        TensorboardXWriter=events.TensorboardXWriter,
+        CommonMetricPrinter=events.CommonMetricPrinter,
+        Checkpointer=checkpoint.Checkpointer,
+        PeriodicCheckpointer=checkpoint.PeriodicCheckpointer,
+        comm=comm,
+    )
+
+
+def _reference() -> Engine:
+    from compat import d2, d2_hooks
+
+    hooks = types.ModuleType("compat.d2.hooks")
+    for name in d2.HOOK_NAMES:
+        setattr(hooks, name, getattr(d2, name))
+    hooks.PeriodicCheckpointer = d2_hooks.PeriodicCheckpointer  # type: ignore[attr-defined]
+    return Engine(
+        name="reference",
+        logger_prefix="compat.d2.",
+        HookBase=d2.HookBase,
+        TrainerBase=d2.TrainerBase,
+        SimpleTrainer=d2.SimpleTrainer,
+        AMPTrainer=d2.AMPTrainer,
+        hooks=hooks,
+        EventStorage=d2.EventStorage,
+        get_event_storage=d2.get_event_storage,
+        HistoryBuffer=d2.HistoryBuffer,
+        EventWriter=d2.EventWriter,
+        JSONWriter=d2.JSONWriter,
+        TensorboardXWriter=d2.TensorboardXWriter,
+        CommonMetricPrinter=d2.CommonMetricPrinter,
+        Checkpointer=d2_hooks.Checkpointer,
+        PeriodicCheckpointer=d2_hooks.FvPeriodicCheckpointer,
+        comm=d2.comm,
+    )
+
+
+# Packages whose __init__ would import far more than the engine (the model zoo, the data
+# pipeline, pycocotools, hydra): registered empty, their modules imported one by one.
+_EMPTY_PACKAGES = (
+    "detectron2",
+    "detectron2.utils",
+    "detectron2.engine",
+    "detectron2.solver",
+    "detectron2.evaluation",
+    "detectron2.checkpoint",
+)
+
+
+def _d2src() -> Engine:
+    root = d2src_dir()
+    if not root:
+        raise LookupError("HOOKLOOP_D2_SRC does not name a detectron2 source tree")
+    for name in _EMPTY_PACKAGES:
+        if name in sys.modules:
+            continue
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [os.path.join(root, *name.split("."))]
+        sys.modules[name] = pkg
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], leaf, pkg)
+    solver = sys.modules["detectron2.solver"]
+    lr_scheduler = importlib.import_module("detectron2.solver.lr_scheduler")
+    solver.LRMultiplier = lr_scheduler.LRMultiplier  # type: ignore[attr-defined]
+    solver.LRScheduler = lr_scheduler.LRScheduler  # type: ignore[attr-defined]
+    solver.WarmupParamScheduler = lr_scheduler.WarmupParamScheduler  # type: ignore[attr-defined]
+    events = importlib.import_module("detectron2.utils.events")
+    comm = importlib.import_module("detectron2.utils.comm")
+    train_loop = importlib.import_module("detectron2.engine.train_loop")
+    hooks = importlib.import_module("detectron2.engine.hooks")
+    from fvcore.common.checkpoint import Checkpointer, PeriodicCheckpointer
+
+    return Engine(
+        name="d2src",
+        logger_prefix="detectron2.",
+        HookBase=train_loop.HookBase,
+        TrainerBase=train_loop.TrainerBase,
+        SimpleTrainer=train_loop.SimpleTrainer,
+        AMPTrainer=train_loop.AMPTrainer,
+        hooks=hooks,
+        EventStorage=events.EventStorage,
+        get_event_storage=events.get_event_storage,
+        HistoryBuffer=importlib.import_module("fvcore.common.history_buffer").HistoryBuffer,
+        EventWriter=events.EventWriter,
+        JSONWriter=events.JSONWriter,
+        TensorboardXWriter=events.TensorboardXWriter,
+        CommonMetricPrinter=events.CommonMetricPrinter,
+        Checkpointer=Checkpointer,
+        PeriodicCheckpointer=PeriodicCheckpointer,
+        comm=comm,
+    )
+
+
+_LOADERS: Dict[str, Any] = {"hookloop": _hookloop, "reference": _reference, "d2src": _d2src}
+
+
+@functools.lru_cache(maxsize=None)
+def backend(name: str) -> Engine:
+    """The engine called ``name`` (one of :data:`BACKENDS`), loaded once per process."""
+    return _LOADERS[name]()

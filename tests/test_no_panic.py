@@ -140,7 +140,6 @@ def test_dispatch_and_hook_calls(storage):
     t = _core._IterationTimerBase()
     drive(lambda a: t._configure(a), 1)
     drive(lambda a, b: t._start(a, b), 2)
-    drive(lambda a, b: t._set_carried(a, b), 2)
     lr = _core._LRSchedulerBase()
     drive(lambda a: setattr(lr, "_best_param_group_id", a), 1)
     drive(lambda a: lr._start(a), 1)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -110,7 +109,13 @@ def _demo(args: argparse.Namespace) -> int:
 
         def after_step(self) -> None:
             if self.trainer.iter == args.interrupt_at - 1:
-                os.kill(os.getpid(), signal.SIGINT)
+                # What a Ctrl-C runs here (Python's SIGINT handler, or one the program put in
+                # its place), called directly: a SIGINT sent to ourselves never arrives in a
+                # process that inherited it as ignored (a background job, nohup, CI runners).
+                handler = signal.getsignal(signal.SIGINT)
+                if not callable(handler):
+                    handler = signal.default_int_handler
+                handler(signal.SIGINT, sys._getframe())
 
     class DemoTrainer(DefaultTrainer):
         """DefaultTrainer with the demo's model, data and evaluation; its default hooks plus

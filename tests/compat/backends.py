@@ -22,6 +22,7 @@ import importlib
 import os
 import sys
 import types
+import warnings
 from typing import Any, Dict
 
 __all__ = ["Engine", "backend", "BACKENDS", "d2src_dir"]
@@ -29,7 +30,9 @@ __all__ = ["Engine", "backend", "BACKENDS", "d2src_dir"]
 
 class Engine(types.SimpleNamespace):
     """One backend's engine: ``name``, ``logger_prefix``, the trainers, ``hooks`` (a module),
-    the storage and writers, ``Checkpointer``/``PeriodicCheckpointer``, ``comm``."""
+    the storage and writers, ``Checkpointer``/``PeriodicCheckpointer``, ``comm``, and
+    ``solver`` (``LRMultiplier``, ``WarmupParamScheduler`` and fvcore's param schedulers by
+    their names)."""
 
     name: str
     logger_prefix: str
@@ -47,10 +50,35 @@ def d2src_dir() -> str:
     return ""
 
 
+_PARAM_SCHEDULERS = (
+    "ParamScheduler",
+    "ConstantParamScheduler",
+    "CosineParamScheduler",
+    "ExponentialParamScheduler",
+    "LinearParamScheduler",
+    "MultiStepParamScheduler",
+    "PolynomialDecayParamScheduler",
+    "StepParamScheduler",
+    "StepWithFixedGammaParamScheduler",
+    "CompositeParamScheduler",
+)
+
+
+def _solver(lr_scheduler: Any, param_scheduler: Any) -> types.SimpleNamespace:
+    """``detectron2.solver``'s LR wrappers and fvcore's param schedulers, in one namespace."""
+    names = {n: getattr(param_scheduler, n) for n in _PARAM_SCHEDULERS}
+    names["LRMultiplier"] = lr_scheduler.LRMultiplier
+    names["WarmupParamScheduler"] = lr_scheduler.WarmupParamScheduler
+    return types.SimpleNamespace(**names)
+
+
 def _hookloop() -> Engine:
     from hookloop import checkpoint
     from hookloop.engine import hooks, train_loop
+    from hookloop.solver import lr_scheduler, param_scheduler
     from hookloop.utils import comm, events
+
+    solver = _solver(lr_scheduler, param_scheduler)
 
     return Engine(
         name="hookloop",
@@ -70,6 +98,7 @@ def _hookloop() -> Engine:
         Checkpointer=checkpoint.Checkpointer,
         PeriodicCheckpointer=checkpoint.PeriodicCheckpointer,
         comm=comm,
+        solver=solver,
     )
 
 
@@ -98,6 +127,7 @@ def _reference() -> Engine:
         Checkpointer=d2_hooks.Checkpointer,
         PeriodicCheckpointer=d2_hooks.FvPeriodicCheckpointer,
         comm=d2.comm,
+        solver=_solver(d2, d2),
     )
 
 
@@ -127,15 +157,22 @@ def _d2src() -> Engine:
         if parent:
             setattr(sys.modules[parent], leaf, pkg)
     solver = sys.modules["detectron2.solver"]
-    lr_scheduler = importlib.import_module("detectron2.solver.lr_scheduler")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        lr_scheduler = importlib.import_module("detectron2.solver.lr_scheduler")
     solver.LRMultiplier = lr_scheduler.LRMultiplier  # type: ignore[attr-defined]
     solver.LRScheduler = lr_scheduler.LRScheduler  # type: ignore[attr-defined]
     solver.WarmupParamScheduler = lr_scheduler.WarmupParamScheduler  # type: ignore[attr-defined]
-    events = importlib.import_module("detectron2.utils.events")
-    comm = importlib.import_module("detectron2.utils.comm")
-    train_loop = importlib.import_module("detectron2.engine.train_loop")
-    hooks = importlib.import_module("detectron2.engine.hooks")
-    from fvcore.common.checkpoint import Checkpointer, PeriodicCheckpointer
+    with warnings.catch_warnings():
+        # fvcore.nn scripts its losses with torch.jit at import, which torch deprecates.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        events = importlib.import_module("detectron2.utils.events")
+        comm = importlib.import_module("detectron2.utils.comm")
+        train_loop = importlib.import_module("detectron2.engine.train_loop")
+        hooks = importlib.import_module("detectron2.engine.hooks")
+        from fvcore.common import param_scheduler
+        from fvcore.common.checkpoint import Checkpointer, PeriodicCheckpointer
 
     return Engine(
         name="d2src",
@@ -155,6 +192,7 @@ def _d2src() -> Engine:
         Checkpointer=Checkpointer,
         PeriodicCheckpointer=PeriodicCheckpointer,
         comm=comm,
+        solver=_solver(lr_scheduler, param_scheduler),
     )
 
 

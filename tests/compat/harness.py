@@ -5,7 +5,8 @@ A pattern is a function ``pattern(E, R)``: ``E`` is a :class:`compat.backends.En
 code drives detectron2, and records what that code would look at with ``R.rec(...)`` /
 ``R.storage(storage)``. :func:`observe` runs it and returns an :class:`Observation`:
 
-- the exception it raised (type name and message), or None;
+- the exception it raised (type name and message), or None, and the warnings it raised
+  (deprecations left out);
 - ``R``'s records, in order;
 - the log records of the engine's loggers and of the pattern's own (``logger``, level,
   message), with the engine's logger prefix removed and wall-clock values masked;
@@ -30,6 +31,7 @@ import math
 import os
 import random
 import re
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -190,6 +192,7 @@ def _plain(x: Any, out: str) -> Any:
 @dataclasses.dataclass
 class Observation:
     error: Optional[Tuple[str, str]]
+    warnings: List[Tuple[str, str]]
     records: List[Any]
     logs: List[Tuple[str, str, str]]
     stdout: List[str]
@@ -233,16 +236,25 @@ def observe(p: Pattern, engine_name: str, out: str) -> Observation:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
+    caught: List[Any] = []
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             p.func(E, R)
     except Exception as e:  # what the user's code would see
         error = (type(e).__name__, mask_text(str(e), out))
     finally:
         root.removeHandler(capture)
         root.setLevel(old_level)
+    # Warnings are observed too, but for deprecations (torch warns detectron2's older calls).
+    seen_warnings = [
+        (w.category.__name__, mask_text(str(w.message), out))
+        for w in caught
+        if not issubclass(w.category, (DeprecationWarning, FutureWarning))
+    ]
     return Observation(
         error=error,
+        warnings=seen_warnings,
         records=R.records,
         logs=capture.records,
         stdout=[mask_text(line, out) for line in printed.getvalue().splitlines()],

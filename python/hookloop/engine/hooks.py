@@ -117,21 +117,14 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         self._configure(warmup_iter)
 
     def before_train(self) -> None:
-        self._start(self.trainer.storage, self.trainer.start_iter)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The time spent so far (total and inside steps) and the iterations it covers, so a
-        resumed run's end-of-training summary covers the whole run."""
-        total, in_steps = self._elapsed()
-        trainer = self.trainer
-        timed = trainer.iter + 1 - trainer.start_iter - self._warmup_iter + self._carried_iters
-        return {"total_s": total, "steps_s": in_steps, "timed_iters": max(timed, 0)}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self._set_carried(float(state_dict["total_s"]), float(state_dict["steps_s"]))
-        self._carried_iters = int(state_dict["timed_iters"])
-
-    _carried_iters = 0
+        # detectron2's before_train only starts the clocks: it may run before any trainer is
+        # attached. Without a storage yet, each after_step reads the trainer's.
+        trainer: Any = self.trainer
+        storage = getattr(trainer, "storage", None) if trainer is not None else None
+        if isinstance(storage, EventStorage):
+            self._start(storage, trainer.start_iter)
+        else:
+            self._start(None, 0)
 
     def __getstate__(self) -> Dict[str, Any]:
         return {**HookBase.__getstate__(self), "_warmup_iter": self._warmup_iter}
@@ -145,9 +138,8 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
         total_time, total_time_minus_hooks = self._elapsed()
         hook_time = total_time - total_time_minus_hooks
 
-        num_iter = (
-            self.trainer.storage.iter + 1 - self.trainer.start_iter - self._warmup_iter
-        ) + self._carried_iters
+        # This run's iterations, as detectron2 counts them (a resumed run's too).
+        num_iter = self.trainer.storage.iter + 1 - self.trainer.start_iter - self._warmup_iter
 
         if num_iter > 0 and total_time_minus_hooks > 0:
             # Speed is meaningful only after warmup
@@ -166,7 +158,8 @@ class IterationTimer(_core._IterationTimerBase, HookBase):
                 str(datetime.timedelta(seconds=int(hook_time))),
             )
         )
-        stats = [row for row in self.trainer.hook_stats() if row.calls]
+        hook_stats = getattr(self.trainer, "hook_stats", None)  # absent on a stand-in trainer
+        stats = [row for row in hook_stats() if row.calls] if callable(hook_stats) else []
         if stats:
             # Per-hook timing (the dispatcher times every hook call unless turned off): one
             # row per hook and stage, slowest total first.
@@ -371,7 +364,8 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
                 f"hookloop's LRMultiplier), got {type(self._scheduler).__name__}"
             )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
-        self._start(trainer.storage)
+        storage = getattr(trainer, "storage", None)
+        self._start(storage if isinstance(storage, EventStorage) else None)
 
     def __getstate__(self) -> Dict[str, Any]:
         return {

@@ -515,15 +515,28 @@ class TrainerBase:
         return getattr(self, stage)
 
     def before_train(self) -> None:
+        if self._loop_hooks is None:
+            # A loop of the subclass's own (``for self.iter in range(...)`` calling the stages):
+            # the dispatcher learns this run's storage and max_iter here, as train() tells it.
+            self._begin_own_loop()
         self._dispatcher.before_train()
 
+    def _begin_own_loop(self) -> None:
+        storage = getattr(self, "storage", None)
+        if isinstance(storage, EventStorage):
+            max_iter = getattr(self, "max_iter", None)
+            self._dispatcher.begin(
+                self._hooks, storage, max_iter if isinstance(max_iter, int) else _NO_MAX_ITER
+            )
+
     def after_train(self) -> None:
-        # Sets storage.iter = self.iter, then calls the hooks.
+        self.storage.iter = self.iter
         self._dispatcher.after_train(self.iter)
 
     def before_step(self) -> None:
         # Maintain the invariant that storage.iter == trainer.iter for the entire execution
-        # of each step (the dispatcher sets it, then calls the hooks).
+        # of each step
+        self.storage.iter = self.iter
         self._dispatcher.before_step(self.iter)
 
     def after_backward(self) -> None:
@@ -599,6 +612,9 @@ class TrainerBase:
 
     _resume_storage: Optional[Mapping[str, Any]] = None
 
+
+# max_iter for a loop that never set one: no iteration is the last.
+_NO_MAX_ITER = 2**53
 
 # Entries kept per scalar in a checkpoint: the printer's ETA takes the median of the last 1000
 # `time` values, and writers smooth over windows of 20 by default.

@@ -173,8 +173,10 @@ pub enum ImageError {
     /// Not a 3-d `(C, H, W)` shape.
     #[error("expected a (C, H, W) image, got shape {shape:?}")]
     NotChw { shape: Vec<i64> },
-    /// `channels` is not 1 (grey), 3 (RGB) or 4 (RGBA).
-    #[error("image has {channels} channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)")]
+    /// `channels` is not 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA).
+    #[error(
+        "image has {channels} channels; expected 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA)"
+    )]
     UnsupportedChannels { channels: u64 },
     /// Width or height is zero: PNG has no empty images.
     #[error("image is {width}x{height}; width and height must be positive")]
@@ -285,11 +287,12 @@ mod tests {
         let e = Error::Image {
             tag: "img".into(),
             step: Some(7),
-            source: ImageError::UnsupportedChannels { channels: 2 },
+            source: ImageError::UnsupportedChannels { channels: 5 },
         };
         assert_eq!(
             e.to_string(),
-            "image 'img' at iter 7: image has 2 channels; expected 1 (grey), 3 (RGB) or 4 (RGBA)"
+            "image 'img' at iter 7: image has 5 channels; expected 1 (grey), 2 (grey + alpha), \
+             3 (RGB) or 4 (RGBA)"
         );
     }
 

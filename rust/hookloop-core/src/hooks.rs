@@ -60,8 +60,6 @@ pub struct IterationTimer {
     step_start: Instant,
     /// Time inside steps after warmup (between before_step and after_step).
     in_steps: Stopwatch,
-    /// Seconds carried over from before a resume: (total, inside steps).
-    carried: (f64, f64),
 }
 
 impl IterationTimer {
@@ -74,7 +72,6 @@ impl IterationTimer {
             start: now,
             step_start: now,
             in_steps: Stopwatch::paused(),
-            carried: (0.0, 0.0),
         }
     }
 
@@ -83,6 +80,12 @@ impl IterationTimer {
         self.start_iter = start_iter;
         self.start = now;
         self.in_steps = Stopwatch::paused();
+    }
+
+    /// The first iteration of the run, for the warmup count (a hook driven on its own reads it
+    /// from its trainer at each step).
+    pub fn set_start_iter(&mut self, start_iter: i64) {
+        self.start_iter = start_iter;
     }
 
     /// `before_step`.
@@ -106,17 +109,13 @@ impl IterationTimer {
         }
     }
 
-    /// (seconds since start, seconds inside steps), including what was carried over.
+    /// (seconds since this run's start, seconds inside its steps): a resumed run reports its
+    /// own part, as detectron2's does.
     pub fn elapsed(&self, now: Instant) -> (f64, f64) {
         (
-            self.carried.0 + now.duration_since(self.start).as_secs_f64(),
-            self.carried.1 + self.in_steps.seconds(now),
+            now.duration_since(self.start).as_secs_f64(),
+            self.in_steps.seconds(now),
         )
-    }
-
-    /// Seconds carried over from an earlier part of the run (a resumed checkpoint).
-    pub fn set_carried(&mut self, total: f64, in_steps: f64) {
-        self.carried = (total, in_steps);
     }
 
     /// `after_step` and the put of `time` into `storage`, in one call.
@@ -171,16 +170,6 @@ mod tests {
         let time = s.scalar("time").unwrap();
         assert!(time.smoothing_hint);
         assert_eq!(time.latest.1, crate::history::Iter::Int(3));
-    }
-
-    #[test]
-    fn carried_seconds_add_to_elapsed() {
-        let t0 = Instant::now();
-        let mut timer = IterationTimer::new(0);
-        timer.start(0, t0);
-        timer.set_carried(100.0, 60.0);
-        let (total, in_steps) = timer.elapsed(t0);
-        assert_eq!((total, in_steps), (100.0, 60.0));
     }
 
     #[test]

@@ -43,6 +43,10 @@ pub struct Storage {
     prefixes: Vec<(std::thread::ThreadId, String)>,
     max_length: usize,
     histograms: Bounded<HistogramPoint>,
+    /// Where the names of deferred puts belong: the number of names the storage held when
+    /// the first put still waiting was made ([`Storage::mark_deferred`]). detectron2 keeps a
+    /// name where it was first put, so reading a value later must not move its name later.
+    deferred_at: Option<usize>,
 }
 
 /// A queue that keeps the newest `max` items, dropping the oldest: images and histograms
@@ -117,7 +121,36 @@ impl Storage {
             prefixes: Vec::new(),
             max_length,
             histograms: Bounded::new(max_histograms),
+            deferred_at: None,
         })
+    }
+
+    /// A put is deferred (its value read later): the names it creates belong at the storage's
+    /// current end. Only the first deferral since the last [`Storage::end_deferred`] counts.
+    pub fn mark_deferred(&mut self) {
+        if self.deferred_at.is_none() {
+            self.deferred_at = Some(self.scalars.len());
+        }
+    }
+
+    /// The deferred puts made since the mark have just been put: the names they created
+    /// (those from index `first_new` on) move back to where the puts were made, in their
+    /// order, ahead of the names put meanwhile. Puts of a later deferred batch go after them.
+    pub fn place_deferred(&mut self, first_new: usize) {
+        let Some(mark) = self.deferred_at else {
+            return;
+        };
+        let end = self.scalars.len();
+        let mark = mark.min(first_new);
+        for (k, from) in (first_new..end).enumerate() {
+            self.scalars.move_index(from, mark + k);
+        }
+        self.deferred_at = Some(mark + end.saturating_sub(first_new));
+    }
+
+    /// Every deferred put has been put: the next deferral marks a new place.
+    pub fn end_deferred(&mut self) {
+        self.deferred_at = None;
     }
 
     /// The current iteration.
@@ -447,6 +480,7 @@ impl Storage {
         self.scalars = scalars;
         self.iter = iter;
         self.max_length = state.max_length;
+        self.deferred_at = None;
         Ok(())
     }
 }
@@ -457,6 +491,39 @@ mod tests {
 
     fn storage() -> Storage {
         Storage::new(0, History::DEFAULT_MAX_LENGTH, 8).unwrap()
+    }
+
+    fn names(s: &Storage) -> Vec<&str> {
+        s.scalars().map(|(n, _)| n).collect()
+    }
+
+    #[test]
+    fn deferred_names_keep_the_place_of_their_put() {
+        let mut s = storage();
+        s.put_scalar("early", 1.0, true, None).unwrap();
+        s.mark_deferred(); // iteration 0's losses wait
+        s.put_scalar("time", 0.1, true, None).unwrap();
+        s.put_scalar("lr", 0.1, false, None).unwrap();
+        s.mark_deferred(); // iteration 1's: the first mark stands
+        s.put_scalar("val_loss", 2.0, false, None).unwrap();
+        // The settle: two batches (an earlier copy, then the rest), then the end.
+        let first = s.len();
+        s.put_scalar("total_loss", 1.0, true, None).unwrap();
+        s.put_scalar("early", 1.0, true, None).unwrap(); // known names stay where they are
+        s.place_deferred(first);
+        let second = s.len();
+        s.put_scalar("loss_b", 1.0, true, None).unwrap();
+        s.place_deferred(second);
+        s.end_deferred();
+        assert_eq!(
+            names(&s),
+            ["early", "total_loss", "loss_b", "time", "lr", "val_loss"]
+        );
+        // Without a mark, a put lands at the end.
+        s.put_scalar("new", 1.0, true, None).unwrap();
+        let end = s.len();
+        s.place_deferred(end - 1);
+        assert_eq!(names(&s).last(), Some(&"new"));
     }
 
     #[test]

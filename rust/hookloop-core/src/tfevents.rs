@@ -2,9 +2,14 @@
 //! TFRecord framing, PNG image summaries and a lazily created event file.
 //!
 //! The messages are hand-written prost structs mirroring tensorboard's
-//! `tensorboard/compat/proto/{event,summary,histogram}.proto`. Only the fields hookloop
-//! writes are declared; the field numbers are tensorboard's, so any reader decodes them.
-//! Decoding a file written by someone else ignores the fields not declared here.
+//! `tensorboard/compat/proto/{event,summary,histogram,tensor,tensor_shape}.proto`. Only the
+//! fields hookloop writes are declared; the field numbers are tensorboard's, so any reader
+//! decodes them. Decoding a file written by someone else ignores the fields not declared here.
+//!
+//! What is written for each value is what torch's `SummaryWriter` writes for it (detectron2's
+//! `TensorboardXWriter` holds one): legacy `simple_value` scalars, PNG images with a single
+//! channel repeated as RGB, histograms with TensorBoard's bucket layout, and text and
+//! "new style" scalars as tensors with plugin metadata.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -99,11 +104,12 @@ pub mod summary {
         /// The series name, e.g. `"total_loss"` or `"lr"`.
         #[prost(string, tag = "1")]
         pub tag: String,
-        /// Plugin metadata; legacy scalar, image and histogram values need none.
+        /// Plugin metadata; legacy scalar, image and histogram values need none, tensors name
+        /// their plugin here.
         #[prost(message, optional, tag = "9")]
         pub metadata: Option<super::SummaryMetadata>,
         /// The value itself.
-        #[prost(oneof = "value::Value", tags = "2, 4, 5")]
+        #[prost(oneof = "value::Value", tags = "2, 4, 5, 8")]
         pub value: Option<value::Value>,
     }
 
@@ -116,7 +122,8 @@ pub mod summary {
         /// Width in pixels.
         #[prost(int32, tag = "2")]
         pub width: i32,
-        /// 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA (hookloop writes 1, 3 or 4).
+        /// 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA (as `SummaryWriter`, hookloop writes a grey
+        /// image as RGB: 2, 3 or 4).
         #[prost(int32, tag = "3")]
         pub colorspace: i32,
         /// The PNG file bytes.
@@ -138,6 +145,9 @@ pub mod summary {
             /// A histogram.
             #[prost(message, tag = "5")]
             Histo(super::super::HistogramProto),
+            /// A tensor, read by the plugin its metadata names (text, new-style scalars).
+            #[prost(message, tag = "8")]
+            Tensor(super::super::TensorProto),
         }
     }
 }
@@ -170,6 +180,54 @@ pub mod summary_metadata {
         /// Plugin-specific bytes, usually a serialized protobuf.
         #[prost(bytes = "vec", tag = "2")]
         pub content: Vec<u8>,
+    }
+}
+
+/// `tensorboard.DataType.DT_FLOAT`.
+pub const DT_FLOAT: i32 = 1;
+/// `tensorboard.DataType.DT_DOUBLE`.
+pub const DT_DOUBLE: i32 = 2;
+/// `tensorboard.DataType.DT_STRING`.
+pub const DT_STRING: i32 = 7;
+
+/// A tensor's values. Mirrors `tensorboard.TensorProto`; only the fields for float, double
+/// and string tensors are declared.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorProto {
+    /// `tensorboard.DataType` as its integer value ([`DT_FLOAT`], [`DT_DOUBLE`],
+    /// [`DT_STRING`]).
+    #[prost(int32, tag = "1")]
+    pub dtype: i32,
+    /// The shape; absent for a scalar.
+    #[prost(message, optional, tag = "2")]
+    pub tensor_shape: Option<TensorShapeProto>,
+    /// `DT_FLOAT` values.
+    #[prost(float, repeated, tag = "5")]
+    pub float_val: Vec<f32>,
+    /// `DT_DOUBLE` values.
+    #[prost(double, repeated, tag = "6")]
+    pub double_val: Vec<f64>,
+    /// `DT_STRING` values, as bytes.
+    #[prost(bytes = "vec", repeated, tag = "8")]
+    pub string_val: Vec<Vec<u8>>,
+}
+
+/// A tensor's shape. Mirrors `tensorboard.TensorShapeProto`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorShapeProto {
+    /// The dimensions, outermost first.
+    #[prost(message, repeated, tag = "2")]
+    pub dim: Vec<tensor_shape_proto::Dim>,
+}
+
+/// Nested types of [`TensorShapeProto`].
+pub mod tensor_shape_proto {
+    /// One dimension. Mirrors `TensorShapeProto.Dim`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Dim {
+        /// Its size.
+        #[prost(int64, tag = "1")]
+        pub size: i64,
     }
 }
 
@@ -214,6 +272,10 @@ pub struct ScalarPoint {
 }
 
 /// An image for TensorBoard's image dashboard, written as PNG.
+///
+/// A grey image (1 channel) is written as RGB with the channel repeated, as `SummaryWriter`
+/// writes it (its `convert_to_HWC`); 2 (grey + alpha), 3 (RGB) and 4 (RGBA) channels are
+/// written as they are.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImagePoint {
     /// Series name.
@@ -224,7 +286,7 @@ pub struct ImagePoint {
     pub height: u32,
     /// Width in pixels.
     pub width: u32,
-    /// 1 (grey), 3 (RGB) or 4 (RGBA).
+    /// 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA).
     pub channels: u8,
     /// Row-major HWC uint8 pixels: `height * width * channels` bytes.
     pub pixels: Vec<u8>,
@@ -288,6 +350,176 @@ impl HistogramPoint {
     }
 }
 
+impl HistogramPoint {
+    /// A histogram as `SummaryWriter.add_histogram` writes it, from `numpy.histogram`'s
+    /// `counts` and bin `edges` (one more edge than counts) and the values' `stats` (min, max,
+    /// num, sum, sum_squares); see [`histogram_buckets`] for the layout.
+    pub fn from_bins(
+        tag: String,
+        step: i64,
+        stats: [f64; 5],
+        edges: &[f64],
+        counts: &[f64],
+        max_bins: Option<i64>,
+    ) -> Result<HistogramPoint> {
+        match histogram_buckets(edges, counts, max_bins) {
+            Ok((limits, buckets)) => HistogramPoint::new(tag, step, stats, limits, buckets),
+            Err(reason) => Err(Error::bad_value(format!("histogram '{tag}'"), reason)),
+        }
+    }
+}
+
+/// TensorBoard's bucket layout of a histogram, as torch's `make_histogram` (behind
+/// `SummaryWriter.add_histogram`) lays out `numpy.histogram`'s `counts` between `edges`:
+/// returns `(bucket_limits, bucket_counts)`.
+///
+/// With `max_bins` below the number of bins, every `n / max_bins` consecutive bins are merged
+/// (the last group may be shorter). Then only the bins from the first to the last non-empty
+/// one are kept, each as its right edge and count, preceded by one empty bucket whose limit
+/// is the first kept bin's left edge: TensorBoard stores right edges only, and that bucket
+/// keeps the leftmost one. Errors (as reasons) for mismatched lengths, `max_bins` below 1,
+/// and bins that hold no value.
+pub fn histogram_buckets(
+    edges: &[f64],
+    counts: &[f64],
+    max_bins: Option<i64>,
+) -> std::result::Result<(Vec<f64>, Vec<f64>), String> {
+    let n = counts.len();
+    if n == 0 || edges.len() != n + 1 {
+        return Err(format!(
+            "needs one more bin edge than bin counts and at least one bin, got {} edges and {n} \
+             counts",
+            edges.len()
+        ));
+    }
+    let max_bins = match max_bins {
+        Some(m) if m < 1 => return Err(format!("max_bins must be a positive integer, got {m}")),
+        // Beyond usize: more than any number of bins.
+        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let (limits, counts) = match max_bins {
+        Some(m) if n > m => {
+            let group = n / m; // 1 <= group < n
+            let merged: Vec<f64> = counts.chunks(group).map(|c| c.iter().sum()).collect();
+            let mut limits: Vec<f64> = edges[..n].iter().step_by(group).copied().collect();
+            limits.push(edges[n]);
+            (limits, merged)
+        }
+        _ => (edges.to_vec(), counts.to_vec()),
+    };
+    let (Some(first), Some(last)) = (
+        counts.iter().position(|&c| c > 0.0),
+        counts.iter().rposition(|&c| c > 0.0),
+    ) else {
+        return Err("has no value within its bins (the histogram is empty)".to_owned());
+    };
+    let end = last + 1;
+    let (limits, counts) = if first > 0 {
+        (
+            limits[first..=end].to_vec(),
+            counts[first - 1..end].to_vec(),
+        )
+    } else {
+        let mut c = Vec::with_capacity(end + 1);
+        c.push(0.0);
+        c.extend_from_slice(&counts[..end]);
+        (limits[..=end].to_vec(), c)
+    };
+    Ok((limits, counts))
+}
+
+/// A value written as a tensor with its plugin's metadata, as `SummaryWriter` writes text and
+/// new-style scalars.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorPoint {
+    /// Series name, as written (text gets `/text_summary` appended: see [`TensorPoint::text`]).
+    pub tag: String,
+    /// Global step.
+    pub step: i64,
+    /// The value.
+    pub value: TensorValue,
+}
+
+/// The value of a [`TensorPoint`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorValue {
+    /// `add_scalar(..., new_style=True)`: a `DT_FLOAT` scalar for the scalars plugin.
+    Float(f32),
+    /// `add_scalar(..., new_style=True, double_precision=True)`: a `DT_DOUBLE` scalar.
+    Double(f64),
+    /// `add_text`: a `DT_STRING` tensor of shape `[1]` for the text plugin.
+    Text(String),
+}
+
+impl TensorPoint {
+    /// A new-style scalar: float32 (rounded from `value`), or float64 with `double_precision`.
+    pub fn scalar(tag: String, step: i64, value: f64, double_precision: bool) -> TensorPoint {
+        let value = if double_precision {
+            TensorValue::Double(value)
+        } else {
+            // Rounds to nearest; beyond float32's range becomes infinite, as protobuf does.
+            TensorValue::Float(value as f32)
+        };
+        TensorPoint { tag, step, value }
+    }
+
+    /// `add_text(tag, text)`: stored under `tag + "/text_summary"`, as `SummaryWriter` does.
+    pub fn text(tag: &str, step: i64, text: String) -> TensorPoint {
+        TensorPoint {
+            tag: format!("{tag}/text_summary"),
+            step,
+            value: TensorValue::Text(text),
+        }
+    }
+
+    fn to_value(&self) -> summary::Value {
+        let (plugin, tensor) = match &self.value {
+            TensorValue::Float(v) => (
+                "scalars",
+                TensorProto {
+                    dtype: DT_FLOAT,
+                    float_val: vec![*v],
+                    ..TensorProto::default()
+                },
+            ),
+            TensorValue::Double(v) => (
+                "scalars",
+                TensorProto {
+                    dtype: DT_DOUBLE,
+                    double_val: vec![*v],
+                    ..TensorProto::default()
+                },
+            ),
+            TensorValue::Text(text) => (
+                "text",
+                TensorProto {
+                    dtype: DT_STRING,
+                    tensor_shape: Some(TensorShapeProto {
+                        dim: vec![tensor_shape_proto::Dim { size: 1 }],
+                    }),
+                    string_val: vec![text.as_bytes().to_vec()],
+                    ..TensorProto::default()
+                },
+            ),
+        };
+        // The text plugin's content is `TextPluginData(version=0)`, which serializes to no
+        // bytes; the scalars plugin has none.
+        let metadata = SummaryMetadata {
+            plugin_data: Some(summary_metadata::PluginData {
+                plugin_name: plugin.to_owned(),
+                content: Vec::new(),
+            }),
+            ..SummaryMetadata::default()
+        };
+        summary::Value {
+            tag: self.tag.clone(),
+            metadata: Some(metadata),
+            value: Some(summary::value::Value::Tensor(tensor)),
+        }
+    }
+}
+
 /// TFRecord's masked CRC32C: the checksum rotated right by 15 bits plus a constant, so
 /// that a CRC of data that itself holds CRCs stays well distributed.
 pub fn masked_crc32c(data: &[u8]) -> u32 {
@@ -311,17 +543,20 @@ fn append_event(out: &mut Vec<u8>, event: &Event) {
     append_record(out, &event.encode_to_vec());
 }
 
-fn summary_event(wall_time: f64, step: i64, tag: &str, value: summary::value::Value) -> Event {
+fn summary_event(wall_time: f64, step: i64, value: summary::Value) -> Event {
     Event {
         wall_time,
         step,
-        what: Some(event::What::Summary(Summary {
-            value: vec![summary::Value {
-                tag: tag.to_owned(),
-                metadata: None,
-                value: Some(value),
-            }],
-        })),
+        what: Some(event::What::Summary(Summary { value: vec![value] })),
+    }
+}
+
+/// A value with no plugin metadata (legacy scalars, images, histograms).
+fn plain_value(tag: &str, value: summary::value::Value) -> summary::Value {
+    summary::Value {
+        tag: tag.to_owned(),
+        metadata: None,
+        value: Some(value),
     }
 }
 
@@ -335,7 +570,7 @@ pub fn check_image_shape(
     channels: u64,
     len: usize,
 ) -> std::result::Result<(i32, i32), ImageError> {
-    if !matches!(channels, 1 | 3 | 4) {
+    if !(1..=4).contains(&channels) {
         return Err(ImageError::UnsupportedChannels { channels });
     }
     if width == 0 || height == 0 {
@@ -357,7 +592,7 @@ pub fn check_image_shape(
     Ok((w, h))
 }
 
-/// Checks the shape of an image as `put_image` takes it: `(C, H, W)` with C in 1, 3, 4 and
+/// Checks the shape of an image as `put_image` takes it: `(C, H, W)` with C in 1..=4 and
 /// H, W positive (the same rule `check_image_shape` applies to the pixels later).
 pub fn check_chw(shape: &[i64]) -> std::result::Result<(u64, u64, u64), ImageError> {
     let [c, h, w] = shape else {
@@ -370,7 +605,7 @@ pub fn check_chw(shape: &[i64]) -> std::result::Result<(u64, u64, u64), ImageErr
         u64::try_from(*h).unwrap_or(0),
         u64::try_from(*w).unwrap_or(0),
     );
-    if !matches!(c, 1 | 3 | 4) {
+    if !(1..=4).contains(&c) {
         return Err(ImageError::UnsupportedChannels { channels: c });
     }
     if h == 0 || w == 0 {
@@ -388,7 +623,7 @@ pub fn check_chw(shape: &[i64]) -> std::result::Result<(u64, u64, u64), ImageErr
     Ok((c, h, w))
 }
 
-/// Encodes row-major HWC uint8 `pixels` (1, 3 or 4 channels) as an 8-bit PNG file.
+/// Encodes row-major HWC uint8 `pixels` (1 to 4 channels) as an 8-bit PNG file.
 pub fn encode_png(
     width: u32,
     height: u32,
@@ -403,6 +638,7 @@ pub fn encode_png(
     )?;
     let color = match channels {
         1 => png::ColorType::Grayscale,
+        2 => png::ColorType::GrayscaleAlpha,
         3 => png::ColorType::Rgb,
         _ => png::ColorType::Rgba,
     };
@@ -424,22 +660,31 @@ fn image_event(wall_time: f64, image: &ImagePoint) -> std::result::Result<Event,
         u64::from(image.channels),
         image.pixels.len(),
     )?;
-    let encoded = encode_png(image.width, image.height, image.channels, &image.pixels)?;
+    // SummaryWriter repeats a single channel as RGB (`convert_to_HWC`); so does hookloop, so
+    // that readers decode the same RGB PNG.
+    let (channels, encoded) = if image.channels == 1 {
+        let rgb: Vec<u8> = image.pixels.iter().flat_map(|&v| [v, v, v]).collect();
+        (3, encode_png(image.width, image.height, 3, &rgb)?)
+    } else {
+        let encoded = encode_png(image.width, image.height, image.channels, &image.pixels)?;
+        (image.channels, encoded)
+    };
+    let value = summary::value::Value::Image(summary::Image {
+        height,
+        width,
+        colorspace: i32::from(channels),
+        encoded_image_string: encoded,
+    });
     Ok(summary_event(
         wall_time,
         image.step,
-        &image.tag,
-        summary::value::Value::Image(summary::Image {
-            height,
-            width,
-            colorspace: i32::from(image.channels),
-            encoded_image_string: encoded,
-        }),
+        plain_value(&image.tag, value),
     ))
 }
 
 /// Appends one framed record per point to `out` (one `Event` holding one `Summary`
-/// value each): all scalars, then all images, then all histograms, each in slice order.
+/// value each): all scalars, then all images, then all histograms, then all tensors, each in
+/// slice order.
 ///
 /// On error `out` is left as it was: a bad image never leaves half a batch behind.
 pub fn encode_events(
@@ -448,6 +693,7 @@ pub fn encode_events(
     scalars: &[ScalarPoint],
     images: &[ImagePoint],
     histograms: &[HistogramPoint],
+    tensors: &[TensorPoint],
 ) -> crate::Result<()> {
     // Images are the only fallible points; encode them before touching `out`.
     let image_events = images
@@ -462,7 +708,10 @@ pub fn encode_events(
         .collect::<Result<Vec<_>>>()?;
     for s in scalars {
         let value = summary::value::Value::SimpleValue(s.value as f32);
-        append_event(out, &summary_event(wall_time, s.step, &s.tag, value));
+        append_event(
+            out,
+            &summary_event(wall_time, s.step, plain_value(&s.tag, value)),
+        );
     }
     for event in &image_events {
         append_event(out, event);
@@ -478,7 +727,13 @@ pub fn encode_events(
             bucket: h.bucket_counts.clone(),
         };
         let value = summary::value::Value::Histo(histo);
-        append_event(out, &summary_event(wall_time, h.step, &h.tag, value));
+        append_event(
+            out,
+            &summary_event(wall_time, h.step, plain_value(&h.tag, value)),
+        );
+    }
+    for t in tensors {
+        append_event(out, &summary_event(wall_time, t.step, t.to_value()));
     }
     Ok(())
 }
@@ -690,12 +945,20 @@ impl Sink for EventSink {
             scalars,
             images,
             histograms,
+            tensors,
         } = payload
         else {
             return Ok(());
         };
         // On a bad image encode_events leaves the buffer as it was.
-        encode_events(&mut self.buf, wall_time, &scalars, &images, &histograms)
+        encode_events(
+            &mut self.buf,
+            wall_time,
+            &scalars,
+            &images,
+            &histograms,
+            &tensors,
+        )
     }
 
     fn sync(&mut self) -> Result<()> {
@@ -863,7 +1126,7 @@ mod tests {
             value: 2.0,
             step: 7,
         };
-        encode_events(&mut out, 1.5, &[scalar], &[], &[]).unwrap();
+        encode_events(&mut out, 1.5, &[scalar], &[], &[], &[]).unwrap();
         let mut expected = vec![0x09];
         expected.extend_from_slice(&1.5f64.to_le_bytes());
         expected.extend_from_slice(&[
@@ -948,7 +1211,7 @@ mod tests {
             bucket_counts: vec![1.0, 2.0, 1.0],
         }];
         let mut out = Vec::new();
-        encode_events(&mut out, 1234.5, &scalars, &images, &histograms).unwrap();
+        encode_events(&mut out, 1234.5, &scalars, &images, &histograms, &[]).unwrap();
         let events = decode_events(&out);
         assert_eq!(events.len(), 4);
         assert!(events.iter().all(|e| e.wall_time == 1234.5));
@@ -1009,8 +1272,8 @@ mod tests {
     #[test]
     fn bad_image_shapes_are_errors() {
         assert!(matches!(
-            encode_png(2, 2, 2, &[0; 8]),
-            Err(ImageError::UnsupportedChannels { channels: 2 })
+            encode_png(2, 2, 5, &[0; 20]),
+            Err(ImageError::UnsupportedChannels { channels: 5 })
         ));
         assert!(matches!(
             encode_png(0, 2, 3, &[]),
@@ -1054,7 +1317,7 @@ mod tests {
             channels: 3,
             pixels: vec![0; 5],
         };
-        let err = encode_events(&mut out, 0.0, &[scalar], &[image], &[]).unwrap_err();
+        let err = encode_events(&mut out, 0.0, &[scalar], &[image], &[], &[]).unwrap_err();
         assert_eq!(out, [1, 2, 3]);
         let Error::Image { tag, step, source } = &err else {
             panic!("expected an Image error, got {err:?}");
@@ -1102,7 +1365,7 @@ mod tests {
             value: 0.5,
             step: 3,
         };
-        encode_events(&mut records, 10.0, &[scalar], &[], &[]).unwrap();
+        encode_events(&mut records, 10.0, &[scalar], &[], &[], &[]).unwrap();
         file.append(&records).unwrap();
         file.append(&records).unwrap();
         file.flush(true).unwrap();
@@ -1229,6 +1492,7 @@ mod tests {
             scalars,
             images: vec![],
             histograms: vec![],
+            tensors: vec![],
         })
         .unwrap();
         h.close().unwrap();

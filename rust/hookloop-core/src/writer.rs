@@ -24,7 +24,7 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use crate::jsonl::JsonRow;
-use crate::tfevents::{HistogramPoint, ImagePoint, ScalarPoint};
+use crate::tfevents::{HistogramPoint, ImagePoint, ScalarPoint, TensorPoint};
 use crate::{Error, Result};
 
 /// When a writer's file is fsynced. Every policy writes each batch to the file (the OS's page
@@ -146,6 +146,7 @@ pub enum Payload {
         scalars: Vec<ScalarPoint>,
         images: Vec<ImagePoint>,
         histograms: Vec<HistogramPoint>,
+        tensors: Vec<TensorPoint>,
     },
 }
 
@@ -920,6 +921,7 @@ mod tests {
             scalars: vec![],
             images: vec![],
             histograms: vec![],
+            tensors: vec![],
         })
         .unwrap();
         // Reported at the flush, or (when another test's sink shared the thread's batch) at

@@ -78,6 +78,7 @@ impl Deferred {
     /// Marks values as pending: before the next read of the scalars, `settle` is called once
     /// (it puts them).
     pub fn defer(&self, settle: Py<PyAny>) {
+        self.with(Storage::mark_deferred);
         let old = self
             .settler
             .lock()
@@ -107,10 +108,12 @@ impl Deferred {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|s| s.clone_ref(py));
-        match settler {
+        let settled = match settler {
             Some(f) => f.bind(py).call0().map(drop),
             None => Ok(()),
-        }
+        };
+        self.with(Storage::end_deferred);
+        settled
     }
 
     /// Reads every deferred device tensor (`hookloop.utils._tensors.read_scalars`: one stack

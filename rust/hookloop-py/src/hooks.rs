@@ -33,6 +33,24 @@ fn not_started(hook: &str, stage: &str) -> PyErr {
     ))
 }
 
+/// `trainer.storage`, which must be a hookloop `EventStorage`.
+fn trainer_storage(trainer: &Bound<'_, PyAny>) -> PyResult<Py<PyEventStorage>> {
+    let storage = trainer.getattr(intern!(trainer.py(), "storage"))?;
+    let storage = storage.cast_into::<PyEventStorage>().map_err(|e| {
+        to_py(Error::bad_value(
+            "trainer.storage",
+            format!(
+                "must be a hookloop EventStorage, got {}",
+                e.into_inner()
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ),
+        ))
+    })?;
+    Ok(storage.unbind())
+}
+
 struct TimerState {
     timer: IterationTimer,
     /// Set by `__init__` through `_configure`: a subclass that skips it gets a clear error.
@@ -79,8 +97,12 @@ impl PyIterationTimerBase {
         lock(&self.state).timer.warmup_iter
     }
 
-    /// `before_train`: restarts both clocks and keeps the storage the step times go to.
-    fn _start(&self, storage: Py<PyEventStorage>, start_iter: i64) -> PyResult<()> {
+    /// `before_train`: restarts both clocks and keeps the storage the step times go to. Without
+    /// one (a hook driven before any trainer or storage exists, as detectron2's Lightning
+    /// example does), each `after_step` reads `trainer.storage` and `trainer.start_iter`, as
+    /// detectron2's does.
+    #[pyo3(signature = (storage, start_iter))]
+    fn _start(&self, storage: Option<Py<PyEventStorage>>, start_iter: i64) -> PyResult<()> {
         let mut s = lock(&self.state);
         if !s.configured {
             return Err(to_py(Error::bad_value(
@@ -89,7 +111,7 @@ impl PyIterationTimerBase {
             )));
         }
         s.timer.start(start_iter, Instant::now());
-        let old = s.storage.replace(storage);
+        let old = std::mem::replace(&mut s.storage, storage);
         drop(s);
         drop(old);
         Ok(())
@@ -100,21 +122,35 @@ impl PyIterationTimerBase {
         lock(&self.state).timer.elapsed(Instant::now())
     }
 
-    /// Seconds from an earlier part of the run (restored from a checkpoint).
-    fn _set_carried(&self, total: f64, in_steps: f64) {
-        lock(&self.state).timer.set_carried(total, in_steps);
-    }
-
     fn before_step(&self) {
         lock(&self.state).timer.before_step(Instant::now());
     }
 
-    fn after_step(&self, py: Python<'_>) -> PyResult<()> {
+    fn after_step(slf: &Bound<'_, Self>) -> PyResult<()> {
         let now = Instant::now();
-        let mut s = lock(&self.state);
-        let Some(storage) = s.storage.as_ref().map(|st| st.clone_ref(py)) else {
-            return Err(not_started("IterationTimer", "after_step"));
+        let py = slf.py();
+        let this = slf.get();
+        let bound = lock(&this.state)
+            .storage
+            .as_ref()
+            .map(|st| st.clone_ref(py));
+        let (storage, start_iter) = match bound {
+            Some(storage) => (storage, None),
+            None => {
+                // No storage from before_train: the trainer's, read now (no lock held).
+                let trainer = slf.getattr(intern!(py, "trainer"))?;
+                let storage = trainer_storage(&trainer)?;
+                let start_iter: i64 = trainer.getattr(intern!(py, "start_iter"))?.extract()?;
+                (storage, Some(start_iter))
+            }
         };
+        let mut s = lock(&this.state);
+        if !s.configured {
+            return Err(not_started("IterationTimer", "after_step"));
+        }
+        if let Some(start_iter) = start_iter {
+            s.timer.set_start_iter(start_iter);
+        }
         let timer = &mut s.timer;
         storage
             .get()
@@ -192,17 +228,20 @@ impl PyLRSchedulerBase {
         lock(&self.state).group = group;
     }
 
-    /// `before_train`: the storage the LR goes to, for this run.
-    fn _start(&self, storage: Py<PyEventStorage>) {
-        let old = lock(&self.state).storage.replace(storage);
+    /// `before_train`: the storage the LR goes to, for this run; without one, each `after_step`
+    /// puts it into `trainer.storage`, read then (as detectron2's does).
+    #[pyo3(signature = (storage))]
+    fn _start(&self, storage: Option<Py<PyEventStorage>>) {
+        let old = std::mem::replace(&mut lock(&self.state).storage, storage);
         drop(old);
     }
 
     /// Puts the LR of the summarized param group as "lr" (not smoothed), then steps the
     /// scheduler.
-    fn after_step(&self, py: Python<'_>) -> PyResult<()> {
+    fn after_step(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
         let (optimizer, scheduler, group, storage) = {
-            let s = lock(&self.state);
+            let s = lock(&slf.get().state);
             (
                 s.optimizer.as_ref().map(|o| o.clone_ref(py)),
                 s.scheduler.as_ref().map(|o| o.clone_ref(py)),
@@ -210,9 +249,12 @@ impl PyLRSchedulerBase {
                 s.storage.as_ref().map(|o| o.clone_ref(py)),
             )
         };
-        let (Some(optimizer), Some(scheduler), Some(storage)) = (optimizer, scheduler, storage)
-        else {
+        let (Some(optimizer), Some(scheduler)) = (optimizer, scheduler) else {
             return Err(not_started("LRScheduler", "after_step"));
+        };
+        let storage = match storage {
+            Some(storage) => storage,
+            None => trainer_storage(&slf.getattr(intern!(py, "trainer"))?)?,
         };
         let lr = optimizer
             .bind(py)

@@ -250,14 +250,19 @@ impl PyEventStorage {
             batch.push((r.it, r.data_time, r.prefix.to_str()?, names_of(&r.losses)?));
         }
         self.with(move |s| {
-            for (it, data_time, prefix, losses) in &batch {
-                let reduced = Reduced {
-                    data_time: *data_time,
-                    losses,
-                };
-                write_metrics(s, *it, prefix, *data_time, Some(reduced))?;
-            }
-            Ok(())
+            let first_new = s.len();
+            let written = batch
+                .iter()
+                .try_for_each(|(it, data_time, prefix, losses)| {
+                    let reduced = Reduced {
+                        data_time: *data_time,
+                        losses,
+                    };
+                    write_metrics(s, *it, prefix, *data_time, Some(reduced))
+                });
+            // The names keep the place of the step that put them, not of this read.
+            s.place_deferred(first_new);
+            written
         })
         .py_err()
     }

@@ -300,6 +300,7 @@ impl PyTensorboardWriter {
                 scalars,
                 images: vec![],
                 histograms,
+                tensors: vec![],
             };
             handle.send(payload).py_err()?;
         }
@@ -370,6 +371,7 @@ impl PyTensorboardWriter {
             scalars,
             images: imgs,
             histograms,
+            tensors: vec![],
         };
         let base = slf.as_super().get();
         base.handle().py_err()?.send(payload).py_err()

@@ -171,6 +171,8 @@ def _expected_pixels(img):
     arr = img.numpy() if isinstance(img, torch.Tensor) else np.asarray(img)
     if arr.dtype != np.uint8:
         arr = (arr.astype(np.float32) * np.float32(255)).clip(0, 255).astype(np.uint8)
+    if arr.shape[0] == 1:  # SummaryWriter writes a grey image as RGB, the channel repeated
+        arr = np.concatenate([arr] * 3)
     return arr.transpose(1, 2, 0)
 
 
@@ -180,7 +182,7 @@ def _decode(image_event):
     return arr[:, :, None] if arr.ndim == 2 else arr
 
 
-@pytest.mark.parametrize("channels", [1, 3, 4])
+@pytest.mark.parametrize("channels", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", ["uint8", "float_tensor", "float_array"])
 def test_images_decode_to_the_expected_pixels(tmp_path, channels, kind):
     g = torch.Generator().manual_seed(channels)
@@ -277,7 +279,7 @@ def test_summary_writer_shim_lands_in_the_same_file(tmp_path):
         _decode(img), (hwc * np.float32(255)).clip(0, 255).astype(np.uint8)
     )
     (gray,) = acc.Images("shim/gray")
-    np.testing.assert_array_equal(_decode(gray), np.full((2, 2, 1), 7, dtype=np.uint8))
+    np.testing.assert_array_equal(_decode(gray), np.full((2, 2, 3), 7, dtype=np.uint8))
     (hist,) = acc.Histograms("shim/hist")
     h = hist.histogram_value
     assert (hist.step, h.min, h.max, h.num, h.sum, h.sum_squares) == (6, 0.0, 2.0, 3.0, 3.0, 5.0)
@@ -324,7 +326,7 @@ def test_unknown_kwarg_and_bad_options(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "shape", [(2, 4, 4), (5, 4, 4), (4, 4), (3, 4, 4, 1), (3, 0, 4), (3, 4, 0)]
+    "shape", [(5, 4, 4), (4, 4), (3, 4, 4, 1), (3, 0, 4), (3, 4, 0)]
 )
 def test_non_chw_image_is_rejected_at_put(shape):
     with EventStorage() as s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -72,6 +73,22 @@ def test_demo_rejects_bad_arguments_with_one_usage_line(args, message):
     )
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_interrupt_does_not_depend_on_the_inherited_sigint(tmp_path):
+    """``--interrupt-at`` stops the run as Ctrl-C would even when the process inherited
+    SIGINT as ignored (a background job, nohup, some CI runners), where a signal sent to
+    itself would never arrive."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hookloop", "demo", "--output", str(tmp_path), "--iters", "60"]
+        + ["--checkpoint-period", "20", "--eval-period", "1000", "--interrupt-at", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted at iteration 39" in proc.stdout
 
 
 @pytest.mark.slow

@@ -697,18 +697,6 @@ def _image_point(
     return (tag, int(step), int(h), int(w), int(c), hwc.tobytes())
 
 
-__all__ += ["ProgressBar"]  # noqa: F822 (module __getattr__ below)
-
-
-def __getattr__(name: str) -> Any:
-    # ProgressBar lives in hookloop.utils.progress, which imports this module.
-    if name == "ProgressBar":
-        from hookloop.utils.progress import ProgressBar
-
-        return ProgressBar
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _flush_at_exit() -> None:
     """Interpreter exit writes whatever writers queued and did not close, and logs at ERROR
     an I/O error that no call reported (one after the last ``write()``). The exit status

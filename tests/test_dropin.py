@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 
+import numpy as np
 import pytest
 import torch
 from hookloop.engine import HookBase, SimpleTrainer, TrainerBase, hooks
@@ -62,6 +63,23 @@ def test_unit_test_injects_a_history_into_the_storage():
         assert s.latest_with_smoothing_hint(20)["val_loss"] == (2.0, 2)
         with pytest.raises(TypeError, match="HistoryBuffer"):
             s.histories()["x"] = [1.0]
+
+
+def test_unit_test_injects_a_history_test_double():
+    """A test double with ``values()`` (what detectron2's writers read) is accepted, as
+    detectron2 accepts any object there: the storage holds a copy of its pairs."""
+
+    class MockHistory:
+        def values(self):
+            return [(2.0, 0), (4.0, 1)]
+
+    with EventStorage(1) as s:
+        s.put_scalar("time", 1.0)
+        s.histories()["time"] = MockHistory()
+        s._history["data_time"] = MockHistory()
+        assert s.history("time").values() == [(2.0, 0), (4.0, 1)]
+        assert s.history("time").median(2) == 3.0
+        assert s.history("data_time").global_avg() == 3.0
 
 
 def test_private_views_real_code_reads():
@@ -244,10 +262,9 @@ def test_non_finite_loss_error_formats_the_loss_dict_as_detectron2():
     t = SimpleTrainer(m, iter(lambda: 0, None), torch.optim.SGD(m.parameters(), lr=0.1))
     with pytest.raises(FloatingPointError) as info:
         t.train(0, 1)
-    assert str(info.value) == (
-        "Loss became infinite or NaN at iteration=0!\n"
-        "loss_dict = {'loss_cls': nan, 'loss_box': 1.0}"
-    )
+    # detectron2 formats the dict of numpy means: np.float64(nan) in numpy 2's repr.
+    means = {"loss_cls": np.float64("nan"), "loss_box": np.float64(1.0)}
+    assert str(info.value) == f"Loss became infinite or NaN at iteration=0!\nloss_dict = {means}"
 
 
 # --- logging ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import datetime
+import functools
 import json
 import logging
 import math
@@ -51,7 +52,7 @@ import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -197,9 +198,23 @@ class comm:  # noqa: N801 - used as a module namespace, like ``detectron2.utils.
         return comm.get_rank() == 0
 
     @staticmethod
+    def synchronize() -> None:
+        """A barrier across processes; nothing to wait for in a single process."""
+        if comm.get_world_size() == 1:
+            return
+        torch.distributed.barrier()
+
+    @staticmethod
     def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
         if comm.get_world_size() == 1:
             return [data]
+        raise NotImplementedError("the reference engine runs in one process")
+
+    @staticmethod
+    def reduce_dict(input_dict: Dict[str, Any], average: bool = True) -> Dict[str, Any]:
+        # detectron2 returns the dict itself in one process (no copy).
+        if comm.get_world_size() < 2:
+            return input_dict
         raise NotImplementedError("the reference engine runs in one process")
 
 
@@ -396,11 +411,16 @@ class TensorboardXWriter(EventWriter):
     """Scalars (and images, histograms) through torch's ``SummaryWriter``."""
 
     def __init__(self, log_dir: str, window_size: int = 20, **kwargs: Any) -> None:
+        self._window_size = window_size
+        self._writer_args = {"log_dir": log_dir, **kwargs}
+        self._last_write = -1
+
+    @functools.cached_property
+    def _writer(self) -> Any:
+        # Created at first use, as detectron2's: a writer that never writes leaves no file.
         from torch.utils.tensorboard import SummaryWriter
 
-        self._window_size = window_size
-        self._writer = SummaryWriter(log_dir, **kwargs)
-        self._last_write = -1
+        return SummaryWriter(**self._writer_args)
 
     def write(self) -> None:
         storage = get_event_storage()
@@ -422,7 +442,8 @@ class TensorboardXWriter(EventWriter):
             storage.clear_histograms()
 
     def close(self) -> None:
-        self._writer.close()
+        if "_writer" in self.__dict__:
+            self._writer.close()
 
 
 class CommonMetricPrinter(EventWriter):
@@ -1124,15 +1145,35 @@ class MultiStepParamScheduler(ParamScheduler):
         num_updates: Optional[int] = None,
         milestones: Optional[List[int]] = None,
     ) -> None:
+        if num_updates is None and milestones is None:
+            raise ValueError("num_updates and milestones cannot both be None")
         if milestones is None:
-            assert num_updates is not None
-            width = math.ceil(num_updates / float(len(values)))
+            width = math.ceil(num_updates / float(len(values)))  # type: ignore[operator]
             milestones = [width * (k + 1) for k in range(len(values) - 1)]
+        else:
+            expected = len(values) - int(num_updates is not None)
+            if not (isinstance(milestones, Sequence) and len(milestones) == expected):
+                raise ValueError(f"MultiStep scheduler requires a list of {expected} miletones")
         if num_updates is None:
             num_updates, milestones = milestones[-1], milestones[:-1]
+        if num_updates < len(values):
+            raise ValueError("Total num_updates must be greater than length of param schedule")
         self._param_schedule = values
         self._num_updates = num_updates
         self._milestones = list(milestones)
+        start_epoch = 0
+        for milestone in self._milestones:
+            if milestone >= self._num_updates:
+                raise ValueError(
+                    "Milestone must be smaller than total number of updates: "
+                    f"num_updates={int(self._num_updates)}, milestone={int(milestone)}"
+                )
+            if start_epoch >= milestone:
+                raise ValueError(
+                    "Milestone must be smaller than start epoch: "
+                    f"start_epoch={int(start_epoch)}, milestone={int(milestone)}"
+                )
+            start_epoch = milestone
 
     def __call__(self, where: float) -> float:
         if where > 1.0:

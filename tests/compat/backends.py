@@ -32,7 +32,8 @@ class Engine(types.SimpleNamespace):
     """One backend's engine: ``name``, ``logger_prefix``, the trainers, ``hooks`` (a module),
     the storage and writers, ``Checkpointer``/``PeriodicCheckpointer``, ``comm``, and
     ``solver`` (``LRMultiplier``, ``WarmupParamScheduler`` and fvcore's param schedulers by
-    their names)."""
+    their names), and ``precise_bn`` (``update_bn_stats``/``get_bn_modules``: fvcore's module
+    for the reference and detectron2)."""
 
     name: str
     logger_prefix: str
@@ -75,6 +76,7 @@ def _solver(lr_scheduler: Any, param_scheduler: Any) -> types.SimpleNamespace:
 def _hookloop() -> Engine:
     from hookloop import checkpoint
     from hookloop.engine import hooks, train_loop
+    from hookloop.nn import precise_bn
     from hookloop.solver import lr_scheduler, param_scheduler
     from hookloop.utils import comm, events
 
@@ -99,16 +101,25 @@ def _hookloop() -> Engine:
         PeriodicCheckpointer=checkpoint.PeriodicCheckpointer,
         comm=comm,
         solver=solver,
+        precise_bn=precise_bn,
     )
 
 
 def _reference() -> Engine:
-    from compat import d2, d2_hooks
+    from compat import d2
+
+    with warnings.catch_warnings():
+        # d2_hooks imports fvcore.nn, which scripts its losses with torch.jit at import.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from compat import d2_hooks
 
     hooks = types.ModuleType("compat.d2.hooks")
     for name in d2.HOOK_NAMES:
         setattr(hooks, name, getattr(d2, name))
     hooks.PeriodicCheckpointer = d2_hooks.PeriodicCheckpointer  # type: ignore[attr-defined]
+    hooks.BestCheckpointer = d2_hooks.BestCheckpointer  # type: ignore[attr-defined]
+    hooks.PreciseBN = d2_hooks.PreciseBN  # type: ignore[attr-defined]
     return Engine(
         name="reference",
         logger_prefix="compat.d2.",
@@ -128,6 +139,7 @@ def _reference() -> Engine:
         PeriodicCheckpointer=d2_hooks.FvPeriodicCheckpointer,
         comm=d2.comm,
         solver=_solver(d2, d2),
+        precise_bn=d2_hooks.fv_precise_bn,
     )
 
 
@@ -193,6 +205,7 @@ def _d2src() -> Engine:
         PeriodicCheckpointer=PeriodicCheckpointer,
         comm=comm,
         solver=_solver(lr_scheduler, param_scheduler),
+        precise_bn=importlib.import_module("fvcore.nn.precise_bn"),
     )
 
 

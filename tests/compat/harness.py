@@ -96,7 +96,10 @@ _TIME_KEY = re.compile(r"(^|/)(time|data_time|rank_data_time|eta_seconds|last_ti
 
 # Wall-clock values inside log messages.
 _TIME_IN_TEXT = [
-    (re.compile(r"\b(eta|time|last_time|data_time|last_data_time): \S+"), r"\1: <t>"),
+    (
+        re.compile(r"\b(eta|time|last_time|data_time|last_data_time|rank_data_time): \S+"),
+        r"\1: <t>",
+    ),
     (
         re.compile(r"Overall training speed: (\d+) iterations in \S+ \(\S+ s / it\)"),
         r"Overall training speed: \1 iterations in <t> (<t> s / it)",
@@ -106,6 +109,16 @@ _TIME_IN_TEXT = [
         "Total training time: <t> (<t> on hooks)",
     ),
 ]
+
+
+# Logger names that the README's import-rewrite table maps onto each other, as the engine
+# prefixes are: ``fvcore.common.checkpoint`` is ``hookloop.checkpoint``'s (its records are
+# the same records under the rewritten module's name); so is ``fvcore.nn.precise_bn``
+# ``hookloop.nn.precise_bn``'s.
+_LOGGER_RENAMES = {
+    "checkpoint.checkpointer": "fvcore.common.checkpoint",
+    "nn.precise_bn": "fvcore.nn.precise_bn",
+}
 
 
 def masked_value(key: str, value: Any) -> Any:
@@ -213,6 +226,7 @@ class _Capture(logging.Handler):
         name = record.name
         if name.startswith(self.prefix):
             name = name[len(self.prefix) :]
+            name = _LOGGER_RENAMES.get(name, name)
         elif not name.startswith("corpus") and not name.startswith("fvcore"):
             return  # another library's logger (torch, tensorboard)
         message = record.getMessage()

@@ -679,3 +679,17 @@ def test_async_metric_writes_of_the_wrapped_trainer_are_waited_for(tmp_path):
     sync_rows = run(tmp_path / "sync", False)
     assert all("loss_mse" in r for r in sync_rows)
     assert run(tmp_path / "async", True) == sync_rows
+
+
+def test_a_subclass_assigns_its_own_epoch_and_iters_per_epoch(tmp_path):
+    # detectron2's DefaultTrainer has neither name: xmodaler-style subclasses set their own.
+    class OwnEpochs(ToyTrainer):
+        def __init__(self, cfg: TrainConfig) -> None:
+            super().__init__(cfg)
+            self.iters_per_epoch = 5
+            self.epoch = 0
+
+    trainer = OwnEpochs(config(tmp_path))
+    assert (trainer.iters_per_epoch, trainer.epoch) == (5, 0)
+    trainer.epoch = 3
+    assert trainer.epoch == 3 and trainer._trainer.epoch == 0

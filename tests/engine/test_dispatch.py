@@ -397,17 +397,23 @@ def test_priority_places_a_hook_between_others_and_hooks_table_shows_it():
     assert t.hooks_table()["before_step"] == []
 
 
-def test_bad_priority_names_the_hook():
-    class Bad(HookBase):
-        priority = "URGENT"
+def test_a_priority_that_is_no_int_or_name_is_the_hooks_own_data():
+    # detectron2 has no hook priorities: a hook's own `priority` (a float, another string)
+    # neither fails nor moves it.
+    class Own(HookBase):
+        def __init__(self, name, priority):
+            self.name, self.priority = name, priority
 
         def after_step(self):
-            pass
+            order.append(self.name)
 
+    order = []
+    hooks_ = [Own("a", 0.5), Own("b", "URGENT"), Own("c", None), Own("d", [1])]
     t = NoopTrainer()
-    t.register_hooks([Bad()])
-    with pytest.raises(ValueError, match=r"Bad.priority must be"):
-        t.train(0, 1)
+    t.register_hooks(hooks_)
+    t.train(0, 1)
+    assert order == ["a", "b", "c", "d"]
+    assert [h.priority for h in hooks_] == [0.5, "URGENT", None, [1]]
 
 
 def test_periodic_writer_hook_stats_puts_each_hooks_time_per_call_at_each_write(tmp_path):

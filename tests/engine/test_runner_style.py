@@ -260,8 +260,9 @@ def test_precise_bn_made_the_running_stats_true_averages(run):
     _, model, batches, _, _, _ = run
     bn = model[1]
     with torch.no_grad():
-        features = [model[0](b) for b in batches]  # the final weights: BN ran last at 29
-    mean = torch.stack([f.mean(0) for f in features]).mean(0)
-    var = torch.stack([f.var(0, unbiased=True) for f in features]).mean(0)
+        features = torch.cat([model[0](b) for b in batches])  # the final weights: BN ran last at 29
+    # fvcore's estimate: the population mean and variance of all the batches' samples.
+    mean = features.mean(0)
+    var = features.var(0, unbiased=False)
     torch.testing.assert_close(bn.running_mean, mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bn.running_var, var, rtol=1e-5, atol=1e-6)

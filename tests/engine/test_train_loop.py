@@ -1583,3 +1583,36 @@ def test_cuda_steps_make_no_synchronization_until_the_storage_is_read():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert history_iters(trainer.storage, "total_loss") == list(range(45))
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_a_subclass_that_skips_simple_trainers_init_trains(async_write):
+    # As trainers that call TrainerBase.__init__ and set detectron2's attributes themselves:
+    # hookloop's own state is made when training starts, per instance.
+    class Own(SimpleTrainer):
+        def __init__(self, model, data, optimizer):
+            TrainerBase.__init__(self)
+            self.model, self.data_loader, self.optimizer = model, data, optimizer
+            self._data_loader_iter_obj = None
+            self.gather_metric_period = 1
+            self.zero_grad_before_forward = False
+            self.async_write_metrics = async_write
+            self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 1)
+
+        def forward(self, x):
+            return (self.fc(x) ** 2).mean()
+
+    trainers = []
+    for _ in range(2):
+        model = Loss()
+        data = itertools.repeat(torch.ones(3, 2))
+        trainers.append(Own(model, data, torch.optim.SGD(model.parameters(), 0.1)))
+    for t in trainers:
+        t.train(0, 4)
+        assert [it for _, it in t.storage.history("total_loss").values()] == [0, 1, 2, 3]
+    assert trainers[0]._pending_writes is not trainers[1]._pending_writes

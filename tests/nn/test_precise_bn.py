@@ -18,12 +18,13 @@ def _batches(n, shape, seed=0):
 
 
 def _expected(batches, dims):
-    means = torch.stack([b.mean(dim=dims) for b in batches])
-    variances = torch.stack([b.var(dim=dims, unbiased=True) for b in batches])
-    return means.mean(0), variances.mean(0)
+    """fvcore's estimate: the population mean and (biased) variance of all samples."""
+    channels = batches[0].shape[1]
+    samples = torch.cat([b.transpose(0, 1).reshape(channels, -1) for b in batches], dim=1)
+    return samples.mean(1), samples.var(1, unbiased=False)
 
 
-def test_bn1d_stats_are_the_average_of_batch_mean_and_variance():
+def test_bn1d_stats_are_the_population_mean_and_variance():
     bn = nn.BatchNorm1d(3)
     batches = _batches(6, (8, 3))
     update_bn_stats(bn, batches, num_iters=6)
@@ -75,12 +76,23 @@ def test_a_layer_skipped_in_some_batches_averages_its_own_calls():
 def test_short_loader_raises_and_leaves_stats_unchanged():
     bn = nn.BatchNorm1d(2, momentum=0.3)
     bn.running_mean.fill_(5.0)
-    with pytest.raises(ValueError, match=r"num_iters=4.*stopped after 2"):
+    with pytest.raises(
+        AssertionError,
+        match=r"^update_bn_stats is meant to run for 4 iterations, but the dataloader stops at 1 "
+        r"iterations\.$",
+    ):
         update_bn_stats(bn, _batches(2, (4, 2)), num_iters=4)
     assert torch.equal(bn.running_mean, torch.full((2,), 5.0))
     assert torch.equal(bn.running_var, torch.ones(2))
     assert bn.momentum == 0.3
-    assert not bn._forward_pre_hooks  # its counting hook is gone
+    assert not bn._forward_pre_hooks  # its batch-size hook is gone
+
+
+def test_a_layer_reused_in_one_forward_is_refused_as_in_fvcore():
+    bn = nn.BatchNorm1d(2)
+    with pytest.raises(AssertionError, match="Some BN layers are reused"):
+        update_bn_stats(nn.Sequential(bn, bn), _batches(2, (4, 2)), num_iters=2)
+    assert torch.equal(bn.running_mean, torch.zeros(2))
 
 
 def test_model_without_training_bn_is_left_alone():

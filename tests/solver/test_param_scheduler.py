@@ -238,8 +238,10 @@ def test_where_out_of_range_is_fvcores_runtime_error():
     assert ms(1.0) == 0.1
     with pytest.raises(RuntimeError, match="got 1.5"):
         ms(1.5)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(IndexError, match="^list index out of range$"):
         StepParamScheduler(10, [1, 0.1])(1.0)  # fvcore: IndexError past the last value
+    with pytest.raises(IndexError, match="^list index out of range$"):
+        StepWithFixedGammaParamScheduler(0.1, 3, 0.1, 120)(1.0)
     with pytest.raises(ValueError, match="not a real number"):
         PolynomialDecayParamScheduler(1.0, 0.5)(1.5)  # Python: a complex number
 
@@ -253,10 +255,16 @@ def test_where_out_of_range_is_fvcores_runtime_error():
         (lambda: MultiStepParamScheduler([1, 0.1]), "num_updates and milestones cannot both"),
         (lambda: MultiStepParamScheduler([1, 0.1], 10, [3, 6]), "list of 1 miletones"),
         (lambda: MultiStepParamScheduler([1, 0.1], milestones=[3]), "list of 2 miletones"),
-        (lambda: MultiStepParamScheduler([1, 0.1, 0.01], num_updates=2), "num_updates=2"),
+        (
+            lambda: MultiStepParamScheduler([1, 0.1, 0.01], num_updates=2),
+            "^Total num_updates must be greater than length of param schedule$",
+        ),
         (lambda: MultiStepParamScheduler([1, 0.1], 10, [10]), "milestone=10"),
-        (lambda: MultiStepParamScheduler([1, 0.1, 0.01], 10, [6, 3]), "strictly increasing"),
-        (lambda: MultiStepParamScheduler([1, 0.1], 10, 5), "milestones must be a list"),
+        (
+            lambda: MultiStepParamScheduler([1, 0.1, 0.01], 10, [6, 3]),
+            "^Milestone must be smaller than start epoch: start_epoch=6, milestone=3$",
+        ),
+        (lambda: MultiStepParamScheduler([1, 0.1], 10, 5), "^MultiStep .* list of 1 miletones$"),
         (lambda: MultiStepParamScheduler([], 10), "values must not be empty"),
         (lambda: MultiStepParamScheduler([], milestones=[]), "values must not be empty"),
         (lambda: StepParamScheduler(0, [1.0]), "num_updates=0"),

@@ -450,7 +450,7 @@ def test_put_image_and_clear(storage):
 
 
 @pytest.mark.parametrize(
-    "shape", [(3, 4), (2, 4, 4), (5, 4, 4), (1, 3, 4, 4), (3, 0, 4), (3, 4, 0), (8, 8, 3)]
+    "shape", [(3, 4), (5, 4, 4), (1, 3, 4, 4), (3, 0, 4), (3, 4, 0), (8, 8, 3)]
 )
 def test_put_image_non_chw_is_value_error(storage, shape):
     with pytest.raises(ValueError, match="img"):
@@ -529,9 +529,9 @@ def test_put_histogram_multi_dim_counts_every_value(storage):
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     storage.put_histogram("m", t, bins=4)
     (got,) = storage._histograms
-    flat = detectron2_histogram("m", t.flatten(), 4, 0)
-    assert got == flat
-    assert got["num"] == 12
+    assert got == detectron2_histogram("m", t, 4, 0)
+    assert sum(got["bucket_counts"]) == 12
+    assert got["num"] == 3  # detectron2's len(hist_tensor): the first dimension
 
 
 def test_put_histogram_bad_input(storage):

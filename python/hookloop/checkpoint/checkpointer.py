@@ -450,23 +450,21 @@ class Checkpointer:
 
     def _log_incompatible_keys(self, incompatible: _IncompatibleKeys) -> None:
         """Log information about the incompatible keys returned by ``_load_model``."""
-        if incompatible.incorrect_shapes:
-            lines = [
-                f"  {k}: {tuple(s_ckpt)} in the checkpoint but {tuple(s_model)} in the model"
-                for k, s_ckpt, s_model in incompatible.incorrect_shapes
-            ]
+        # fvcore's levels and wording: one warning per skipped key, then missing, unexpected.
+        for k, shape_checkpoint, shape_model in incompatible.incorrect_shapes:
             self.logger.warning(
-                "Skip loading {} parameter(s) to the model due to incompatible shapes "
-                "(you might want to double check if this is expected):\n{}".format(
-                    len(lines), "\n".join(lines)
+                "Skip loading parameter '{}' to the model due to incompatible "
+                "shapes: {} in the checkpoint but {} in the "
+                "model! You might want to double check if this is expected.".format(
+                    k, shape_checkpoint, shape_model
                 )
             )
         if incompatible.missing_keys:
             missing_keys = _filter_reused_missing_keys(self.model, incompatible.missing_keys)
             if missing_keys:
-                self.logger.info(get_missing_parameters_message(missing_keys))
+                self.logger.warning(get_missing_parameters_message(missing_keys))
         if incompatible.unexpected_keys:
-            self.logger.info(get_unexpected_parameters_message(incompatible.unexpected_keys))
+            self.logger.warning(get_unexpected_parameters_message(incompatible.unexpected_keys))
 
     def _convert_ndarray_to_tensor(self, state_dict: Dict[str, Any]) -> None:
         """In-place convert all numpy arrays in the state_dict to torch tensor.
@@ -593,7 +591,8 @@ def get_missing_parameters_message(keys: List[str]) -> str:
     """The log message for parameters of the model that the checkpoint does not have, one
     line per module."""
     groups = _group_checkpoint_keys(keys)
-    lines = sorted("  " + k + _group_to_str(v) for k, v in groups.items())
+    # fvcore's format: sorted, not indented (unlike the unexpected keys' lines).
+    lines = sorted(k + _group_to_str(v) for k, v in groups.items())
     return "Some model parameters or buffers are not found in the checkpoint:\n" + "\n".join(lines)
 
 
@@ -601,7 +600,8 @@ def get_unexpected_parameters_message(keys: List[str]) -> str:
     """The log message for checkpoint entries that the model does not use, one line per
     module."""
     groups = _group_checkpoint_keys(keys)
-    lines = sorted("  " + k + _group_to_str(v) for k, v in groups.items())
+    # fvcore's format: indented, in the order the checkpoint holds the modules.
+    lines = ["  " + k + _group_to_str(v) for k, v in groups.items()]
     return "The checkpoint state_dict contains keys that are not used by the model:\n" + (
         "\n".join(lines)
     )

@@ -513,7 +513,8 @@ class DefaultTrainer(TrainerBase):
         checkpointer (Checkpointer): saves the model and this trainer into ``cfg.output_dir``.
         cfg (TrainConfig):
         model, optimizer, data_loader: the wrapped trainer's (``self._trainer``), settable.
-        epoch, iters_per_epoch: the wrapped trainer's (read-only), for epoch-based training.
+        epoch, iters_per_epoch: the wrapped trainer's, for epoch-based training (a subclass's
+            own assignment takes their place).
     """
 
     # The last test() results (set by the evaluation hook).
@@ -703,15 +704,28 @@ class DefaultTrainer(TrainerBase):
     def data_loader(self, value: Iterable[Any]) -> None:
         self._trainer.data_loader = value
 
+    # epoch and iters_per_epoch are not detectron2's names: a subclass may assign its own
+    # (xmodaler-style trainers do), which is then what reads give; the wrapped trainer's stay.
+
     @property
     def epoch(self) -> int:
         """The wrapped trainer's epoch (0 for the first pass over a finite loader)."""
-        return self._trainer.epoch
+        return self.__dict__.get("epoch", self._trainer.epoch)  # type: ignore[no-any-return]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.__dict__["epoch"] = value
 
     @property
     def iters_per_epoch(self) -> Optional[int]:
         """The wrapped trainer's ``iters_per_epoch``: ``len(data_loader)``, or None."""
+        if "iters_per_epoch" in self.__dict__:
+            return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
         return self._trainer.iters_per_epoch
+
+    @iters_per_epoch.setter
+    def iters_per_epoch(self, value: Optional[int]) -> None:
+        self.__dict__["iters_per_epoch"] = value
 
     def _wait_for_metric_writes(self) -> None:
         """The wrapped trainer's: a periodic writer waits for its asynchronous metric writes."""

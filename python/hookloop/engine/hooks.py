@@ -520,12 +520,9 @@ class PreciseBN(HookBase):
                     self._logger.info(
                         "Running precise-BN ... {}/{} iterations.".format(num_iter, self._num_iter)
                     )
-                # This way we can reuse the same iterator
-                try:
-                    batch = next(data_iter)
-                except StopIteration:
-                    return
-                yield batch
+                # This way we can reuse the same iterator. A loader that runs out raises
+                # StopIteration here, which Python turns into RuntimeError, as in detectron2.
+                yield next(data_iter)
 
         with EventStorage():  # capture events in a new storage to discard them
             self._logger.info(
@@ -796,6 +793,12 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     def before_train(self) -> None:
         self.max_iter = self.trainer.max_iter
 
+    def state_dict(self) -> Dict[str, Any]:
+        # Stateless in the trainer's checkpoint, as detectron2's hook: detectron2 resuming a
+        # hookloop checkpoint calls load_state_dict() on its own hook, which has none. The
+        # periodic files of an earlier run are found on disk instead (max_to_keep).
+        return {}
+
     def _dispatch_order(self, stage: str) -> int:
         # Saved after the other hooks' after_step of the iteration (detectron2 saves before
         # them): the checkpoint then holds that iteration's evaluation and best-model record,
@@ -816,7 +819,9 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         per_epoch = getattr(trainer, "iters_per_epoch", None)
         if not per_epoch or int(trainer.max_iter) <= int(per_epoch):
             return None
-        return int(trainer.epoch)  # type: ignore[attr-defined]
+        epoch = getattr(trainer, "epoch", None)
+        # A subclass's own `epoch` that is not a count (a method of an epoch mixin): none.
+        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
     def after_step(self) -> None:
         if not comm.is_main_process():
@@ -949,6 +954,16 @@ class BestCheckpointer(HookBase):
             return
         self._checked_iter = metric_iter
         latest_metric = float(latest_metric)
+        if math.isnan(latest_metric) and self.best_metric is not None:
+            # NaN compares as not better: detectron2's decision and message.
+            self._logger.info(
+                f"Not saving as latest eval score for {self._val_metric} is "
+                f"{latest_metric:0.5f}, not better than best score {self.best_metric:0.5f} "
+                f"@ iteration {self.best_iter}."
+            )
+            return
+        if not math.isfinite(latest_metric) and self.best_metric is None:
+            return  # no first model from a non-finite score, silently, as detectron2
         if not math.isfinite(latest_metric):
             self._logger.warning(
                 f"Not saving as latest eval score for {self._val_metric} is {latest_metric} "

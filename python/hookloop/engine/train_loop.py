@@ -204,23 +204,16 @@ PRIORITIES = {
 
 def _priority(hook: Any) -> int:
     """A hook's ``priority`` attribute as an int: NORMAL (50) when it has none, so that
-    without priorities hooks run in registration order, as detectron2's do."""
+    without priorities hooks run in registration order, as detectron2's do. detectron2 has
+    no such notion: a ``priority`` that is neither an int nor one of :data:`PRIORITIES`'
+    names (a float, another string, an object) is the hook's own data, and counts as
+    NORMAL."""
     p = getattr(hook, "priority", None)
-    if p is None:
-        return PRIORITIES["NORMAL"]
     if isinstance(p, str):
-        if p.upper() not in PRIORITIES:
-            raise ValueError(
-                f"{type(hook).__name__}.priority must be an int or one of {list(PRIORITIES)}, "
-                f"got {p!r}"
-            )
-        return PRIORITIES[p.upper()]
-    if isinstance(p, bool) or not isinstance(p, int):
-        raise TypeError(
-            f"{type(hook).__name__}.priority must be an int or a priority name, "
-            f"got {type(p).__name__}"
-        )
-    return p
+        return PRIORITIES.get(p.upper(), PRIORITIES["NORMAL"])
+    if isinstance(p, int) and not isinstance(p, bool):
+        return p
+    return PRIORITIES["NORMAL"]
 
 
 def _missing_stage(hook: Any, stage: str) -> Any:
@@ -410,8 +403,14 @@ class TrainerBase:
 
     @property
     def stop_requested(self) -> bool:
-        """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
-        return self._stop_requested
+        """Whether :meth:`request_stop` was called during the current (or last) ``train()``;
+        once a subclass assigns its own ``stop_requested`` (detectron2 has no such name), its
+        value, which the loop never reads."""
+        return self.__dict__.get("stop_requested", self._stop_requested)  # type: ignore[no-any-return]
+
+    @stop_requested.setter
+    def stop_requested(self, value: Any) -> None:
+        self.__dict__["stop_requested"] = value
 
     def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
         """Ends training cleanly after the current step: every hook's ``after_step`` of the
@@ -708,6 +707,20 @@ class SimpleTrainer(TrainerBase):
         self.check_finite_every_step = check_finite_every_step
         # One worker, so metric writes run in submission order.
         self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self._init_metric_state()
+
+    #: Read in before_train; a subclass that skips SimpleTrainer.__init__ gets detectron2's
+    #: per-step reads unless it sets it.
+    check_finite_every_step = False
+    _deferring = False
+    # None until _init_metric_state ran: a subclass that skips SimpleTrainer.__init__ (calls
+    # TrainerBase.__init__ and sets detectron2's attributes itself) gets the state in
+    # before_train or after_train, whichever runs first.
+    _settle_lock: Any = None
+
+    def _init_metric_state(self) -> None:
+        """hookloop's own state for writing metrics (none of it is detectron2's): pending
+        asynchronous writes, losses recorded but not read yet, and their lock."""
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
         # Losses recorded but not read yet: (iteration, data_time, loss_dict, prefix). The
         # training thread appends to this one list without a lock (an append is atomic); a
@@ -719,7 +732,6 @@ class SimpleTrainer(TrainerBase):
         self._settle_lock = threading.RLock()
         # Losses of earlier iterations on their way to the host (a CUDA copy not waited for).
         self._in_flight: List[Tuple[List[Tuple[int, float, Mapping[str, Any], str]], Any]] = []
-        self._deferring = False
         this = weakref.ref(self)  # the storage holds this function: no trainer <-> storage cycle
 
         def settle() -> None:
@@ -730,6 +742,8 @@ class SimpleTrainer(TrainerBase):
         self._settler = settle
 
     def before_train(self) -> None:
+        if self._settle_lock is None:
+            self._init_metric_state()
         # Deferred reads in one process; the per-step path when asked for, for asynchronous
         # writes, and across processes (whose reduction is per write).
         self._deferring = not (
@@ -842,7 +856,10 @@ class SimpleTrainer(TrainerBase):
 
     @property
     def iters_per_epoch(self) -> Optional[int]:
-        """``len(data_loader)`` when the loader has a length, else None."""
+        """``len(data_loader)`` when the loader has a length, else None; once a subclass
+        assigns its own (as xmodaler-style trainers do), that value."""
+        if "iters_per_epoch" in self.__dict__:
+            return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
         loader = self.data_loader
         if type(loader) in _NO_LEN:
             return None  # asked at every write: no TypeError raised and caught each time
@@ -850,6 +867,10 @@ class SimpleTrainer(TrainerBase):
             return len(loader)  # type: ignore[arg-type]
         except TypeError:
             return None
+
+    @iters_per_epoch.setter
+    def iters_per_epoch(self, value: Optional[int]) -> None:
+        self.__dict__["iters_per_epoch"] = value
 
     def _next_epoch(self) -> Any:
         """The first batch of the next pass over a finite loader: ``epoch`` advances and the
@@ -1100,6 +1121,8 @@ class SimpleTrainer(TrainerBase):
         self._resumed_rng = "rng" in state_dict
 
     def after_train(self) -> None:
+        if self._settle_lock is None:
+            self._init_metric_state()
         settle_error: Optional[BaseException] = None
         try:
             self.storage._settle()  # the last deferred losses, before the hooks read them
@@ -1166,8 +1189,12 @@ def _write_metrics_across(
     storage._write_metrics(None, data_time, None, cur_iter, prefix)
     total = sum(reduced.values())
     if not math.isfinite(total):
+        import numpy as np
+
+        # The main process's message (the core's): the dict of numpy means, as detectron2's.
+        means = {k: np.float64(v) for k, v in reduced.items()}
         raise FloatingPointError(
-            f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {reduced}"
+            f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {means}"
         )
     return agreed
 

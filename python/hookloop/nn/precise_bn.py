@@ -2,8 +2,8 @@
 
 During training the BN running statistics are an exponential average over batches seen with
 weights that kept changing. :func:`update_bn_stats` recomputes them with the weights fixed: the
-running mean (variance) becomes the plain average, over ``num_iters`` batches, of each batch's
-mean (unbiased variance), which is what fvcore computes.
+running mean and variance become the population mean and variance of all samples of the
+``num_iters`` batches, which is what fvcore computes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from typing import Any, Callable, Iterable, List, Optional, Tuple, Type, cast
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, cast
 
 import torch
 from torch import nn
@@ -59,10 +59,12 @@ def update_bn_stats(
     can not precisely reflect the actual stats of the current model. In this function, the BN
     stats are recomputed with fixed weights, to make the running average more precise.
     Specifically, it computes the true average of per-batch mean/variance instead of the
-    running average.
+    running average: the population mean and variance of all samples of the ``num_iters``
+    batches (each batch weighs by its size), as fvcore's.
 
-    Each BN layer averages over the calls it actually gets: a layer skipped in a batch is not
-    counted for that batch, and a layer called twice in one forward counts both calls.
+    A layer skipped in a batch is not counted for that batch; one never called keeps its
+    statistics. A layer called twice in one forward is refused (``AssertionError``), as in
+    fvcore.
 
     Args:
         model (nn.Module): the model whose bn stats will be recomputed.
@@ -82,8 +84,8 @@ def update_bn_stats(
         progress (str or None): None or "tqdm". If set, use tqdm to report the progress.
 
     Raises:
-        ValueError: when ``data_loader`` runs out before ``num_iters`` batches; the BN
-            statistics are then left as they were.
+        AssertionError: when ``data_loader`` runs out before ``num_iters`` batches (fvcore's
+            message); the BN statistics are then left as they were.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -115,34 +117,43 @@ def update_bn_stats(
             ) from None
         tqdm_class = tqdm
 
-    # bn.running_mean = (1 - momentum) * bn.running_mean + momentum * batch_mean: with
-    # momentum 1/k at a layer's k-th call, running_mean after k calls is the average of the k
-    # batch means (the first call replaces the old value). Each layer counts its own calls in a
-    # forward pre-hook, which BN's forward reads the momentum after.
+    logger.info(f"Computing precise BN statistics for {len(bn_layers)} BN layers ...")
+    # With momentum 1 each forward leaves the batch's mean and unbiased variance in the
+    # running buffers; the estimators fold them, weighted by batch size, into the population
+    # mean and (biased) variance of all samples seen, as fvcore does.
     saved = [(bn.momentum, _stats(bn)[0].clone(), _stats(bn)[1].clone()) for bn in bn_layers]
-    calls = [0] * len(bn_layers)
+    for bn in bn_layers:
+        bn.momentum = 1.0
+    batch_sizes: Dict[nn.Module, int] = {}
 
-    def counting_hook(bn: _BatchNorm, index: int) -> Callable[..., None]:
-        def hook(_module: nn.Module, _inputs: Any) -> None:
-            calls[index] += 1
-            bn.momentum = 1.0 / calls[index]
+    def batch_size_hook(module: nn.Module, inputs: Tuple[Any, ...]) -> None:
+        assert module not in batch_sizes, (
+            "Some BN layers are reused. This is not supported and probably not desired."
+        )
+        x = inputs[0]
+        assert isinstance(x, torch.Tensor), f"BN layer should take tensor as input. Got {inputs}"
+        batch_sizes[module] = x.numel() // x.shape[1]
 
-        return hook
-
-    handles = [bn.register_forward_pre_hook(counting_hook(bn, i)) for i, bn in enumerate(bn_layers)]
+    handles = [bn.register_forward_pre_hook(batch_size_hook) for bn in bn_layers]
+    estimators = [_PopulationVarianceEstimator(*_stats(bn)) for bn in bn_layers]
     bar = None if tqdm_class is None else tqdm_class(total=num_iters)
     done = 0
     ok = False
     try:
         for inputs in itertools.islice(data_loader, num_iters):
+            batch_sizes.clear()
             model(inputs)
             done += 1
+            for bn, estimator in zip(bn_layers, estimators):
+                batch_size = batch_sizes.get(bn)
+                if batch_size is not None:  # None: the layer was unused in this forward
+                    estimator.update(*_stats(bn), batch_size)
             if bar is not None:
                 bar.update(1)
         if done != num_iters:
-            raise ValueError(
-                f"update_bn_stats() is meant to run for num_iters={num_iters} iterations, but "
-                f"data_loader stopped after {done}"
+            raise AssertionError(
+                "update_bn_stats is meant to run for {} iterations, "
+                "but the dataloader stops at {} iterations.".format(num_iters, done - 1)
             )
         ok = True
     finally:
@@ -150,17 +161,40 @@ def update_bn_stats(
             handle.remove()
         if bar is not None:
             bar.close()
-        for bn, (momentum, mean, var) in zip(bn_layers, saved):
+        for bn, (momentum, mean, var), estimator in zip(bn_layers, saved, estimators):
             bn.momentum = momentum
-            if not ok:
+            if ok and estimator.tot > 0:
+                bn.running_mean = estimator.pop_mean
+                bn.running_var = estimator.pop_var
+            else:
                 running_mean, running_var = _stats(bn)
                 running_mean.copy_(mean)
                 running_var.copy_(var)
-    unused = sum(1 for c in calls if c == 0)
+    unused = sum(1 for e in estimators if e.tot == 0)
     if unused:
         logger.info(
             f"update_bn_stats(): {unused} BN layers were not called; their stats are unchanged"
         )
+
+
+class _PopulationVarianceEstimator:
+    """The population mean and variance of all samples of several batches, from each batch's
+    size, mean and unbiased variance (fvcore's estimator: batches weigh by their size)."""
+
+    def __init__(self, mean_buffer: torch.Tensor, var_buffer: torch.Tensor) -> None:
+        self.pop_mean = torch.zeros_like(mean_buffer)
+        self.pop_square_mean = torch.zeros_like(var_buffer)
+        self.tot = 0
+
+    def update(self, batch_mean: torch.Tensor, batch_var: torch.Tensor, batch_size: int) -> None:
+        self.tot += batch_size
+        batch_square_mean = batch_mean.square() + batch_var * ((batch_size - 1) / batch_size)
+        self.pop_mean += (batch_mean - self.pop_mean) * (batch_size / self.tot)
+        self.pop_square_mean += (batch_square_mean - self.pop_square_mean) * (batch_size / self.tot)
+
+    @property
+    def pop_var(self) -> torch.Tensor:
+        return self.pop_square_mean - self.pop_mean.square()
 
 
 def _stats(bn: _BatchNorm) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -198,9 +198,10 @@ class MultiStepParamScheduler(ParamScheduler):
         * milestones=[3, 6, 9], values=[1, 0.1, 0.01]  (ParamScheduler is scale-invariant)
         """
         if milestones is not None and not isinstance(milestones, Sequence):
+            # fvcore's message for any milestones that are not a list of the right length.
             raise ValueError(
-                f"MultiStepParamScheduler: milestones must be a list, got "
-                f"{type(milestones).__name__}"
+                "MultiStep scheduler requires a list of %d miletones"
+                % (len(values) - int(num_updates is not None))
             )
         self._native = _core.NativeSchedule.multi_step(values, num_updates, milestones)
         params = self._native.params

@@ -191,7 +191,8 @@ class EventStorage(_core.EventStorage):
             hist_name,
             ht_min,
             ht_max,
-            float(t.numel()),
+            # detectron2's `num` is len(tensor): the first dimension, not every value
+            float(len(t) if t.dim() > 0 else 1),
             float(t.sum()),
             float(torch.sum(t**2)),
             hist_edges[1:].tolist(),
@@ -225,11 +226,31 @@ class _HistoryMap(dict):  # type: ignore[type-arg]
 
     def __setitem__(self, name: str, buffer: HistoryBuffer) -> None:
         if not isinstance(buffer, HistoryBuffer):
-            raise TypeError(
-                f"histories()[{name!r}] must be a HistoryBuffer, got {type(buffer).__name__}"
-            )
+            buffer = _history_from_double(name, buffer)
         self._storage._set_history(name, buffer)
         dict.__setitem__(self, name, self._storage.history(name))
+
+
+def _history_from_double(name: str, double: Any) -> HistoryBuffer:
+    """A ``HistoryBuffer`` holding the ``(value, iteration)`` pairs of a test double's
+    ``values()``. detectron2 stores any object in ``histories()``; its writers and
+    ``count_samples`` read ``values()`` and the statistics fvcore computes from those pairs,
+    which the storage's copy computes the same way. The copy is taken now: the storage does
+    not call the double's ``update`` or statistics later."""
+    values = getattr(double, "values", None)
+    if not callable(values):
+        raise TypeError(
+            f"histories()[{name!r}] must be a HistoryBuffer or have a values() method "
+            f"returning (value, iteration) pairs, got {type(double).__name__}"
+        )
+    max_length = getattr(double, "_max_length", getattr(double, "max_length", None))
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+        buffer = HistoryBuffer()
+    else:
+        buffer = HistoryBuffer(max_length)
+    for value, iteration in values():
+        buffer.update(value, iteration)
+    return buffer
 
 
 class EventWriter:

@@ -137,6 +137,16 @@ pub enum Error {
     #[error("{what}: {reason}")]
     BadSchedule { what: &'static str, reason: String },
 
+    /// A schedule argument fvcore refuses, with fvcore's own message (user code matches on
+    /// it). Mapped to `ValueError`.
+    #[error("{reason}")]
+    BadScheduleArg { what: &'static str, reason: String },
+
+    /// A step schedule evaluated at or past its end (`where >= 1`), where fvcore's list
+    /// indexing raises. Mapped to `IndexError`, with Python's message.
+    #[error("list index out of range")]
+    StepPastEnd { what: &'static str, where_: f64 },
+
     /// A schedule evaluated outside the progress range it is defined on. Mapped to
     /// `RuntimeError`, as fvcore raises.
     #[error("where in {what} must be in {range}: got {}", crate::schedule::Repr(*.where_))]

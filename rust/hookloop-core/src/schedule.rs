@@ -143,6 +143,20 @@ fn bad(what: &'static str, reason: impl Into<String>) -> Error {
     }
 }
 
+/// An argument error with fvcore's exact message: user code catches and matches these.
+fn fvcore_bad(what: &'static str, reason: String) -> Error {
+    Error::BadScheduleArg { what, reason }
+}
+
+/// Python's `"%d" % x` for a float `x`: truncated to an integer.
+fn percent_d(x: f64) -> String {
+    if x.is_finite() {
+        format!("{}", x.trunc() as i64)
+    } else {
+        Repr(x).to_string()
+    }
+}
+
 /// How a composite runs one of its schedules over that schedule's interval.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scaling {
@@ -475,7 +489,10 @@ impl Schedule {
         }
         let (num_updates, milestones) = match (num_updates, milestones) {
             (None, None) => {
-                return Err(bad(WHAT, "num_updates and milestones cannot both be None"));
+                return Err(fvcore_bad(
+                    WHAT,
+                    "num_updates and milestones cannot both be None".to_string(),
+                ));
             }
             (Some(n), None) => {
                 // math.ceil(num_updates / float(len(values))): an int, exact in f64 here.
@@ -492,19 +509,9 @@ impl Schedule {
             (n, Some(mut milestones)) => {
                 let expected = values.len() as i64 - i64::from(n.is_some());
                 if milestones.len() as i64 != expected {
-                    return Err(bad(
+                    return Err(fvcore_bad(
                         WHAT,
-                        format!(
-                            "MultiStep scheduler requires a list of {expected} miletones \
-                             (milestones has {}, values has {}{})",
-                            milestones.len(),
-                            values.len(),
-                            if n.is_some() {
-                                ", and num_updates is given"
-                            } else {
-                                ", and the last milestone is num_updates"
-                            }
-                        ),
+                        format!("MultiStep scheduler requires a list of {expected} miletones"),
                     ));
                 }
                 match n {
@@ -519,37 +526,31 @@ impl Schedule {
         };
         // `not (num_updates >= len)` so that NaN fails, as Python's comparison would.
         if !(num_updates >= values.len() as f64) {
-            return Err(bad(
+            return Err(fvcore_bad(
                 WHAT,
-                format!(
-                    "Total num_updates must be greater than length of param schedule: \
-                     num_updates={}, len(values)={}",
-                    Repr(num_updates),
-                    values.len()
-                ),
+                "Total num_updates must be greater than length of param schedule".to_string(),
             ));
         }
         let mut start_epoch = 0.0;
         for &milestone in &milestones {
             if !(milestone < num_updates) {
-                return Err(bad(
+                return Err(fvcore_bad(
                     WHAT,
                     format!(
                         "Milestone must be smaller than total number of updates: \
                          num_updates={}, milestone={}",
-                        Repr(num_updates),
-                        Repr(milestone)
+                        percent_d(num_updates),
+                        percent_d(milestone)
                     ),
                 ));
             }
             if !(start_epoch < milestone) {
-                return Err(bad(
+                return Err(fvcore_bad(
                     WHAT,
                     format!(
-                        "Milestone must be smaller than start epoch: start_epoch={}, milestone={} \
-                         (milestones must be positive and strictly increasing)",
-                        Repr(start_epoch),
-                        Repr(milestone)
+                        "Milestone must be smaller than start epoch: start_epoch={}, milestone={}",
+                        percent_d(start_epoch),
+                        percent_d(milestone)
                     ),
                 ));
             }
@@ -775,8 +776,12 @@ impl Schedule {
 
 fn step_value(what: &'static str, values: &[f64], where_: f64) -> Result<f64> {
     let index = py_int(what, (where_ + WHERE_EPSILON) * values.len() as f64)?;
+    // Past the end fvcore's list indexing raises IndexError (at where=1.0 too).
+    if index >= values.len() as f64 {
+        return Err(Error::StepPastEnd { what, where_ });
+    }
     // Python would index from the end for a negative `where`; that is no schedule.
-    if index < 0.0 || index >= values.len() as f64 {
+    if index < 0.0 {
         return Err(Error::WhereOutOfRange {
             what,
             range: "[0, 1)",
@@ -992,19 +997,19 @@ mod tests {
                 vec![1.0, 0.1],
                 Some(10.0),
                 Some(vec![10.0]),
-                "smaller than total number",
+                "num_updates=10, milestone=10",
             ),
             (
                 vec![1.0, 0.1, 0.01],
                 Some(10.0),
                 Some(vec![6.0, 3.0]),
-                "strictly increasing",
+                "start_epoch=6, milestone=3",
             ),
             (
                 vec![1.0, 0.1],
                 Some(10.0),
                 Some(vec![0.0]),
-                "start_epoch=0.0",
+                "start_epoch=0, milestone=0",
             ),
             (vec![], Some(10.0), None, "values must not be empty"),
             (vec![], None, Some(vec![]), "values must not be empty"),
@@ -1015,6 +1020,9 @@ mod tests {
             assert!(matches!(
                 err,
                 Error::BadSchedule {
+                    what: "MultiStepParamScheduler",
+                    ..
+                } | Error::BadScheduleArg {
                     what: "MultiStepParamScheduler",
                     ..
                 }
@@ -1033,7 +1041,8 @@ mod tests {
             bits_eq(s.value(w).unwrap(), expected);
         }
         // fvcore indexes past the end at where=1.0 (IndexError); negative where is refused.
-        assert!(matches!(s.value(1.0), Err(Error::WhereOutOfRange { .. })));
+        assert!(matches!(s.value(1.0), Err(Error::StepPastEnd { .. })));
+        assert_eq!(reason(s.value(1.0).unwrap_err()), "list index out of range");
         assert!(s.value(-0.5).is_err());
         assert!(Schedule::step(0.0, vec![1.0]).is_err());
         assert!(Schedule::step(10.0, vec![]).is_err());

@@ -16,7 +16,7 @@ use pyo3::PyErr;
 pub fn to_py(err: Error) -> PyErr {
     match err {
         Error::UnknownMetric(_) => PyKeyError::new_err(err.to_string()),
-        Error::EmptyHistory => PyIndexError::new_err(err.to_string()),
+        Error::EmptyHistory | Error::StepPastEnd { .. } => PyIndexError::new_err(err.to_string()),
         Error::WrongType { .. } | Error::NotPicklable { .. } => {
             PyTypeError::new_err(err.to_string())
         }
@@ -29,16 +29,22 @@ pub fn to_py(err: Error) -> PyErr {
         | Error::Image { .. }
         | Error::Closed { .. }
         | Error::BadSchedule { .. }
+        | Error::BadScheduleArg { .. }
         | Error::IterOutOfRange { .. }
         | Error::MaxIterChanged { .. } => PyValueError::new_err(err.to_string()),
         // fvcore raises RuntimeError for a `where` outside a schedule's range.
         Error::WhereOutOfRange { .. } => PyRuntimeError::new_err(err.to_string()),
         Error::NonFiniteLoss { ref losses, .. } => {
-            // detectron2's message shows the losses as the Python dict they were.
+            // detectron2's message shows the losses as the dict of numpy means it built:
+            // numpy.float64 values (`np.float64(nan)` in numpy 2's repr, `nan` before).
             let dict = Python::attach(|py| -> PyResult<String> {
+                let float64 = py.import("numpy").and_then(|np| np.getattr("float64")).ok();
                 let d = PyDict::new(py);
                 for (k, v) in losses {
-                    d.set_item(k, v)?;
+                    match &float64 {
+                        Some(f) => d.set_item(k, f.call1((*v,))?)?,
+                        None => d.set_item(k, v)?,
+                    }
                 }
                 Ok(d.repr()?.to_string())
             })

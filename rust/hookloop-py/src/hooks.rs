@@ -97,6 +97,12 @@ impl PyIterationTimerBase {
         lock(&self.state).timer.warmup_iter
     }
 
+    /// detectron2's `_warmup_iter` is a plain attribute that subclasses may set.
+    #[setter(_warmup_iter)]
+    fn set_warmup_iter(&self, warmup_iter: i64) {
+        lock(&self.state).timer.warmup_iter = warmup_iter;
+    }
+
     /// `before_train`: restarts both clocks and keeps the storage the step times go to. Without
     /// one (a hook driven before any trainer or storage exists, as detectron2's Lightning
     /// example does), each `after_step` reads `trainer.storage` and `trainer.start_iter`, as

@@ -573,10 +573,9 @@ class HookBase:
         pass
 
     def state_dict(self) -> Dict[str, Any]:
+        # No load_state_dict: detectron2's HookBase has none (a hook that returns state must
+        # bring its own, or loading the trainer's state fails on it).
         return {}
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        pass
 
 
 class TrainerBase:

@@ -395,7 +395,7 @@ def test_best_checkpointer_with_periodic_keeps_last_checkpoint(tmp_path):
 
 def test_best_checkpointer_resumed_does_not_overwrite_a_better_model(tmp_path):
     trainer, _, best = _best_run(tmp_path, [0.5, 0.9, 0.7])
-    state = trainer.state_dict()["hooks"]["BestCheckpointer"]
+    state = trainer.state_dict()["hookloop_hooks"]["BestCheckpointer"]
     assert state == {"best_metric": 0.9, "best_iter": 3, "checked_iter": 6}
     before = (tmp_path / "model_best.pth").read_bytes()
 
@@ -580,3 +580,23 @@ def test_eval_hook_as_detectron2_tests_it():
         trainer.register_hooks([EvalHook(period, test_func)])
         trainer.train(0, total_iter)
         assert test_func.call_count == eval_count
+
+
+def test_best_checkpointer_state_is_where_detectron2_does_not_look(tmp_path):
+    """detectron2's BestCheckpointer has no ``load_state_dict``, and detectron2 calls it for
+    every entry of the trainer state's ``hooks``: the best value is kept under
+    ``hookloop_hooks``, so a detectron2 trainer resumes from the checkpoint, and a hookloop
+    trainer restores it from either key (checkpoints of earlier builds kept it in ``hooks``)."""
+    trainer, _, best = _best_run(tmp_path, [0.5, 0.9, 0.7])
+    state = trainer.state_dict()
+    assert "BestCheckpointer" not in state.get("hooks", {})
+    saved = state["hookloop_hooks"]["BestCheckpointer"]
+    for layout in (
+        {"hookloop_hooks": {"BestCheckpointer": saved}},
+        {"hooks": {"BestCheckpointer": saved}},
+    ):
+        trainer2 = Trainer()
+        best2 = BestCheckpointer(2, Checkpointer(trainer2.model, str(tmp_path)), "val/acc")
+        trainer2.register_hooks([best2])
+        trainer2.load_state_dict({"iteration": 6, **layout})
+        assert (best2.best_metric, best2.best_iter) == (0.9, 3)

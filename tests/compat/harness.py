@@ -87,8 +87,10 @@ ADDITIONS = {
     # IterationTimer logs a per-hook time table after detectron2's two lines.
     "log:time in hooks": re.compile(r"^Time in hooks:\n"),
     # A checkpoint's trainer state carries the RNG states, the recent scalar history and the
-    # data position, for exact resume; detectron2's holds "iteration" and "hooks".
-    "checkpoint:trainer keys": {"rng", "storage", "data"},
+    # data position, for exact resume, and the state of hooks that detectron2 keeps stateless
+    # (BestCheckpointer's best value) where detectron2 does not look; detectron2's holds
+    # "iteration" and "hooks".
+    "checkpoint:trainer keys": {"rng", "storage", "data", "hookloop_hooks"},
 }
 
 # Keys whose values are wall-clock readings (metrics.json, TensorBoard tags, recorded dicts).

@@ -77,7 +77,7 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(straight, tmp_path, kil
         )
     assert ta["optimizer"]["param_groups"] == tb["optimizer"]["param_groups"]
     assert ta["hooks"]["LRScheduler"] == tb["hooks"]["LRScheduler"]
-    assert ta["hooks"]["BestCheckpointer"] == tb["hooks"]["BestCheckpointer"]
+    assert ta["hookloop_hooks"]["BestCheckpointer"] == tb["hookloop_hooks"]["BestCheckpointer"]
     best_a, best_b = load(straight / "model_best.pth"), load(tmp_path / "model_best.pth")
     for k, v in best_a["model"].items():
         assert torch.equal(v, best_b["model"][k]), k

@@ -1019,6 +1019,10 @@ class BestCheckpointer(HookBase):
         finally:
             _wait_for_saves(self._checkpointer, _ended_cleanly(self.trainer))
 
+    # Its state goes under the trainer state's "hookloop_hooks": detectron2's BestCheckpointer
+    # has no load_state_dict.
+    _STATE_BEYOND_DETECTRON2 = True
+
     def state_dict(self) -> Dict[str, Any]:
         return {
             "best_metric": self.best_metric,

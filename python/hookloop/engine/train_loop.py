@@ -580,13 +580,19 @@ class TrainerBase:
         Two stateful hooks of one class are both saved: the first under the class's name (as
         detectron2 keys it), the next ones under ``Name.1``, ``Name.2``, ..."""
         ret: Dict[str, Any] = {"iteration": self.iter}
-        hooks_state = {}
+        hooks_state: Dict[str, Any] = {}
+        own_state: Dict[str, Any] = {}
         for key, h in _hook_keys(self._hooks):
             sd = h.state_dict()
             if sd:
-                hooks_state[key] = sd
+                # State of a hook that detectron2 has but keeps stateless (it would call a
+                # load_state_dict that its hook lacks) goes where detectron2 does not look.
+                beyond = getattr(type(h), "_STATE_BEYOND_DETECTRON2", False)
+                (own_state if beyond else hooks_state)[key] = sd
         if hooks_state:
             ret["hooks"] = hooks_state
+        if own_state:
+            ret[_OWN_HOOK_STATE] = own_state
         ret["rng"] = get_rng_state()
         storage = getattr(self, "storage", None)
         if storage is not None and storage in _CURRENT_STORAGE_STACK:
@@ -598,7 +604,8 @@ class TrainerBase:
             raise ValueError("load_state_dict() needs a dict with an 'iteration' key")
         self.iter = state_dict["iteration"]
         hooks = dict(_hook_keys(self._hooks))
-        for key, value in state_dict.get("hooks", {}).items():
+        saved = {**state_dict.get("hooks", {}), **state_dict.get(_OWN_HOOK_STATE, {})}
+        for key, value in saved.items():
             h = hooks.get(key)
             if h is None:
                 logger.warning(f"Cannot find the hook '{key}', its state_dict is ignored.")
@@ -611,6 +618,10 @@ class TrainerBase:
 
     _resume_storage: Optional[Mapping[str, Any]] = None
 
+
+# The trainer state's key for hooks whose state detectron2 does not keep (BestCheckpointer's
+# best value): detectron2 reads only "hooks", so it resumes from a hookloop checkpoint.
+_OWN_HOOK_STATE = "hookloop_hooks"
 
 # max_iter for a loop that never set one: no iteration is the last.
 _NO_MAX_ITER = 2**53

@@ -674,7 +674,7 @@ class TrainerBase:
         for key, value in state_dict.get("hooks", {}).items():
             for h in self._hooks:
                 if type(h).__qualname__ == key:
-                    h.load_state_dict(value)
+                    h.load_state_dict(value)  # type: ignore[attr-defined] # the hook's own
                     break
             else:
                 logger.warning(f"Cannot find the hook '{key}', its state_dict is ignored.")

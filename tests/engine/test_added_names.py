@@ -33,7 +33,7 @@ ADDED = {
         "_take_pending", "_wait_for_metric_writes", "_write_metrics_async",
         "check_finite_every_step", "epoch", "iters_per_epoch", "step_optimizer",
     },
-    "HookBase": {"_dispatch_order", "_dispatch_period", "on_exception"},
+    "HookBase": {"_dispatch_order", "_dispatch_period", "load_state_dict", "on_exception"},
 }  # fmt: skip
 
 

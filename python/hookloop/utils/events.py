@@ -101,7 +101,9 @@ class EventStorage(_core.EventStorage):
         ``defaultdict(HistoryBuffer)``: each buffer is the storage's own (live); a name put
         after this call is found when it is read from the dict; reading a name never put gives
         an empty buffer (which writers do not see); and assigning
-        ``histories()[name] = buffer`` makes it that scalar's history in this storage."""
+        ``histories()[name] = buffer`` makes it that scalar's history in this storage (a name
+        put before keeps its latest value, as detectron2's ``_latest_scalars``). A test
+        double with a ``values()`` method may stand in for the buffer: its pairs are copied."""
         return _HistoryMap(self, super().histories())
 
     @property

@@ -277,9 +277,10 @@ impl Storage {
         Ok(())
     }
 
-    /// Makes `history` the history of `name` (no prefix applied), its newest entry the latest
-    /// value; a new name is smoothed, a known one keeps its hint. An empty history is an error
-    /// (a scalar always has a latest value).
+    /// Makes `history` the history of `name` (no prefix applied). A known name keeps its hint
+    /// and its latest value, as detectron2's `_latest_scalars` is not touched by assigning
+    /// into `histories()`; a new name is smoothed, with the history's newest entry as its
+    /// latest value. An empty history is an error (a scalar always has a latest value).
     pub fn set_history(&mut self, name: &str, history: History) -> Result<()> {
         let Some(latest) = history.latest_entry() else {
             return Err(Error::bad_value(
@@ -288,10 +289,7 @@ impl Storage {
             ));
         };
         match self.scalars.get_mut(name) {
-            Some(s) => {
-                s.history = history;
-                s.latest = latest;
-            }
+            Some(s) => s.history = history,
             None => {
                 self.scalars.insert(
                     Arc::from(name),
@@ -538,6 +536,22 @@ mod tests {
             loss.history.values(),
             vec![(1.0, Iter::Int(0)), (3.0, Iter::Int(1))]
         );
+    }
+
+    #[test]
+    fn set_history_keeps_a_known_names_latest_value() {
+        let mut s = storage();
+        s.put_scalar("lr", 0.1, false, None).unwrap();
+        let mut h = History::new(10).unwrap();
+        h.update(9.0, Some(Iter::Int(0)));
+        h.update(8.0, Some(Iter::Int(3)));
+        s.set_history("lr", h.clone()).unwrap();
+        let lr = s.scalar("lr").unwrap();
+        assert_eq!((lr.latest, lr.smoothing_hint), ((0.1, Iter::Int(0)), false));
+        assert_eq!(lr.history.len(), 2);
+        s.set_history("new", h).unwrap();
+        let new = s.scalar("new").unwrap();
+        assert_eq!((new.latest, new.smoothing_hint), ((8.0, Iter::Int(3)), true));
     }
 
     #[test]

@@ -474,8 +474,9 @@ impl PyEventStorage {
     }
 
     /// Makes `buffer`'s contents the history of `name` (`storage.histories()[name] = buf`):
-    /// later reads and writers see it, with its latest entry as the latest value. A name seen
-    /// before keeps its smoothing hint; a new one is smoothed.
+    /// later reads and writers see it. A name seen before keeps its smoothing hint and latest
+    /// value (as detectron2's `_latest_scalars`); a new one is smoothed, with the buffer's
+    /// newest entry as its latest value.
     fn _set_history(&self, name: String, buffer: &Bound<'_, PyHistoryBuffer>) -> PyResult<()> {
         let state = buffer.get().state(buffer.py())?;
         let history = History::from_state(state).py_err()?;

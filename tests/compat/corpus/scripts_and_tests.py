@@ -74,8 +74,9 @@ def ts_lazyconfig_do_train(E, R):
     """``do_train`` of detectron2's LazyConfig script: a ``SimpleTrainer`` (``AMPTrainer``
     when ``amp.enabled``), the hook list IterationTimer, LRScheduler over an fvcore
     multiplier (``WarmupParamScheduler``), PeriodicCheckpointer with ``max_to_keep``, EvalHook
-    calling ``do_test`` and PeriodicWriter over ``default_writers``; then
-    ``resume_or_load(init_checkpoint, resume=False)`` and ``train(start_iter, max_iter)``."""
+    calling ``do_test`` (nested results, flattened into the storage) and PeriodicWriter
+    over ``default_writers``' file writers; then ``resume_or_load(init_checkpoint,
+    resume=False)`` and ``train(start_iter, max_iter)``."""
     cfg = _lazy_cfg(R.out, max_iter=12, eval_period=6, log_period=4, period=5)
     model = TinyDetector()
     optim = sgd(model)
@@ -94,9 +95,7 @@ def ts_lazyconfig_do_train(E, R):
         warmup_length=3 / 12,
         warmup_factor=0.01,
     )
-    trainer = (E.AMPTrainer if cfg.train.amp.enabled else E.SimpleTrainer)(
-        model, batches(), optim
-    )
+    trainer = (E.AMPTrainer if cfg.train.amp.enabled else E.SimpleTrainer)(model, batches(), optim)
     checkpointer = E.Checkpointer(model, cfg.train.output_dir, trainer=trainer)
     trainer.register_hooks(
         [
@@ -130,9 +129,7 @@ def ts_maco_do_train_resume(E, R):
         trainer.register_hooks(
             [
                 E.hooks.IterationTimer(),
-                E.hooks.LRScheduler(
-                    scheduler=E.solver.CosineParamScheduler(1.0, 0.0)
-                ),
+                E.hooks.LRScheduler(scheduler=E.solver.CosineParamScheduler(1.0, 0.0)),
                 E.hooks.PeriodicCheckpointer(checkpointer, **cfg.train.checkpointer),
                 E.hooks.EvalHook(cfg.train.eval_period, lambda: {}),
                 # window_size=1: a resumed hookloop run smooths over the history restored
@@ -173,9 +170,7 @@ def ts_unlanedet_do_train(E, R):
         return {"F1": next(scores)}
 
     trainer = E.SimpleTrainer(model, batches(seed=2), optim)
-    # Without UnLanedet's trainer=trainer: hookloop keeps BestCheckpointer's record in the
-    # trainer state of every checkpoint (README, "Checkpoints and resume").
-    checkpointer = E.Checkpointer(model, R.out)
+    checkpointer = E.Checkpointer(model, R.out, trainer=trainer)
     main = E.comm.is_main_process()
     trainer.register_hooks(
         [
@@ -270,7 +265,7 @@ def ts_d2_test_eval_hook_counts(E, R):
     for total_iter, period in [(30, 15), (31, 15), (20, 0)]:
         calls = []
 
-        def test_func():
+        def test_func(calls=calls):
             calls.append(E.get_event_storage().iter)
             return {"metric": 3.0}
 
@@ -301,7 +296,7 @@ def ts_d2_test_best_checkpointer(E, R):
         checkpointer = E.Checkpointer(model, R.out, opt=opt, trainer=trainer)
         trainer.register_hooks(
             [
-                E.hooks.EvalHook(5, lambda: {"metric": next(metrics)}),
+                E.hooks.EvalHook(5, lambda metrics=metrics: {"metric": next(metrics)}),
                 E.hooks.BestCheckpointer(5, checkpointer, "metric", mode=mode),
             ]
         )
@@ -310,7 +305,9 @@ def ts_d2_test_best_checkpointer(E, R):
             R.rec(mode, mock_save_method.call_count, [c.args for c in mock_save_method.mock_calls])
 
 
-@pattern("facebookresearch/detectron2", "tests/test_events.py: testScalar, testScalarMismatchedPeriod")
+@pattern(
+    "facebookresearch/detectron2", "tests/test_events.py: testScalar, testScalarMismatchedPeriod"
+)
 def ts_d2_test_events_json(E, R):
     """detectron2's JSONWriter tests: unsmoothed scalars written every 20 steps, and a second
     scalar put every 17 steps, so metrics.json gets lines for iterations 17, 19, 34, 39, 51
@@ -380,7 +377,7 @@ class MockHistory:
 
 @pattern(
     "facebookresearch/detectron2",
-    "tests/test_events.py style: CommonMetricPrinter over a storage whose histories are test doubles",
+    "tests/test_events.py style: CommonMetricPrinter over histories that are test doubles",
 )
 def ts_d2_printer_mock_history(E, R):
     """A printer test in the style of detectron2's ``tests/test_events.py`` that fixes the
@@ -429,3 +426,129 @@ def ts_fvcore_history_buffer(E, R):
             buf.median(100),
             buf.avg(100),
         )
+
+
+@pattern("jojo23333/LatetHOI", "projects/mdm_hand/engine/default_vae.py: CustomTrainingHooks")
+def ts_latethoi_epoch_hooks(E, R):
+    """LatetHOI's training hook: it skips ``HookBase.__init__``, reads ``iter`` through a
+    property of its own (``self.trainer.iter``) and derives epoch boundaries from
+    ``len(self.trainer.train_loader)``: at the first step of an epoch it puts a coefficient
+    and logs it, at the last it puts epoch metrics unsmoothed. The trainer's ``run_step``
+    copies ``self.iter`` onto the trainer that does the step, as its wrapper does."""
+
+    class CustomTrainingHooks(E.HookBase):
+        def __init__(self):
+            pass
+
+        @property
+        def iter(self):
+            return self.trainer.iter
+
+        @property
+        def end_of_epoch(self):
+            return (self.iter + 1) % len(self.trainer.train_loader) == 0
+
+        @property
+        def begin_of_epoch(self):
+            return self.iter % len(self.trainer.train_loader) == 0
+
+        @property
+        def epoch_num(self):
+            return self.iter // len(self.trainer.train_loader)
+
+        def before_step(self):
+            if self.begin_of_epoch:
+                kl_coef = min(0.5 * (self.epoch_num + 1) / 2, 0.5)
+                self.trainer.storage.put_scalar("KL Coeficient", kl_coef)
+                logging.getLogger("corpus.latethoi").info("KL Coeficient: {}".format(kl_coef))
+
+        def after_step(self):
+            if self.end_of_epoch:
+                self.trainer.storage.put_scalars(
+                    train_roc_auc=0.5 + 0.1 * self.epoch_num,
+                    epoch=float(self.epoch_num),
+                    smoothing_hint=False,
+                )
+
+    train_loader = [b for b, _ in zip(batches(seed=6), range(4))]
+
+    def cycle():
+        while True:
+            yield from train_loader
+
+    model = TinyDetector()
+    inner = E.SimpleTrainer(model, cycle(), sgd(model))
+
+    class VaeTrainer(E.TrainerBase):
+        def __init__(self):
+            super().__init__()
+            self.train_loader = train_loader
+            self._trainer = inner
+
+        def run_step(self):
+            self._trainer.iter = self.iter
+            self._trainer.run_step()
+
+    trainer = VaeTrainer()
+    trainer.register_hooks(
+        [
+            CustomTrainingHooks(),
+            E.hooks.IterationTimer(),
+            E.hooks.PeriodicWriter([E.JSONWriter(R.path("metrics.json"))], period=4),
+        ]
+    )
+    trainer.train(0, 12)
+    R.storage(trainer.storage)
+    R.rec("inner iter", inner.iter)
+
+
+@pattern(
+    "JulietteMoreau/Medical_Segmentation_Benchmark",
+    "MRCNN/detectron2/engine/val_loss_hook.py + MRCNN/evaluation/plot_loss_curve.py",
+)
+def ts_medseg_val_loss_curve(E, R):
+    """A Mask R-CNN benchmark's ``ValLossHook``: after every step it runs the model on a
+    validation batch under ``no_grad`` and puts ``val_``-prefixed losses and their sum into
+    ``self.trainer.storage``; the repository's plotting script then reads metrics.json and
+    averages ``total_loss`` and the validation loss per epoch of a fixed number of
+    iterations."""
+
+    class ValLossHook(E.HookBase):
+        def __init__(self):
+            super().__init__()
+            self._loader = batches(seed=9)
+
+        def after_step(self):
+            data = next(self._loader)
+            with torch.no_grad():
+                loss_dict = self.trainer.model(data)
+                losses = sum(loss_dict.values())
+                assert torch.isfinite(losses).all(), loss_dict
+                loss_dict_reduced = {"val_" + k: v.item() for k, v in loss_dict.items()}
+                losses_reduced = sum(loss for loss in loss_dict_reduced.values())
+                if E.comm.is_main_process():
+                    self.trainer.storage.put_scalars(
+                        val_total_loss=losses_reduced, **loss_dict_reduced
+                    )
+
+    model = TinyDetector()
+    trainer = E.SimpleTrainer(model, batches(seed=8), sgd(model))
+    trainer.register_hooks(
+        [
+            E.hooks.IterationTimer(),
+            ValLossHook(),
+            E.hooks.PeriodicWriter([E.JSONWriter(R.path("metrics.json"))], period=3),
+        ]
+    )
+    trainer.train(0, 15)
+
+    rows = sorted(_json(R), key=lambda d: d["iteration"])
+    per_epoch = 6
+    curves = {}
+    for key in ("total_loss", "val_total_loss"):
+        points = [(d["iteration"], d[key]) for d in rows if key in d]
+        epochs = {}
+        for it, v in points:
+            epochs.setdefault(it // per_epoch, []).append(v)
+        curves[key] = [round(float(np.mean(v)), 9) for _, v in sorted(epochs.items())]
+    R.rec("curves", curves)

@@ -283,13 +283,21 @@ def fake_detectron2(tmp_path: Path, monkeypatch: Any) -> Iterator[None]:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+
+    def ours(name: str) -> bool:
+        return name.split(".")[0] in ("detectron2", "fvcore")
+
+    # Modules of these names imported before (fvcore by its own tests, detectron2's source by
+    # tests/compat with HOOKLOOP_D2_SRC) step aside for the fakes, and come back after.
+    before = {name: sys.modules.pop(name) for name in [m for m in sys.modules if ours(m)]}
     overhead.engine.cache_clear()
     tiny_mlp.native_available.cache_clear()
     try:
         yield
     finally:
-        for name in [m for m in sys.modules if m.split(".")[0] in ("detectron2", "fvcore")]:
+        for name in [m for m in sys.modules if ours(m)]:
             del sys.modules[name]
+        sys.modules.update(before)
         overhead.engine.cache_clear()
         tiny_mlp.native_available.cache_clear()
         tiny_mlp._TIMED.clear()

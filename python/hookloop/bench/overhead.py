@@ -830,7 +830,13 @@ def _model_opt_sched() -> Tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
 
 
 def detectron2_available() -> bool:
-    """Whether ``import detectron2.engine`` works here (the "detectron2" columns)."""
+    """Whether ``import detectron2.engine`` works here (the "detectron2" columns), in this
+    process and in the fresh ones the paired benches start: an installed package, not a
+    module object registered in ``sys.modules`` (tests/compat registers one)."""
+    import importlib.machinery
+
+    if importlib.machinery.PathFinder.find_spec("detectron2") is None:
+        return False
     try:
         import detectron2.engine  # noqa: F401
         import detectron2.utils.events  # noqa: F401

@@ -87,7 +87,9 @@ def ws_detrex_wandb_writer(E, R):
             if len(storage._vis_data) >= 1:
                 for img_name, img, step_num in storage._vis_data:
                     hwc = img.transpose(1, 2, 0)
-                    self._writer.log({img_name: ("image", hwc.shape, int(hwc.sum()))}, step=step_num)
+                    self._writer.log(
+                        {img_name: ("image", hwc.shape, int(hwc.sum()))}, step=step_num
+                    )
                 storage.clear_images()
             R.rec("images left", len(storage._vis_data))
 
@@ -248,7 +250,9 @@ def ws_odise_metric_printer(E, R):
                 if k not in hide and storage.smoothing_hints()[k]
             )
             self.logger.info(
-                "{run_name}  {eta}iter: {iter}{max_iter}  {losses}  {time}{data_time}lr: {lr}".format(
+                (
+                    "{run_name}  {eta}iter: {iter}{max_iter}  {losses}  {time}{data_time}lr: {lr}"
+                ).format(
                     run_name=self.run_name,
                     eta=f"eta: {eta_string}  " if eta_string else "",
                     iter=iteration,
@@ -402,7 +406,9 @@ class _BoxHead(nn.Module):
         return {"loss_cls": nn.functional.cross_entropy(scores, gt)}
 
 
-@pattern("facebookresearch/CutLER", "cutler/modeling/roi_heads/fast_rcnn.py: _log_classification_stats")
+@pattern(
+    "facebookresearch/CutLER", "cutler/modeling/roi_heads/fast_rcnn.py: _log_classification_stats"
+)
 def ws_cutler_cls_stats(E, R):
     """CutLER's box head logs ``fast_rcnn/cls_accuracy`` every iteration and the foreground
     statistics only when a batch has foreground, through ``get_event_storage().put_scalar``
@@ -639,7 +645,11 @@ def ws_gdrn_my_writers(E, R):
             )
             self.logger.info(
                 "iter: {}/{}[{:.1f}%] total_grad_norm: {} {}".format(
-                    iteration, self._max_iter, iteration / self._max_iter * 100, total_grad_norm, losses
+                    iteration,
+                    self._max_iter,
+                    iteration / self._max_iter * 100,
+                    total_grad_norm,
+                    losses,
                 )
             )
 
@@ -751,7 +761,9 @@ def ws_best_ap_from_storage(E, R):
     R.rec("latest", t.storage.latest())
 
 
-@pattern("facebookresearch/Detic", "train_net.py: do_train (writers gated on iteration - start_iter > 5)")
+@pattern(
+    "facebookresearch/Detic", "train_net.py: do_train (writers gated on iteration - start_iter > 5)"
+)
 def ws_detic_do_train_short_runs(E, R):
     """Detic's ``do_train``: builds the three default writers up front, puts ``data_time``
     and then calls ``storage.step()`` before the forward pass (so the losses land one

@@ -212,7 +212,7 @@ def _d2src() -> Engine:
 _LOADERS: Dict[str, Any] = {"hookloop": _hookloop, "reference": _reference, "d2src": _d2src}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backend(name: str) -> Engine:
     """The engine called ``name`` (one of :data:`BACKENDS`), loaded once per process."""
     return _LOADERS[name]()

@@ -23,7 +23,9 @@ needs_d2src = pytest.mark.skipif(
 
 def first_difference(a: Any, b: Any, where: str = "") -> List[str]:
     """Where ``a`` and ``b`` first differ, as a path and the two values."""
-    if type(a) is not type(b) and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))):
+    if type(a) is not type(b) and not (
+        isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))
+    ):
         return [f"{where}: {a!r} != {b!r}"]
     if isinstance(a, dict):
         for k in list(a) + [k for k in b if k not in a]:
@@ -60,19 +62,25 @@ def _run(p: Pattern, engine: str, tmp_path: Any) -> Observation:
 
 @pytest.mark.parametrize("p", PATTERNS, ids=lambda p: p.name)
 def test_hookloop_matches_reference(p: Pattern, tmp_path: Any) -> None:
-    assert_same(p, _run(p, "hookloop", tmp_path), _run(p, "reference", tmp_path), "hookloop vs reference")
+    assert_same(
+        p, _run(p, "hookloop", tmp_path), _run(p, "reference", tmp_path), "hookloop vs reference"
+    )
 
 
 @needs_d2src
 @pytest.mark.parametrize("p", PATTERNS, ids=lambda p: p.name)
 def test_reference_matches_detectron2(p: Pattern, tmp_path: Any) -> None:
-    assert_same(p, _run(p, "reference", tmp_path), _run(p, "d2src", tmp_path), "reference vs detectron2")
+    assert_same(
+        p, _run(p, "reference", tmp_path), _run(p, "d2src", tmp_path), "reference vs detectron2"
+    )
 
 
 @needs_d2src
 @pytest.mark.parametrize("p", PATTERNS, ids=lambda p: p.name)
 def test_hookloop_matches_detectron2(p: Pattern, tmp_path: Any) -> None:
-    assert_same(p, _run(p, "hookloop", tmp_path), _run(p, "d2src", tmp_path), "hookloop vs detectron2")
+    assert_same(
+        p, _run(p, "hookloop", tmp_path), _run(p, "d2src", tmp_path), "hookloop vs detectron2"
+    )
 
 
 def test_the_corpus_covers_enough_real_usage() -> None:

@@ -325,9 +325,7 @@ def test_unknown_kwarg_and_bad_options(tmp_path):
     assert _event_files(tmp_path) == []
 
 
-@pytest.mark.parametrize(
-    "shape", [(5, 4, 4), (4, 4), (3, 4, 4, 1), (3, 0, 4), (3, 4, 0)]
-)
+@pytest.mark.parametrize("shape", [(5, 4, 4), (4, 4), (3, 4, 4, 1), (3, 0, 4), (3, 4, 0)])
 def test_non_chw_image_is_rejected_at_put(shape):
     with EventStorage() as s:
         with pytest.raises(ValueError):

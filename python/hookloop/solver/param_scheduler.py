@@ -199,10 +199,8 @@ class MultiStepParamScheduler(ParamScheduler):
         """
         if milestones is not None and not isinstance(milestones, Sequence):
             # fvcore's message for any milestones that are not a list of the right length.
-            raise ValueError(
-                "MultiStep scheduler requires a list of %d miletones"
-                % (len(values) - int(num_updates is not None))
-            )
+            expected = len(values) - int(num_updates is not None)
+            raise ValueError(f"MultiStep scheduler requires a list of {expected} miletones")
         self._native = _core.NativeSchedule.multi_step(values, num_updates, milestones)
         params = self._native.params
         self._param_schedule = values

@@ -551,7 +551,10 @@ mod tests {
         assert_eq!(lr.history.len(), 2);
         s.set_history("new", h).unwrap();
         let new = s.scalar("new").unwrap();
-        assert_eq!((new.latest, new.smoothing_hint), ((8.0, Iter::Int(3)), true));
+        assert_eq!(
+            (new.latest, new.smoothing_hint),
+            ((8.0, Iter::Int(3)), true)
+        );
     }
 
     #[test]

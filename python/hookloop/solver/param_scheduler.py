@@ -197,10 +197,12 @@ class MultiStepParamScheduler(ParamScheduler):
         * milestones=[30, 60, 90], values=[1, 0.1, 0.01]
         * milestones=[3, 6, 9], values=[1, 0.1, 0.01]  (ParamScheduler is scale-invariant)
         """
-        if milestones is not None and not isinstance(milestones, Sequence):
-            # fvcore's message for any milestones that are not a list of the right length.
+        if milestones is not None:
+            # fvcore's check, before any other of values: milestones that are not a list of the
+            # right length (for any values with a length, a dict too) are a ValueError.
             expected = len(values) - int(num_updates is not None)
-            raise ValueError(f"MultiStep scheduler requires a list of {expected} miletones")
+            if not isinstance(milestones, Sequence) or len(milestones) != expected:
+                raise ValueError(f"MultiStep scheduler requires a list of {expected} miletones")
         self._native = _core.NativeSchedule.multi_step(values, num_updates, milestones)
         params = self._native.params
         self._param_schedule = values

@@ -67,6 +67,26 @@ def test_iteration_timer_logs_summary(caplog):
     assert any(m.startswith("Total training time: 0:00:00 (0:00:00 on hooks)") for m in msgs)
 
 
+def test_iteration_timer_after_a_resume_counts_this_runs_iterations(caplog):
+    """detectron2's summary after a resume counts the iterations of this run, and its trainer
+    state holds no IterationTimer entry (detectron2 would warn "Cannot find the hook" loading
+    one)."""
+    first = NoopTrainer()
+    first.register_hooks([IterationTimer(warmup_iter=2)])
+    first.train(0, 6)
+    state = first.state_dict()
+    assert "IterationTimer" not in state.get("hooks", {})
+    caplog.set_level(logging.INFO, logger=HOOKS_LOGGER)
+    resumed = NoopTrainer()
+    resumed.register_hooks([IterationTimer(warmup_iter=2)])
+    resumed.load_state_dict(state)
+    resumed.train(resumed.iter + 1, 15)
+    msgs = [r.getMessage() for r in caplog.records if r.name == HOOKS_LOGGER]
+    # Iterations 7..14 of this run, counted as detectron2 counts: storage.iter (15 at the
+    # end) + 1 - start_iter (7) - warmup (2). The first run's 6 are not counted.
+    assert any(m.startswith("Overall training speed: 7 iterations in ") for m in msgs), msgs
+
+
 def test_iteration_timer_no_speed_line_within_warmup(caplog):
     caplog.set_level(logging.INFO, logger=HOOKS_LOGGER)
     trainer = NoopTrainer()

@@ -23,6 +23,7 @@ __all__ = [
     "_LRSchedulerBase",
     "_NativeWriter",
     "__version__",
+    "_histogram_buckets",
     "_set_writer_timeout",
     "_take_writer_errors",
     "check_chw",
@@ -268,6 +269,7 @@ class TensorboardXWriter(_NativeWriter):
         histograms: Sequence[
             Tuple[str, int, float, float, float, float, float, Sequence[float], Sequence[float]]
         ] = ...,
+        texts: Sequence[Tuple[str, int, str]] = ...,
         walltime: Optional[float] = None,
     ) -> None: ...
 
@@ -298,6 +300,9 @@ class CommonMetricPrinter:
 
 def flush_writers() -> None: ...
 def _take_writer_errors() -> list[OSError]: ...
+def _histogram_buckets(
+    edges: Sequence[float], counts: Sequence[float], max_bins: Optional[int] = None
+) -> Tuple[list[float], list[float]]: ...
 def _set_writer_timeout(seconds: Optional[float]) -> None: ...
 def periodic_due(iter: int, period: int, max_iter: int) -> bool: ...
 def check_chw(tag: str, shape: Sequence[int]) -> None: ...

@@ -391,3 +391,52 @@ def test_tensorboard_server_serves_the_scalars(tmp_path):
             server.kill()
             server.wait()
         server.stdout.close()
+
+
+def test_summary_writer_shim_text_and_histograms_match_summary_writer(tmp_path):
+    """``_writer.add_text`` and ``_writer.add_histogram`` (the calls training scripts make on
+    detectron2's writer, a torch ``SummaryWriter``) read back as SummaryWriter's do."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(50, generator=g) * 3, torch.rand(7, generator=g)]
+
+    def drive(w):
+        w.add_text("notes", "lr=0.1, **bold**", 2)
+        w.add_histogram("weights", values[0], 3)
+        w.add_histogram("weights", values[1].numpy(), 5, bins=4)
+        w.add_histogram("weights/few", values[0], 6, max_bins=10)
+        w.flush()
+
+    ours = TensorboardXWriter(tmp_path / "ours")
+    drive(ours._writer)
+    ours.close()
+    theirs = SummaryWriter(str(tmp_path / "theirs"))
+    drive(theirs)
+    theirs.close()
+    a = _accumulator(_only_event_file(tmp_path / "ours"))
+    b = _accumulator(_only_event_file(tmp_path / "theirs"))
+    assert a.Tags()["tensors"] == b.Tags()["tensors"] == ["notes/text_summary"]
+    (ta,), (tb,) = a.Tensors("notes/text_summary"), b.Tensors("notes/text_summary")
+    assert (ta.step, ta.tensor_proto) == (tb.step, tb.tensor_proto)
+    assert a.SummaryMetadata("notes/text_summary") == b.SummaryMetadata("notes/text_summary")
+    assert sorted(a.Tags()["histograms"]) == sorted(b.Tags()["histograms"])
+    for tag in b.Tags()["histograms"]:
+        ha, hb = a.Histograms(tag), b.Histograms(tag)
+        assert [h.step for h in ha] == [h.step for h in hb]
+        for x, y in zip(ha, hb):
+            x, y = x.histogram_value, y.histogram_value
+            assert (x.num, list(x.bucket_limit), list(x.bucket)) == (
+                y.num, list(y.bucket_limit), list(y.bucket)
+            )  # fmt: skip
+            assert (x.min, x.max) == pytest.approx((y.min, y.max))
+            assert (x.sum, x.sum_squares) == pytest.approx((y.sum, y.sum_squares), rel=1e-6)
+
+
+def test_summary_writer_shim_rejects_bad_text_and_empty_histograms(tmp_path):
+    writer = TensorboardXWriter(tmp_path)
+    with pytest.raises(TypeError, match="notes"):
+        writer._writer.add_text("notes", 3, 1)
+    with pytest.raises(ValueError, match="empty"):
+        writer._writer.add_histogram("h", torch.zeros(0), 1)
+    writer.close()

@@ -9,6 +9,7 @@ torch is imported only when an image or histogram is put.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import os
@@ -510,11 +511,63 @@ class _SummaryWriter:
                 float(sum_squares), limits, counts)  # fmt: skip
         self._native.add_points(histograms=[hist], walltime=walltime)
 
+    def add_histogram(
+        self,
+        tag: str,
+        values: Any,
+        global_step: Optional[int] = None,
+        bins: Any = "tensorflow",
+        walltime: Optional[float] = None,
+        max_bins: Optional[int] = None,
+    ) -> None:
+        """``SummaryWriter.add_histogram``: ``numpy.histogram`` of the values over ``bins``
+        (``"tensorflow"``: SummaryWriter's default exponential buckets), laid out as
+        TensorBoard stores it."""
+        import numpy as np
+
+        arr = values.detach().cpu().numpy() if hasattr(values, "detach") else values
+        arr = np.asarray(arr, dtype=np.float64).reshape(-1)
+        if arr.size == 0:
+            raise ValueError(f"add_histogram('{tag}'): the histogram is empty")
+        counts, edges = np.histogram(arr, bins=_tf_bins() if bins == "tensorflow" else bins)
+        limits, buckets = _core._histogram_buckets(
+            edges.tolist(), counts.astype(np.float64).tolist(), max_bins
+        )
+        self.add_histogram_raw(tag, arr.min(), arr.max(), arr.size, arr.sum(), arr.dot(arr),
+                               limits, buckets, global_step, walltime)  # fmt: skip
+
+    def add_text(
+        self,
+        tag: str,
+        text_string: str,
+        global_step: Optional[int] = None,
+        walltime: Optional[float] = None,
+    ) -> None:
+        """``SummaryWriter.add_text``: for TensorBoard's text plugin, under
+        ``tag + "/text_summary"``."""
+        if not isinstance(text_string, str):
+            raise TypeError(
+                f"add_text('{tag}'): text must be a str, got {type(text_string).__name__}"
+            )
+        self._native.add_points(
+            texts=[(tag, int(global_step or 0), text_string)], walltime=walltime
+        )
+
     def flush(self) -> None:
         self._native.flush()
 
     def close(self) -> None:
         self._native.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _tf_bins() -> List[float]:
+    """SummaryWriter's default histogram edges: ±1e-12 growing by 1.1 up to 1e20, and 0."""
+    v, pos = 1e-12, []
+    while v < 1e20:
+        pos.append(v)
+        v *= 1.1
+    return [-x for x in reversed(pos)] + [0.0] + pos
 
 
 class CommonMetricPrinter(EventWriter):

@@ -13,7 +13,8 @@ use hookloop_core::jsonl::{group_by_iteration, JsonSink};
 use hookloop_core::printer::Printer;
 use hookloop_core::storage::SmoothedScalar;
 use hookloop_core::tfevents::{
-    check_image_shape, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
+    check_image_shape, histogram_buckets, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
+    TensorPoint,
 };
 use hookloop_core::writer::{flush_all, take_errors, FsyncPolicy, Payload, Sink, SinkHandle};
 use hookloop_core::Error;
@@ -309,13 +310,16 @@ impl PyTensorboardWriter {
 
     /// Queues raw points: scalars `(tag, value, step)`, images `(tag, step, height, width,
     /// channels, HWC uint8 bytes)`, histograms `(tag, step, min, max, num, sum, sum_squares,
-    /// bucket_limits, bucket_counts)`. PNG encoding happens on the writer thread.
-    #[pyo3(signature = (scalars = vec![], images = vec![], histograms = vec![], walltime = None))]
+    /// bucket_limits, bucket_counts)`, texts `(tag, step, text)` (for TensorBoard's text
+    /// plugin, under `tag/text_summary` as `SummaryWriter.add_text` writes them). PNG encoding
+    /// happens on the writer thread.
+    #[pyo3(signature = (scalars = vec![], images = vec![], histograms = vec![], texts = vec![], walltime = None))]
     fn add_points(
         slf: &Bound<'_, Self>,
         scalars: Vec<(String, f64, i64)>,
         images: Vec<ImageArg<'_>>,
         histograms: Vec<HistArg>,
+        texts: Vec<(String, i64, String)>,
         walltime: Option<f64>,
     ) -> PyResult<()> {
         let scalars = scalars
@@ -371,7 +375,10 @@ impl PyTensorboardWriter {
             scalars,
             images: imgs,
             histograms,
-            tensors: vec![],
+            tensors: texts
+                .into_iter()
+                .map(|(tag, step, text)| TensorPoint::text(&tag, step, text))
+                .collect(),
         };
         let base = slf.as_super().get();
         base.handle().py_err()?.send(payload).py_err()
@@ -477,6 +484,19 @@ impl PyMetricPrinter {
 
 /// Sets how long `flush()`, `close()` and interpreter exit wait for a blocked file (seconds;
 /// `None`: `HOOKLOOP_WRITER_TIMEOUT`, else 10 s).
+/// TensorBoard's bucket layout of `numpy.histogram`'s `counts` between `edges`, as torch's
+/// `SummaryWriter.add_histogram` lays it out: `(bucket_limits, bucket_counts)`.
+#[pyfunction]
+#[pyo3(signature = (edges, counts, max_bins = None))]
+pub fn _histogram_buckets(
+    edges: Vec<f64>,
+    counts: Vec<f64>,
+    max_bins: Option<i64>,
+) -> PyResult<(Vec<f64>, Vec<f64>)> {
+    histogram_buckets(&edges, &counts, max_bins)
+        .map_err(|reason| to_py(Error::bad_value("histogram", reason)))
+}
+
 #[pyfunction]
 #[pyo3(signature = (seconds))]
 pub fn _set_writer_timeout(seconds: Option<f64>) -> PyResult<()> {

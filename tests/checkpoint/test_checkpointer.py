@@ -6,6 +6,7 @@ import copy
 import errno
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -685,3 +686,54 @@ def test_save_dir_types(tmp_path):
     assert Checkpointer(_model(), tmp_path).save_dir == str(tmp_path)
     with pytest.raises(TypeError, match="save_dir must be a str or path, got int"):
         Checkpointer(_model(), 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged files: always a ValueError naming the path (OSError is kept for real I/O errors)
+
+
+def _saved(tmp_path):
+    model = torch.nn.Linear(30, 30)
+    Checkpointer(model, str(tmp_path)).save("model_x")
+    return tmp_path / "model_x.pth"
+
+
+@pytest.mark.parametrize("sixteenths", range(16))
+def test_a_truncated_checkpoint_is_a_value_error_naming_it(tmp_path, sixteenths):
+    data = _saved(tmp_path).read_bytes()
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(data[: len(data) * sixteenths // 16])
+    with pytest.raises(ValueError, match=re.escape(str(cut))):
+        Checkpointer(torch.nn.Linear(30, 30)).load(str(cut))
+
+
+@pytest.mark.parametrize("kind", ["last byte cut", "random bytes", "a directory", "model a str"])
+def test_other_damaged_checkpoints_are_value_errors_naming_them(tmp_path, kind):
+    bad = tmp_path / "bad.pth"
+    if kind == "last byte cut":
+        bad.write_bytes(_saved(tmp_path).read_bytes()[:-1])
+    elif kind == "random bytes":
+        bad.write_bytes(np.random.default_rng(0).bytes(5000))
+    elif kind == "a directory":
+        bad.mkdir()
+    else:
+        torch.save({"model": "weights.pkl"}, bad)
+    with pytest.raises(ValueError, match=re.escape(str(bad))):
+        Checkpointer(torch.nn.Linear(30, 30)).load(str(bad))
+
+
+def test_a_binary_last_checkpoint_is_a_value_error_naming_it(tmp_path):
+    (tmp_path / "last_checkpoint").write_bytes(b"\xff\xfe\x00model")
+    ckpt = Checkpointer(torch.nn.Linear(30, 30), str(tmp_path))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "last_checkpoint"))):
+        ckpt.resume_or_load("", resume=True)
+
+
+def test_load_takes_a_bytes_path_and_names_bad_checkpointables(tmp_path):
+    path = _saved(tmp_path)
+    model = torch.nn.Linear(30, 30)
+    ckpt = Checkpointer(model, str(tmp_path), optimizer=torch.optim.SGD(model.parameters(), 0.1))
+    assert ckpt.load(os.fsencode(path), checkpointables=[]) == {}
+    for bad in (123, "optimizer"):
+        with pytest.raises(TypeError, match="checkpointables"):
+            ckpt.load(str(path), checkpointables=bad)

@@ -40,6 +40,9 @@ __all__ = [
 
 _LAST_CHECKPOINT = "last_checkpoint"
 
+# errno values that torch's loader reports for a damaged file rather than a failed read.
+_NOT_IO_ERRNOS = (errno.EINVAL, None)
+
 
 class _IncompatibleKeys(
     NamedTuple(
@@ -278,6 +281,10 @@ class Checkpointer:
         try:
             with self.path_manager.open(save_file, "r") as f:
                 last_saved = f.read().strip()
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{save_file} does not name a checkpoint: it is not text ({e.reason})"
+            ) from e
         except OSError:
             # if file doesn't exist, maybe because it has just been deleted by a separate
             # process
@@ -340,7 +347,14 @@ class Checkpointer:
             # no checkpoint provided
             self.logger.info("No checkpoint found. Initializing model from scratch")
             return {}
-        path = os.fspath(path)
+        path = os.fsdecode(path)
+        if checkpointables is not None and (
+            isinstance(checkpointables, (str, bytes)) or not hasattr(checkpointables, "__iter__")
+        ):
+            raise TypeError(
+                "load() takes checkpointables as a list of names, got "
+                f"{type(checkpointables).__name__} {checkpointables!r}"
+            )
         names = list(self.checkpointables) if checkpointables is None else list(checkpointables)
         unknown = [k for k in names if k not in self.checkpointables]
         if unknown:
@@ -350,6 +364,8 @@ class Checkpointer:
             )
         self._join()
         self.logger.info("[Checkpointer] Loading from {} ...".format(path))
+        if os.path.isdir(path):
+            raise ValueError(f"Cannot load checkpoint {path}: it is a directory, not a file")
         if not os.path.isfile(path):
             local = self.path_manager.get_local_path(path)
             if not os.path.isfile(local):
@@ -359,6 +375,13 @@ class Checkpointer:
         try:
             checkpoint = self._load_file(path)
         except OSError as e:
+            if e.errno in _NOT_IO_ERRNOS:
+                # torch's reader of a cut file (its zip directory points past the end) reports
+                # EINVAL: the file is damaged, not the disk.
+                raise ValueError(
+                    f"Cannot load checkpoint {path}: the file is corrupt or not a checkpoint "
+                    f"({type(e).__name__}: {e})"
+                ) from e
             raise _io_error("Cannot read checkpoint", path, e) from e
         except Exception as e:
             raise ValueError(
@@ -372,6 +395,11 @@ class Checkpointer:
         if type(self)._load_model is Checkpointer._load_model and "model" not in checkpoint:
             raise ValueError(
                 f"Checkpoint {path} has no 'model' entry (it has {sorted(map(str, checkpoint))})"
+            )
+        if "model" in checkpoint and not isinstance(checkpoint["model"], Mapping):
+            raise ValueError(
+                f"Checkpoint {path}: its 'model' entry is a {type(checkpoint['model']).__name__}, "
+                "not a state dict"
             )
 
         incompatible = self._load_model(checkpoint)

@@ -263,3 +263,9 @@ def test_torch_memory_stats_logs_max_runs_times_then_the_summary(caplog):
 def test_torch_memory_stats_rejects_bad_arguments(kwargs, error):
     with pytest.raises(error, match=next(iter(kwargs))):
         TorchMemoryStats(**kwargs)
+
+
+def test_precise_bn_negative_period_is_refused_like_eval_hooks():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    with pytest.raises(ValueError, match="PreciseBN period must be >= 0, got -1"):
+        PreciseBN(-1, model, [torch.zeros(4, 2)], num_iter=1)

@@ -317,3 +317,9 @@ def test_fvcore_param_scheduler_is_accepted_in_python():
     opt.step()
     sched.step()
     assert lrs(opt) == [b * 0.5 for b in BASE_LRS]
+
+
+@pytest.mark.parametrize("max_iters, exc", [(0, ValueError), (-5, ValueError), ("10", TypeError)])
+def test_warmup_cosine_bad_max_iters_names_it(max_iters, exc):
+    with pytest.raises(exc, match="WarmupCosineLR max_iters"):
+        WarmupCosineLR(make_optimizer(), max_iters)

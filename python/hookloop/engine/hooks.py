@@ -479,7 +479,7 @@ class PreciseBN(HookBase):
             num_iter (int): number of iterations used to compute the precise statistics.
         """
         self._logger = logger
-        self._period = _int_arg("PreciseBN", "period", period)
+        self._period = _int_arg("PreciseBN", "period", period, minimum=0)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"PreciseBN model must be a torch.nn.Module, got {type(model).__name__}"

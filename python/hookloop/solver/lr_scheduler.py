@@ -295,6 +295,11 @@ class WarmupCosineLR(LRScheduler):
         logger.warning(
             "WarmupCosineLR is deprecated! Use LRMultipilier with fvcore ParamScheduler instead!"
         )
+        if isinstance(max_iters, bool) or not isinstance(max_iters, (int, float)):
+            raise TypeError(f"WarmupCosineLR max_iters must be a number, got {max_iters!r}")
+        if not max_iters > 0:
+            # detectron2 divides by it at the first step (ZeroDivisionError for 0).
+            raise ValueError(f"WarmupCosineLR max_iters must be positive, got {max_iters!r}")
         self.max_iters = max_iters
         self.warmup_factor = warmup_factor
         self.warmup_iters = warmup_iters

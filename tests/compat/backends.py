@@ -51,23 +51,11 @@ def d2src_dir() -> str:
     return ""
 
 
-_PARAM_SCHEDULERS = (
-    "ParamScheduler",
-    "ConstantParamScheduler",
-    "CosineParamScheduler",
-    "ExponentialParamScheduler",
-    "LinearParamScheduler",
-    "MultiStepParamScheduler",
-    "PolynomialDecayParamScheduler",
-    "StepParamScheduler",
-    "StepWithFixedGammaParamScheduler",
-    "CompositeParamScheduler",
-)
-
-
 def _solver(lr_scheduler: Any, param_scheduler: Any) -> types.SimpleNamespace:
     """``detectron2.solver``'s LR wrappers and fvcore's param schedulers, in one namespace."""
-    names = {n: getattr(param_scheduler, n) for n in _PARAM_SCHEDULERS}
+    from hookloop.solver.param_scheduler import __all__ as param_schedulers
+
+    names = {n: getattr(param_scheduler, n) for n in param_schedulers}
     names["LRMultiplier"] = lr_scheduler.LRMultiplier
     names["WarmupParamScheduler"] = lr_scheduler.WarmupParamScheduler
     return types.SimpleNamespace(**names)

@@ -8,8 +8,8 @@
 //!
 //! What is written for each value is what torch's `SummaryWriter` writes for it (detectron2's
 //! `TensorboardXWriter` holds one): legacy `simple_value` scalars, PNG images with a single
-//! channel repeated as RGB, histograms with TensorBoard's bucket layout, and text and
-//! "new style" scalars as tensors with plugin metadata.
+//! channel repeated as RGB, histograms with TensorBoard's bucket layout, and text as a tensor
+//! with the text plugin's metadata.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -350,25 +350,6 @@ impl HistogramPoint {
     }
 }
 
-impl HistogramPoint {
-    /// A histogram as `SummaryWriter.add_histogram` writes it, from `numpy.histogram`'s
-    /// `counts` and bin `edges` (one more edge than counts) and the values' `stats` (min, max,
-    /// num, sum, sum_squares); see [`histogram_buckets`] for the layout.
-    pub fn from_bins(
-        tag: String,
-        step: i64,
-        stats: [f64; 5],
-        edges: &[f64],
-        counts: &[f64],
-        max_bins: Option<i64>,
-    ) -> Result<HistogramPoint> {
-        match histogram_buckets(edges, counts, max_bins) {
-            Ok((limits, buckets)) => HistogramPoint::new(tag, step, stats, limits, buckets),
-            Err(reason) => Err(Error::bad_value(format!("histogram '{tag}'"), reason)),
-        }
-    }
-}
-
 /// TensorBoard's bucket layout of a histogram, as torch's `make_histogram` (behind
 /// `SummaryWriter.add_histogram`) lays out `numpy.histogram`'s `counts` between `edges`:
 /// returns `(bucket_limits, bucket_counts)`.
@@ -429,8 +410,7 @@ pub fn histogram_buckets(
     Ok((limits, counts))
 }
 
-/// A value written as a tensor with its plugin's metadata, as `SummaryWriter` writes text and
-/// new-style scalars.
+/// A value written as a tensor with its plugin's metadata, as `SummaryWriter` writes text.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorPoint {
     /// Series name, as written (text gets `/text_summary` appended: see [`TensorPoint::text`]).
@@ -444,26 +424,11 @@ pub struct TensorPoint {
 /// The value of a [`TensorPoint`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum TensorValue {
-    /// `add_scalar(..., new_style=True)`: a `DT_FLOAT` scalar for the scalars plugin.
-    Float(f32),
-    /// `add_scalar(..., new_style=True, double_precision=True)`: a `DT_DOUBLE` scalar.
-    Double(f64),
     /// `add_text`: a `DT_STRING` tensor of shape `[1]` for the text plugin.
     Text(String),
 }
 
 impl TensorPoint {
-    /// A new-style scalar: float32 (rounded from `value`), or float64 with `double_precision`.
-    pub fn scalar(tag: String, step: i64, value: f64, double_precision: bool) -> TensorPoint {
-        let value = if double_precision {
-            TensorValue::Double(value)
-        } else {
-            // Rounds to nearest; beyond float32's range becomes infinite, as protobuf does.
-            TensorValue::Float(value as f32)
-        };
-        TensorPoint { tag, step, value }
-    }
-
     /// `add_text(tag, text)`: stored under `tag + "/text_summary"`, as `SummaryWriter` does.
     pub fn text(tag: &str, step: i64, text: String) -> TensorPoint {
         TensorPoint {
@@ -475,22 +440,6 @@ impl TensorPoint {
 
     fn to_value(&self) -> summary::Value {
         let (plugin, tensor) = match &self.value {
-            TensorValue::Float(v) => (
-                "scalars",
-                TensorProto {
-                    dtype: DT_FLOAT,
-                    float_val: vec![*v],
-                    ..TensorProto::default()
-                },
-            ),
-            TensorValue::Double(v) => (
-                "scalars",
-                TensorProto {
-                    dtype: DT_DOUBLE,
-                    double_val: vec![*v],
-                    ..TensorProto::default()
-                },
-            ),
             TensorValue::Text(text) => (
                 "text",
                 TensorProto {
@@ -504,7 +453,7 @@ impl TensorPoint {
             ),
         };
         // The text plugin's content is `TextPluginData(version=0)`, which serializes to no
-        // bytes; the scalars plugin has none.
+        // bytes.
         let metadata = SummaryMetadata {
             plugin_data: Some(summary_metadata::PluginData {
                 plugin_name: plugin.to_owned(),

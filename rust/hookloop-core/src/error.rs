@@ -3,6 +3,9 @@
 
 use std::path::PathBuf;
 
+use crate::iter::{InexactIter, Iter, EXACT_ITER_RANGE};
+use crate::record::BucketMismatch;
+
 /// Everything the core can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -71,7 +74,7 @@ pub enum Error {
     /// detectron2's message (the losses formatted as the Python dict they were).
     #[error("Loss became infinite or NaN at iteration={iter}!")]
     NonFiniteLoss {
-        iter: crate::history::Iter,
+        iter: Iter,
         losses: Vec<(String, f64)>,
     },
 
@@ -149,7 +152,7 @@ pub enum Error {
 
     /// A schedule evaluated outside the progress range it is defined on. Mapped to
     /// `RuntimeError`, as fvcore raises.
-    #[error("where in {what} must be in {range}: got {}", crate::schedule::Repr(*.where_))]
+    #[error("where in {what} must be in {range}: got {}", crate::pyexact::Repr(*.where_))]
     WhereOutOfRange {
         what: &'static str,
         range: &'static str,
@@ -255,6 +258,28 @@ impl Error {
             expected,
             got: got.into(),
         }
+    }
+}
+
+impl From<InexactIter> for Error {
+    fn from(e: InexactIter) -> Self {
+        Error::OutOfRange {
+            what: e.what,
+            value: e.value.to_string(),
+            range: EXACT_ITER_RANGE,
+        }
+    }
+}
+
+impl From<BucketMismatch> for Error {
+    fn from(e: BucketMismatch) -> Self {
+        Error::bad_value(
+            format!("histogram '{}'", e.tag),
+            format!(
+                "has {} bucket limits but {} bucket counts",
+                e.limits, e.counts
+            ),
+        )
     }
 }
 

@@ -169,7 +169,7 @@ mod tests {
             .unwrap();
         let time = s.scalar("time").unwrap();
         assert!(time.smoothing_hint);
-        assert_eq!(time.latest.1, crate::history::Iter::Int(3));
+        assert_eq!(time.latest.1, crate::iter::Iter::Int(3));
     }
 
     #[test]

@@ -5,22 +5,15 @@ use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use crate::append;
-use crate::history::Iter;
-use crate::pyfmt::{write_json_str, write_repr_f64};
+use crate::iter::Iter;
+use crate::pyexact::{write_json_str, write_repr_f64};
+use crate::record::JsonRow;
 use crate::storage::SmoothedScalar;
 use crate::writer::{Durability, FsyncPolicy, Payload, Sink};
 use crate::{Error, Result};
-
-/// One iteration's scalars for metrics.json.
-#[derive(Debug, Clone, PartialEq)]
-pub struct JsonRow {
-    pub iter: Iter,
-    pub scalars: Vec<(Arc<str>, f64)>,
-}
 
 /// One line of detectron2's `metrics.json`, newline included:
 /// `json.dumps(d, sort_keys=True) + "\n"` where `d = dict(scalars)` and then
@@ -382,8 +375,35 @@ impl Sink for JsonSink {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use crate::writer::SinkHandle;
+
+    /// (iteration, scalars, expected line).
+    type MetricsCase = (i64, &'static [(&'static str, f64)], &'static str);
+
+    const METRICS_CASES: &[MetricsCase] = &[
+        (19, &[("loss", 1e-05), ("data_time", 0.5)], "{\"data_time\": 0.5, \"iteration\": 19, \"loss\": 1e-05}\n"),
+        (0, &[], "{\"iteration\": 0}\n"),
+        (7, &[("iteration", 3.5), ("lr", 0.02)], "{\"iteration\": 7, \"lr\": 0.02}\n"),
+        (7, &[("lr", 0.02), ("iteration", 3.5)], "{\"iteration\": 7, \"lr\": 0.02}\n"),
+        (-1, &[("b", 1.0), ("a", 2.0), ("b", 3.0)], "{\"a\": 2.0, \"b\": 3.0, \"iteration\": -1}\n"),
+        (5, &[("Z", 1.0), ("a", 2.0), ("_x", 3.0), ("\u{e4}", 4.0), ("\u{1f600}", 5.0), ("\u{ffff}", 6.0), ("\u{e9}", 7.0), ("iter", 8.0), ("iterations", 9.0)], "{\"Z\": 1.0, \"_x\": 3.0, \"a\": 2.0, \"iter\": 8.0, \"iteration\": 5, \"iterations\": 9.0, \"\\u00e4\": 4.0, \"\\u00e9\": 7.0, \"\\uffff\": 6.0, \"\\ud83d\\ude00\": 5.0}\n"),
+        (123456789012, &[("loss/total", 0.30000000000000004), ("time", 1e+16), ("eta", 123456789.0), ("x", f64::NAN), ("y", f64::INFINITY), ("z", f64::NEG_INFINITY), ("neg", -0.0)], "{\"eta\": 123456789.0, \"iteration\": 123456789012, \"loss/total\": 0.30000000000000004, \"neg\": -0.0, \"time\": 1e+16, \"x\": NaN, \"y\": Infinity, \"z\": -Infinity}\n"),
+    ];
+
+    #[test]
+    fn metrics_line_matches_python() {
+        for &(iteration, scalars, want) in METRICS_CASES {
+            assert_eq!(
+                json_metrics_line(crate::iter::Iter::Int(iteration), scalars),
+                want
+            );
+        }
+        let line = json_metrics_line(crate::iter::Iter::Float(2.5), &[("a", 1.0)]);
+        assert_eq!(line, "{\"a\": 1.0, \"iteration\": 2.5}\n");
+    }
 
     fn tmpdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("hookloop-{name}-{}", std::process::id()));

@@ -1,7 +1,8 @@
 //! The rule of detectron2's `SimpleTrainer.write_metrics`, once, for one process and many: what
 //! is put into the storage for one iteration's losses and data time.
 
-use crate::history::Iter;
+use crate::iter::Iter;
+use crate::pyexact::python_sum;
 use crate::storage::Storage;
 use crate::{Error, Result};
 
@@ -56,12 +57,6 @@ pub fn write_metrics(
         }
     }
     Ok(())
-}
-
-/// Python's `sum()` of floats: it starts from the int 0, and `0 + x == x` for every float but
-/// -0.0, which `0.0 + x` turns into 0.0 exactly as `0 + x` does.
-fn python_sum(values: impl Iterator<Item = f64>) -> f64 {
-    values.fold(0.0, |acc, v| acc + v)
 }
 
 #[cfg(test)]
@@ -129,10 +124,5 @@ mod tests {
             matches!(err, Error::NonFiniteLoss { iter: Iter::Int(7), ref losses } if losses.len() == 2)
         );
         assert_eq!(names(&s), ["rank_data_time", "data_time"]);
-    }
-
-    #[test]
-    fn negative_zero_total_is_python_sum() {
-        assert_eq!(python_sum([-0.0].into_iter()).to_bits(), 0.0f64.to_bits());
     }
 }

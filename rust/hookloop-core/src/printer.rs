@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::pyfmt::{push_f, push_g, timedelta_str};
+use crate::pyexact::{push_f, push_g, timedelta_str};
 use crate::storage::Storage;
 use crate::Result;
 

@@ -12,82 +12,11 @@
 //! [`Schedule`] that exists is well-formed; `value` fails only where Python would raise
 //! (where out of range, a domain error, a division by zero).
 
-use std::fmt;
-
 use crate::error::{Error, Result};
+use crate::pyexact::{py_sum, Repr, SumMode};
 
 /// fvcore's `ParamScheduler.WHERE_EPSILON`: slack added to `where` before locating a step.
 pub const WHERE_EPSILON: f64 = 1e-6;
-
-/// A float written as Python's `repr` writes it (`1.0`, `1e-06`, `nan`, `inf`), for messages.
-#[derive(Debug, Clone, Copy)]
-pub struct Repr(pub f64);
-
-impl fmt::Display for Repr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let x = self.0;
-        if x.is_nan() {
-            return f.write_str("nan");
-        }
-        if x.is_infinite() {
-            return f.write_str(if x < 0.0 { "-inf" } else { "inf" });
-        }
-        let mut out = String::new();
-        crate::pyfmt::write_repr_f64(&mut out, x);
-        f.write_str(&out)
-    }
-}
-
-/// How `sum(list_of_floats)` adds: CPython changed its float fast path in 3.12.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SumMode {
-    /// CPython up to 3.11: a left fold from 0.
-    Naive,
-    /// CPython 3.12 and later: Neumaier's compensated summation (gh-100425).
-    Neumaier,
-}
-
-impl SumMode {
-    /// The mode of CPython `3.minor`.
-    pub fn for_python_minor(minor: u8) -> Self {
-        if minor >= 12 {
-            SumMode::Neumaier
-        } else {
-            SumMode::Naive
-        }
-    }
-}
-
-/// Python's `sum(values)` over floats, as the given CPython computes it.
-pub fn py_sum(values: &[f64], mode: SumMode) -> f64 {
-    // `sum` starts from the int 0; 0 + x is x except that -0.0 becomes 0.0.
-    let mut total = 0.0_f64;
-    match mode {
-        SumMode::Naive => {
-            for &x in values {
-                total += x;
-            }
-            total
-        }
-        SumMode::Neumaier => {
-            let mut c = 0.0_f64;
-            for &x in values {
-                let t = total + x;
-                if total.abs() >= x.abs() {
-                    c += (total - t) + x;
-                } else {
-                    c += (x - t) + total;
-                }
-                total = t;
-            }
-            // CPython: keep the sign of a negative sum; never turn inf/overflow into NaN.
-            if c != 0.0 && c.is_finite() {
-                total += c;
-            }
-            total
-        }
-    }
-}
 
 /// Python's `x ** y` for floats: C `pow` where CPython returns its result, and an error where
 /// CPython raises (0.0 to a negative power, overflow) or returns a complex number (a negative
@@ -1127,18 +1056,6 @@ mod tests {
     }
 
     #[test]
-    fn py_sum_modes() {
-        let v = [0.1, 0.2, 0.3];
-        bits_eq(py_sum(&v, SumMode::Naive), 0.1 + 0.2 + 0.3);
-        // CPython 3.12: sum([0.1, 0.2, 0.3]) == 0.6
-        bits_eq(py_sum(&v, SumMode::Neumaier), 0.6);
-        bits_eq(py_sum(&[], SumMode::Neumaier), 0.0);
-        bits_eq(py_sum(&[-0.0], SumMode::Naive), 0.0);
-        assert_eq!(SumMode::for_python_minor(11), SumMode::Naive);
-        assert_eq!(SumMode::for_python_minor(13), SumMode::Neumaier);
-    }
-
-    #[test]
     fn composite_zero_length_rescaled() {
         let spans = Spans::new(&[1.0, 0.0], vec![Scaling::Rescaled; 2], N).unwrap();
         let s = Schedule::composite(
@@ -1289,13 +1206,5 @@ mod tests {
             msg.contains("max_iter=100") && msg.contains("max_iter=200"),
             "{msg}"
         );
-    }
-
-    #[test]
-    fn repr_formatting() {
-        assert_eq!(Repr(1.0).to_string(), "1.0");
-        assert_eq!(Repr(1e-6).to_string(), "1e-06");
-        assert_eq!(Repr(f64::NAN).to_string(), "nan");
-        assert_eq!(Repr(f64::NEG_INFINITY).to_string(), "-inf");
     }
 }

@@ -10,8 +10,9 @@ use std::sync::Arc;
 use indexmap::IndexMap;
 use rustc_hash::FxBuildHasher;
 
-use crate::history::{History, HistoryState, Iter};
-use crate::tfevents::HistogramPoint;
+use crate::history::{History, HistoryState};
+use crate::iter::Iter;
+use crate::record::HistogramPoint;
 use crate::{Error, Result};
 
 /// One scalar metric.
@@ -111,7 +112,7 @@ impl Storage {
     /// `max_length` entries each; at most `max_histograms` histograms wait for a writer (older
     /// ones are dropped first).
     pub fn new(start_iter: i64, max_length: usize, max_histograms: usize) -> Result<Self> {
-        let start_iter = crate::history::exact_iter("start_iter", start_iter)?;
+        let start_iter = crate::iter::exact_iter("start_iter", start_iter)?;
         if max_length == 0 {
             return Err(Error::BadMaxLength(0));
         }
@@ -160,7 +161,7 @@ impl Storage {
 
     /// Sets the current iteration (within ±2**53, as every iteration).
     pub fn set_iter(&mut self, iter: i64) -> Result<()> {
-        self.iter = crate::history::exact_iter("EventStorage.iter", iter)?;
+        self.iter = crate::iter::exact_iter("EventStorage.iter", iter)?;
         Ok(())
     }
 
@@ -171,7 +172,7 @@ impl Storage {
             value: format!("{} + 1", self.iter),
             range: "int64",
         })?;
-        self.iter = crate::history::exact_iter("EventStorage.iter + 1", next)?;
+        self.iter = crate::iter::exact_iter("EventStorage.iter + 1", next)?;
         Ok(())
     }
 
@@ -457,10 +458,10 @@ impl Storage {
         if state.max_length == 0 {
             return Err(Error::BadMaxLength(0));
         }
-        let iter = crate::history::exact_iter("the state's iter", state.iter)?;
+        let iter = crate::iter::exact_iter("the state's iter", state.iter)?;
         for s in &state.scalars {
             if let Iter::Int(i) = s.latest.1 {
-                crate::history::exact_iter(&format!("the state's iteration of '{}'", s.name), i)?;
+                crate::iter::exact_iter(&format!("the state's iteration of '{}'", s.name), i)?;
             }
         }
         let mut scalars = IndexMap::with_capacity_and_hasher(state.scalars.len(), FxBuildHasher);
@@ -709,7 +710,7 @@ mod tests {
 
     #[test]
     fn step_at_the_top_is_an_error() {
-        let top = crate::history::MAX_EXACT_ITER;
+        let top = crate::iter::MAX_EXACT_ITER;
         let mut s = Storage::new(top, 4, 4).unwrap();
         assert!(matches!(s.step(), Err(Error::OutOfRange { .. })));
         assert_eq!(s.iter(), top);
@@ -717,7 +718,7 @@ mod tests {
 
     #[test]
     fn every_way_in_of_an_iteration_keeps_it_exact() {
-        let top = crate::history::MAX_EXACT_ITER;
+        let top = crate::iter::MAX_EXACT_ITER;
         let out_of_range = |r: Result<()>, what: &str| match r {
             Err(Error::OutOfRange { what: w, .. }) => assert_eq!(w, what),
             other => panic!("{what}: {other:?}"),

@@ -23,8 +23,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use crate::jsonl::JsonRow;
-use crate::tfevents::{HistogramPoint, ImagePoint, ScalarPoint, TensorPoint};
+use crate::record::{HistogramPoint, ImagePoint, JsonRow, ScalarPoint, TensorPoint};
 use crate::{Error, Result};
 
 /// When a writer's file is fsynced. Every policy writes each batch to the file (the OS's page
@@ -845,7 +844,7 @@ mod tests {
 
     fn row(i: i64) -> JsonRow {
         JsonRow {
-            iter: crate::history::Iter::Int(i),
+            iter: crate::iter::Iter::Int(i),
             scalars: vec![],
         }
     }

@@ -1,7 +1,7 @@
 //! Argument conversion shared by the binding classes: scalar values and iterations. Failures
 //! are core errors (`WrongType`, `OutOfRange`), mapped to Python in `errors.rs`.
 
-use hookloop_core::history::Iter;
+use hookloop_core::iter::Iter;
 use hookloop_core::Error;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -183,7 +183,7 @@ pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
         return Ok(Some(Iter::Float(f.value())));
     }
     let i = int64(what, value)?;
-    let i = hookloop_core::history::exact_iter(what, i).map_err(to_py)?;
+    let i = hookloop_core::iter::exact_iter(what, i).map_err(|e| to_py(e.into()))?;
     Ok(Some(Iter::Int(i)))
 }
 

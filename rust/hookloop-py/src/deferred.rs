@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use hookloop_core::history::Iter;
+use hookloop_core::iter::Iter;
 use hookloop_core::{Error, Storage};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;

@@ -206,7 +206,9 @@ impl PyDispatcher {
     ) -> PyResult<()> {
         // The last iteration is max_iter - 1: it must be exact like every iteration.
         let max_iter = int64("max_iter", max_iter)?;
-        hookloop_core::history::exact_iter("max_iter", max_iter).py_err()?;
+        hookloop_core::iter::exact_iter("max_iter", max_iter)
+            .map_err(Error::from)
+            .py_err()?;
         self.max_iter.store(max_iter, Ordering::Relaxed);
         let old = Self::lock(&self.storage).replace(storage);
         drop(old);

@@ -5,15 +5,16 @@
 use std::sync::Arc;
 
 use hookloop_core::error::positive;
-use hookloop_core::history::{History, Iter};
+use hookloop_core::history::{History, HistoryState};
+use hookloop_core::iter::Iter;
+use hookloop_core::Error;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::convert::{iter_to_py, scalar_value};
 use crate::deferred::Deferred;
-use crate::errors::IntoPyResult;
+use crate::errors::{to_py, IntoPyResult};
 use crate::state::Shared;
-use crate::storage::{history_state_from_py, history_to_py};
 
 enum Source {
     Owned(Shared<History>),
@@ -194,4 +195,63 @@ impl PyHistoryBuffer {
             self.label()
         ))
     }
+}
+
+// The state of one history as a Python dict (the values and iterations as little-endian f64
+// bytes): HistoryBuffer's pickle and each scalar's entry in EventStorage's state.
+
+pub fn history_to_py<'py>(py: Python<'py>, h: &HistoryState) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let values: Vec<u8> = h.entries.iter().flat_map(|e| e.0.to_le_bytes()).collect();
+    let iters: Vec<u8> = h.entries.iter().flat_map(|e| e.1.to_le_bytes()).collect();
+    d.set_item("max_length", h.max_length)?;
+    d.set_item("values", PyBytes::new(py, &values))?;
+    d.set_item("iterations", PyBytes::new(py, &iters))?;
+    d.set_item("count", h.count)?;
+    d.set_item("global_avg", h.global_avg)?;
+    d.set_item("int_iterations", h.int_iterations)?;
+    Ok(d)
+}
+
+pub fn history_state_from_py(d: &Bound<'_, PyDict>) -> PyResult<HistoryState> {
+    let values = f64s("values", item(d, "values")?.cast::<PyBytes>()?.as_bytes())?;
+    let iters = f64s(
+        "iterations",
+        item(d, "iterations")?.cast::<PyBytes>()?.as_bytes(),
+    )?;
+    if values.len() != iters.len() {
+        return Err(to_py(Error::BadState {
+            what: "HistoryBuffer",
+            reason: format!("{} values but {} iterations", values.len(), iters.len()),
+        }));
+    }
+    Ok(HistoryState {
+        max_length: item(d, "max_length")?.extract()?,
+        entries: values.into_iter().zip(iters).collect(),
+        count: item(d, "count")?.extract()?,
+        global_avg: item(d, "global_avg")?.extract()?,
+        int_iterations: item(d, "int_iterations")?.extract()?,
+    })
+}
+
+fn f64s(what: &str, bytes: &[u8]) -> PyResult<Vec<f64>> {
+    if bytes.len() % 8 != 0 {
+        return Err(to_py(Error::BadState {
+            what: "HistoryBuffer",
+            reason: format!("{what} holds {} bytes, not a multiple of 8", bytes.len()),
+        }));
+    }
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+        .collect())
+}
+
+pub(crate) fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+    d.get_item(key)?.ok_or_else(|| {
+        to_py(Error::BadState {
+            what: "EventStorage/HistoryBuffer",
+            reason: format!("the state has no '{key}'"),
+        })
+    })
 }

@@ -1,7 +1,8 @@
 //! `NativeSchedule` and `CompositeSpans`: the shells over the core's fvcore schedules
 //! (`hookloop-core/src/schedule.rs`), and `LRMultiplier`'s per-step work in one call.
 
-use hookloop_core::schedule::{self, Kind, Scaling, Schedule, Spans, SumMode, WarmupParts};
+use hookloop_core::pyexact::SumMode;
+use hookloop_core::schedule::{self, Kind, Scaling, Schedule, Spans, WarmupParts};
 use hookloop_core::Error;
 use pyo3::intern;
 use pyo3::prelude::*;

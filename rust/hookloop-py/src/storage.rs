@@ -6,19 +6,20 @@
 
 use std::sync::Arc;
 
-use hookloop_core::history::{HistoryState, Iter};
+use hookloop_core::iter::Iter;
 use hookloop_core::metrics::{write_metrics, Reduced};
+use hookloop_core::record::HistogramPoint;
 use hookloop_core::storage::{Bounded, ScalarState, Storage, StorageState};
-use hookloop_core::tfevents::{check_chw, HistogramPoint};
+use hookloop_core::tfevents::check_chw;
 use hookloop_core::{error::positive, Error, History};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::{intern, PyTraverseError, PyVisit};
 
 use crate::convert::{int64, is_device_scalar, iter_to_py, iteration, scalar_value};
 use crate::deferred::Deferred;
 use crate::errors::{to_py, IntoPyResult};
-use crate::history::PyHistoryBuffer;
+use crate::history::{history_state_from_py, history_to_py, item, PyHistoryBuffer};
 use crate::state::{PendingImage, Shared, SharedState, State};
 
 /// detectron2's `EventStorage`; `hookloop.utils.events.EventStorage` subclasses it to add the
@@ -324,6 +325,7 @@ impl PyEventStorage {
             bucket_limits,
             bucket_counts,
         )
+        .map_err(Error::from)
         .py_err()?;
         Ok(self.with(move |s| {
             let mut hist = hist;
@@ -615,32 +617,6 @@ impl PyEventStorage {
     }
 }
 
-fn history_state_to_py<'py>(py: Python<'py>, h: &HistoryState) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    let values: Vec<u8> = h.entries.iter().flat_map(|e| e.0.to_le_bytes()).collect();
-    let iters: Vec<u8> = h.entries.iter().flat_map(|e| e.1.to_le_bytes()).collect();
-    d.set_item("max_length", h.max_length)?;
-    d.set_item("values", PyBytes::new(py, &values))?;
-    d.set_item("iterations", PyBytes::new(py, &iters))?;
-    d.set_item("count", h.count)?;
-    d.set_item("global_avg", h.global_avg)?;
-    d.set_item("int_iterations", h.int_iterations)?;
-    Ok(d)
-}
-
-fn f64s(what: &str, bytes: &[u8]) -> PyResult<Vec<f64>> {
-    if bytes.len() % 8 != 0 {
-        return Err(to_py(Error::BadState {
-            what: "HistoryBuffer",
-            reason: format!("{what} holds {} bytes, not a multiple of 8", bytes.len()),
-        }));
-    }
-    Ok(bytes
-        .chunks_exact(8)
-        .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-        .collect())
-}
-
 /// A loss dict's `(name, value)` pairs in order: each value read from the dict (`item()` for
 /// a tensor), or taken from `given` (values read by the caller; the count for the error).
 fn read_losses<'py>(
@@ -671,40 +647,6 @@ fn names_of<'a>(losses: &'a [(Bound<'_, PyString>, f64)]) -> PyResult<Vec<(&'a s
     losses.iter().map(|(k, v)| Ok((k.to_str()?, *v))).collect()
 }
 
-fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
-    d.get_item(key)?.ok_or_else(|| {
-        to_py(Error::BadState {
-            what: "EventStorage/HistoryBuffer",
-            reason: format!("the state has no '{key}'"),
-        })
-    })
-}
-
-pub fn history_state_from_py(d: &Bound<'_, PyDict>) -> PyResult<HistoryState> {
-    let values = f64s("values", item(d, "values")?.cast::<PyBytes>()?.as_bytes())?;
-    let iters = f64s(
-        "iterations",
-        item(d, "iterations")?.cast::<PyBytes>()?.as_bytes(),
-    )?;
-    if values.len() != iters.len() {
-        return Err(to_py(Error::BadState {
-            what: "HistoryBuffer",
-            reason: format!("{} values but {} iterations", values.len(), iters.len()),
-        }));
-    }
-    Ok(HistoryState {
-        max_length: item(d, "max_length")?.extract()?,
-        entries: values.into_iter().zip(iters).collect(),
-        count: item(d, "count")?.extract()?,
-        global_avg: item(d, "global_avg")?.extract()?,
-        int_iterations: item(d, "int_iterations")?.extract()?,
-    })
-}
-
-pub fn history_to_py<'py>(py: Python<'py>, h: &HistoryState) -> PyResult<Bound<'py, PyDict>> {
-    history_state_to_py(py, h)
-}
-
 fn storage_state_to_py<'py>(py: Python<'py>, s: &StorageState) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("iter", s.iter)?;
@@ -716,7 +658,7 @@ fn storage_state_to_py<'py>(py: Python<'py>, s: &StorageState) -> PyResult<Bound
             sc.smoothing_hint,
             sc.latest.0,
             iter_to_py(py, sc.latest.1)?,
-            history_state_to_py(py, &sc.history)?,
+            history_to_py(py, &sc.history)?,
         ))?;
     }
     d.set_item("scalars", scalars)?;

@@ -11,11 +11,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use hookloop_core::error::positive;
 use hookloop_core::jsonl::{group_by_iteration, JsonSink};
 use hookloop_core::printer::Printer;
+use hookloop_core::record::{HistogramPoint, ImagePoint, ScalarPoint, TensorPoint};
 use hookloop_core::storage::SmoothedScalar;
-use hookloop_core::tfevents::{
-    check_image_shape, histogram_buckets, EventSink, HistogramPoint, ImagePoint, ScalarPoint,
-    TensorPoint,
-};
+use hookloop_core::tfevents::{check_image_shape, histogram_buckets, EventSink};
 use hookloop_core::writer::{flush_all, take_errors, FsyncPolicy, Payload, Sink, SinkHandle};
 use hookloop_core::Error;
 use pyo3::prelude::*;
@@ -368,7 +366,8 @@ impl PyTensorboardWriter {
                     )
                 },
             )
-            .collect::<hookloop_core::Result<Vec<_>>>()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(Error::from)
             .py_err()?;
         let payload = Payload::Events {
             wall_time: walltime.unwrap_or_else(wall_time),

@@ -1,4 +1,5 @@
-//! Python's text formatting, reproduced byte for byte.
+//! Python's text formatting, reproduced byte for byte: `repr`, `format`, `json.dumps`,
+//! `str(timedelta)`.
 //!
 //! detectron2's writers produce `metrics.json` with `json.dumps`, log lines with
 //! `f"{v:.4g}"` / `f"{v:.4f}"`, and ETAs with `str(datetime.timedelta(...))`; hookloop's
@@ -15,7 +16,7 @@
 //! (where the point goes, exponent spelling, what is stripped) is done here.
 
 // Writing into a String cannot fail, which is why `write!` results are discarded below.
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
 
 /// Most fractional digits in the exact decimal expansion of a double (that of 2^-1074).
 const MAX_FRACTION_DIGITS: usize = 1074;
@@ -145,6 +146,25 @@ pub fn write_repr_f64(out: &mut String, x: f64) {
         push_exponent_form(out, short.digits(), short.exp);
     } else {
         push_fixed(out, short.digits(), decpt, true);
+    }
+}
+
+/// A float written as Python's `repr` writes it (`1.0`, `1e-06`, `nan`, `inf`), for messages.
+#[derive(Debug, Clone, Copy)]
+pub struct Repr(pub f64);
+
+impl fmt::Display for Repr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let x = self.0;
+        if x.is_nan() {
+            return f.write_str("nan");
+        }
+        if x.is_infinite() {
+            return f.write_str(if x < 0.0 { "-inf" } else { "inf" });
+        }
+        let mut out = String::new();
+        write_repr_f64(&mut out, x);
+        f.write_str(&out)
     }
 }
 
@@ -485,10 +505,6 @@ mod tests {
     //! `json.dumps`, `str(timedelta)`), not written by hand.
 
     use super::*;
-    use crate::jsonl::json_metrics_line;
-
-    /// (iteration, scalars, expected line).
-    type MetricsCase = (i64, &'static [(&'static str, f64)], &'static str);
 
     const REPR_CASES: &[(f64, &str)] = &[
         (0.0, "0.0"),
@@ -993,16 +1009,6 @@ mod tests {
         ("~ !", "\"~ !\""),
     ];
 
-    const METRICS_CASES: &[MetricsCase] = &[
-        (19, &[("loss", 1e-05), ("data_time", 0.5)], "{\"data_time\": 0.5, \"iteration\": 19, \"loss\": 1e-05}\n"),
-        (0, &[], "{\"iteration\": 0}\n"),
-        (7, &[("iteration", 3.5), ("lr", 0.02)], "{\"iteration\": 7, \"lr\": 0.02}\n"),
-        (7, &[("lr", 0.02), ("iteration", 3.5)], "{\"iteration\": 7, \"lr\": 0.02}\n"),
-        (-1, &[("b", 1.0), ("a", 2.0), ("b", 3.0)], "{\"a\": 2.0, \"b\": 3.0, \"iteration\": -1}\n"),
-        (5, &[("Z", 1.0), ("a", 2.0), ("_x", 3.0), ("\u{e4}", 4.0), ("\u{1f600}", 5.0), ("\u{ffff}", 6.0), ("\u{e9}", 7.0), ("iter", 8.0), ("iterations", 9.0)], "{\"Z\": 1.0, \"_x\": 3.0, \"a\": 2.0, \"iter\": 8.0, \"iteration\": 5, \"iterations\": 9.0, \"\\u00e4\": 4.0, \"\\u00e9\": 7.0, \"\\uffff\": 6.0, \"\\ud83d\\ude00\": 5.0}\n"),
-        (123456789012, &[("loss/total", 0.30000000000000004), ("time", 1e+16), ("eta", 123456789.0), ("x", f64::NAN), ("y", f64::INFINITY), ("z", f64::NEG_INFINITY), ("neg", -0.0)], "{\"eta\": 123456789.0, \"iteration\": 123456789012, \"loss/total\": 0.30000000000000004, \"neg\": -0.0, \"time\": 1e+16, \"x\": NaN, \"y\": Infinity, \"z\": -Infinity}\n"),
-    ];
-
     fn repr(x: f64) -> String {
         let mut s = String::new();
         write_repr_f64(&mut s, x);
@@ -1183,7 +1189,7 @@ mod tests {
     /// CPython's `repr`, `.4g`, `.5g` and `.4f` (generated once; see the file header).
     #[test]
     fn random_cases_match_python() {
-        let data = include_str!("testdata/pyfmt_cases.txt");
+        let data = include_str!("../testdata/pyfmt_cases.txt");
         let mut rows = 0;
         for line in data.lines().filter(|l| !l.starts_with('#')) {
             let cols: Vec<&str> = line.split('\t').collect();
@@ -1218,14 +1224,10 @@ mod tests {
     }
 
     #[test]
-    fn metrics_line_matches_python() {
-        for &(iteration, scalars, want) in METRICS_CASES {
-            assert_eq!(
-                json_metrics_line(crate::history::Iter::Int(iteration), scalars),
-                want
-            );
-        }
-        let line = json_metrics_line(crate::history::Iter::Float(2.5), &[("a", 1.0)]);
-        assert_eq!(line, "{\"a\": 1.0, \"iteration\": 2.5}\n");
+    fn repr_formatting() {
+        assert_eq!(Repr(1.0).to_string(), "1.0");
+        assert_eq!(Repr(1e-6).to_string(), "1e-06");
+        assert_eq!(Repr(f64::NAN).to_string(), "nan");
+        assert_eq!(Repr(f64::NEG_INFINITY).to_string(), "-inf");
     }
 }

@@ -154,7 +154,7 @@ def test_writers_and_dispatcher_refuse_pickling_with_a_reason(tmp_path):
         json_writer._native,
         tb._native,
         CommonMetricPrinter()._native,
-        TinyTrainer()._dispatcher,
+        TinyTrainer()._hookloop.dispatcher,
     ):
         with pytest.raises(TypeError, match="cannot be pickled"):
             pickle.dumps(obj)

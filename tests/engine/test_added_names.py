@@ -10,31 +10,29 @@ assignment tests too.
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 from compat import d2
 from hookloop.engine import hooks
 from hookloop.engine import train_loop as tl
+from hookloop.utils import events as tl_events
 
 ADDED = {
-    "TrainerBase": {
-        "_apply_stop", "_begin_own_loop", "_end_loop", "_loop_hooks", "_on_exception",
-        "_outgoing_stop", "_overridden", "_raise_after_train", "_resume_storage",
-        "_stop_agreed", "_stop_applied", "_stop_requested", "_stop_rides_collective",
-        "_train_time", "hook_stats", "hooks_table", "request_stop", "stop_requested",
-        "stopped_early",
-    },
+    "TrainerBase": {"hook_stats", "hooks_table", "request_stop", "stop_requested", "stopped_early"},
     "SimpleTrainer": {
-        "MAX_IN_FLIGHT", "METRICS_READ_EVERY", "_async_stop", "_data_start",
-        "_data_start_iter", "_data_state", "_deferring", "_epoch_batches_before",
-        "_epoch_start_iter", "_init_metric_state", "_load_data_state", "_next_epoch",
-        "_raise_async_errors", "_read_pending", "_resume_epoch", "_resumed_rng",
-        "_settle_lock", "_settle_metrics", "_stop_owner", "_stop_owner_ref", "_submit_metrics",
-        "_take_pending", "_wait_for_metric_writes", "_write_metrics_async",
-        "check_finite_every_step", "epoch", "iters_per_epoch", "step_optimizer",
+        "MAX_IN_FLIGHT", "METRICS_READ_EVERY", "check_finite_every_step", "epoch",
+        "iters_per_epoch", "step_optimizer",
     },
     "HookBase": {"_dispatch_order", "_dispatch_period", "load_state_dict", "on_exception"},
 }  # fmt: skip
+
+# The private names hookloop adds to a trainer's instances: one slot, holding the collaborators
+# (the dispatcher, the stop controller, the data cursor, the loss metrics). At most 8, and
+# named so that a user's attribute cannot plausibly collide with them.
+PRIVATE_SLOTS = {"_hookloop"}
 
 
 def _added(cls_name):
@@ -47,6 +45,32 @@ def test_every_added_name_is_listed():
     assert _added("SimpleTrainer") == ADDED["SimpleTrainer"] | ADDED["TrainerBase"]
     assert _added("AMPTrainer") == _added("SimpleTrainer")
     assert _added("HookBase") == ADDED["HookBase"]
+
+
+def _instance_names(trainer):
+    return set(vars(trainer))
+
+
+@pytest.mark.parametrize("engine", ["SimpleTrainer", "AMPTrainer"])
+def test_a_trainers_instance_adds_one_private_slot(engine):
+    """Beyond detectron2's instance attributes, a hookloop trainer holds its public additions
+    (assignable, listed above) and one private slot; ``after_backward`` is the dispatcher's
+    bound stage (detectron2's name, a subclass's own method is kept)."""
+    model = _Model()
+
+    def make(mod):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # AMP's grad scaler without CUDA
+            return getattr(mod, engine)(model, _data(), torch.optim.SGD(model.parameters(), 0.1))
+
+    ours, theirs = make(tl), make(d2)
+    added = _instance_names(ours) - _instance_names(theirs)
+    private = {n for n in added if n.startswith("_")}
+    assert private == PRIVATE_SLOTS and len(private) <= 8
+    assert added - private <= ADDED["SimpleTrainer"] | ADDED["TrainerBase"] | {"after_backward"}
+    ours.train(0, 3)
+    # Training adds no attribute beyond detectron2's own (storage, max_iter).
+    assert _instance_names(ours) - _instance_names(theirs) - {"storage", "max_iter"} == added
 
 
 class _Model(torch.nn.Module):
@@ -77,6 +101,52 @@ def test_a_subclass_may_assign_each_added_trainer_name(name):
     model = _Model()
     t = Mine(model, _data(), torch.optim.SGD(model.parameters(), lr=0.1))
     assert getattr(t, name) is _SENTINEL
+
+
+# hookloop's documented knobs take a value of their kind; any other added name is the user's to
+# hold whatever they like.
+_KNOB_VALUES = {
+    "MAX_IN_FLIGHT": 2,
+    "METRICS_READ_EVERY": 3,
+    "check_finite_every_step": True,
+    "step_optimizer": True,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADDED["TrainerBase"] | ADDED["SimpleTrainer"]))
+def test_a_subclass_that_assigns_an_added_name_trains_as_without_it(name, tmp_path):
+    """The user's value is kept through training, and training records the same iterations
+    and losses as a trainer without the assignment (timer, writer and checkpointer hooks,
+    which read the trainer, included)."""
+    value = _KNOB_VALUES.get(name, _SENTINEL)
+
+    def run(assign):
+        class Mine(tl.SimpleTrainer):
+            def __init__(self, *args):
+                super().__init__(*args)
+                if assign:
+                    setattr(self, name, value)
+
+        torch.manual_seed(0)
+        model = _Model()
+        t = Mine(model, _data(), torch.optim.SGD(model.parameters(), lr=0.1))
+        out = tmp_path / ("assigned" if assign else "plain")
+        out.mkdir()
+        t.register_hooks(
+            [
+                hooks.IterationTimer(),
+                hooks.PeriodicWriter([tl_events.JSONWriter(str(out / "metrics.json"))], 2),
+            ]
+        )
+        t.train(0, 5)
+        return t, t.storage.history("total_loss").values()
+
+    t, assigned = run(True)
+    _, plain = run(False)
+    assert getattr(t, name) is value or getattr(t, name) == value
+    assert assigned == plain and [it for _, it in assigned] == list(range(5))
+    lines = (tmp_path / "assigned" / "metrics.json").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [1, 3, 4]
 
 
 @pytest.mark.parametrize("name", sorted(ADDED["HookBase"]))

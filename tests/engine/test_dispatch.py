@@ -85,7 +85,7 @@ def test_period_filter_skips_periodic_writer_between_periods():
     w = hooks.PeriodicWriter([rec], period=5)
     t = NoopTrainer()
     t.register_hooks([w])
-    t._dispatcher.timing = True
+    t._hookloop.dispatcher.timing = True
     t.train(0, 12)
     assert rec.iters == [4, 9, 11, 12]
     stats = {(type(h).__name__, stage): calls for h, stage, calls, *_ in t.hook_stats()}
@@ -142,7 +142,7 @@ def test_hook_stats_count_every_call_per_hook_and_stage():
     a, b = Counting(), Counting()
     t = NoopTrainer()
     t.register_hooks([a, b])
-    t._dispatcher.timing = True
+    t._hookloop.dispatcher.timing = True
     t.train(0, 5)
     stats = t.hook_stats()
     assert [(h, stage, calls) for h, stage, calls, *_ in stats] == [
@@ -160,10 +160,10 @@ def test_timing_is_on_by_default_and_off_records_nothing():
     a = Counting()
     t = NoopTrainer()
     t.register_hooks([a])
-    assert t._dispatcher.timing
+    assert t._hookloop.dispatcher.timing
     t.train(0, 3)
     assert [(r.stage, r.calls) for r in t.hook_stats()] == [("before_step", 3), ("after_step", 3)]
-    t._dispatcher.timing = False
+    t._hookloop.dispatcher.timing = False
     t.train(0, 3)
     assert all(calls == 0 for _, _, calls, *_ in t.hook_stats())
 
@@ -194,10 +194,10 @@ def test_hooks_for_lists_only_overriding_hooks():
     a = Counting()
     t = NoopTrainer()
     t.register_hooks([a, HookBase()])
-    assert t._dispatcher.hooks_for("after_step") == [a]
-    assert t._dispatcher.hooks_for("after_train") == []
+    assert t._hookloop.dispatcher.hooks_for("after_step") == [a]
+    assert t._hookloop.dispatcher.hooks_for("after_train") == []
     with pytest.raises(ValueError, match="stage 'nope'"):
-        t._dispatcher.hooks_for("nope")
+        t._hookloop.dispatcher.hooks_for("nope")
 
 
 def test_hookbase_attribute_store_is_a_plain_store():
@@ -297,7 +297,7 @@ def test_checkpoint_and_eval_hooks_are_skipped_between_periods(tmp_path):
     ]
     t = NoopTrainer()
     t.register_hooks(hook_list)
-    t._dispatcher.timing = True
+    t._hookloop.dispatcher.timing = True
     t.train(0, 12)
     calls = {type(h).__name__: n for h, stage, n, *_ in t.hook_stats() if stage == "after_step"}
     # due at (iter + 1) % period == 0 and at the last iteration (11)
@@ -325,7 +325,7 @@ def test_timed_and_untimed_dispatch_call_exactly_what_the_core_rule_says(period)
         h, plain = Periodic(), Counting()
         t = NoopTrainer()
         t.register_hooks([plain, h])
-        t._dispatcher.timing = timing
+        t._hookloop.dispatcher.timing = timing
         t.train(3, 20)
         seen[timing] = (h.iters, plain.calls)
     assert seen[False] == seen[True]
@@ -369,7 +369,7 @@ def test_iteration_timer_summary_has_no_table_with_timing_off(caplog):
 
     t = NoopTrainer()
     t.register_hooks([hooks.IterationTimer(), Counting()])
-    t._dispatcher.timing = False
+    t._hookloop.dispatcher.timing = False
     with caplog.at_level(logging.INFO, logger="hookloop.engine.hooks"):
         t.train(0, 5)
     assert not [r for r in caplog.records if "Time in hooks" in r.getMessage()]

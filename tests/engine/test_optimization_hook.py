@@ -113,7 +113,7 @@ def test_the_optimizer_is_called_only_on_stepping_iterations(kind):
     }[kind]()
     holder["t"] = trainer
     trainer.register_hooks([OptimizationHook(accumulate_grad_steps=3)])
-    trainer._dispatcher.timing = True
+    trainer._hookloop.dispatcher.timing = True
     trainer.train(0, 10)
     # Steps at 2, 5, 8 and the last iteration; zeroed once before training and after each.
     steps = [2, 5, 8, 9]
@@ -292,7 +292,7 @@ def test_a_simple_trainer_subclass_whose_run_step_runs_only_the_forward():
             try:
                 batch = next(self._data_loader_iter)
             except StopIteration:
-                batch = self._next_epoch()
+                batch = self._hookloop.data.next_epoch(self)
             self.step_outputs = {"loss_for_backward": self.model(batch)}
 
     model = Model()

@@ -106,7 +106,8 @@ class SimpleRunner(SimpleTrainer):
         try:
             batch = next(self._data_loader_iter)
         except StopIteration:
-            batch = self._next_epoch()  # SimpleTrainer's: epoch += 1, set_epoch, a new pass
+            # the cursor of SimpleTrainer: epoch += 1, set_epoch, a new pass
+            batch = self._hookloop.data.next_epoch(self)
         data_time = time.perf_counter() - start
         losses = _losses(self.model, batch)
         self.write_metrics(losses, data_time, self.iter)

@@ -18,7 +18,7 @@ from hookloop.engine import (
 )
 from hookloop.utils import comm
 
-train_loop = __import__("hookloop.engine.train_loop", fromlist=["_"])
+engine_metrics = __import__("hookloop.engine.metrics", fromlist=["_"])
 
 torch.set_num_threads(1)
 
@@ -35,7 +35,7 @@ class FakeWorld:
         monkeypatch.setattr(comm, "_initialized", lambda: True)
         monkeypatch.setattr(comm, "get_world_size", lambda: 2)
         monkeypatch.setattr(comm, "get_rank", lambda: 0)
-        monkeypatch.setattr(train_loop, "_all_gather_floats", self.gather)
+        monkeypatch.setattr(engine_metrics, "_all_gather_floats", self.gather)
         self.barriers = 0
         monkeypatch.setattr(comm, "synchronize", self.barrier)
         monkeypatch.setattr(comm, "_get_off_thread_group", lambda: "off-thread group")

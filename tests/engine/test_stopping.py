@@ -477,7 +477,7 @@ def test_hook_stats_add_up_across_the_stop():
     t = Loop()
     rec = Recorder([], "a")
     t.register_hooks([rec, StopAt(5)])
-    t._dispatcher.timing = True
+    t._hookloop.dispatcher.timing = True
     t.train(0, 10)
     calls = {(type(h).__name__, stage): n for h, stage, n, *_ in t.hook_stats()}
     assert calls[("Recorder", "before_step")] == 6

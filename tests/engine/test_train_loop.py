@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import inspect
 import itertools
 import logging
@@ -13,12 +14,14 @@ import math
 import sys
 import threading
 import time
+import types
 import weakref
 
 import pytest
 import torch
 from compat import d2
 from hookloop.engine import AMPTrainer, HookBase, LRScheduler, SimpleTrainer, TrainerBase
+from hookloop.engine.metrics import LossMetrics
 from hookloop.utils.events import EventStorage, get_event_storage
 from torch import nn
 
@@ -1046,12 +1049,12 @@ def test_a_hook_holding_a_history_buffer_sees_this_steps_losses():
 
 def test_a_settle_between_reading_the_pending_list_and_appending_loses_nothing():
     """Another thread that reads the storage may settle the pending losses at any moment of
-    the training thread's step, also between the lines of ``_write_metrics`` (the GIL switches
+    the training thread's step, also between the lines of ``LossMetrics.write`` (the GIL switches
     between bytecodes). Made deterministic with a line tracer: a settle runs right before the
     training thread appends each step's losses, after it has read the pending list. Every
     iteration must still be stored once, in order."""
     trainer = simple_trainer()
-    code = SimpleTrainer._write_metrics.__code__
+    code = LossMetrics.write.__code__
     lines = inspect.getsource(code).splitlines()
     append = next(
         code.co_firstlineno + i for i, line in enumerate(lines) if "pending.append(" in line
@@ -1082,7 +1085,7 @@ def test_a_settle_between_reading_the_pending_list_and_appending_loses_nothing()
 def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):
     """Between batched reads the trainer keeps the losses as they are: no item(), no copy.
     The read (here after the last step) is one call into the core, which on the CPU reads
-    each value with item(): cheaper than stacking many small tensors (benches/RESULTS.md)."""
+    each value with item(): cheaper than stacking many small tensors (docs/performance.md)."""
     calls = []
     real_item = torch.Tensor.item
 
@@ -1108,7 +1111,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
     """Losses that are not on the CPU are read with one stack and one copy (one
     synchronization), not one item() each. Simulated with tensors whose device is not the
     CPU: the meta device, whose values read_scalars is patched to supply."""
-    from hookloop.engine import train_loop
+    from hookloop.engine import metrics as engine_metrics
 
     batches = []
 
@@ -1116,14 +1119,19 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
         batches.append(len(tensors))
         return [0.5] * len(tensors)
 
-    monkeypatch.setattr(train_loop, "read_scalars", read_all)
-    trainer = simple_trainer()
-    trainer._deferring = True
+    monkeypatch.setattr(engine_metrics, "read_scalars", read_all)
+    _Trainer = functools.partial(
+        types.SimpleNamespace, gather_metric_period=1, METRICS_READ_EVERY=20, MAX_IN_FLIGHT=50
+    )
+    metrics = LossMetrics()
+    metrics.deferring = True
     with EventStorage(0) as storage:
-        trainer.storage = storage
         meta = {"loss_a": torch.empty((), device="meta"), "loss_b": torch.empty((), device="meta")}
-        trainer._pending_metrics = [(i, 0.01, meta, "") for i in range(3)]
-        trainer._settle_metrics()
+        for i in range(3):
+            storage.iter = i
+            metrics.write(_Trainer(storage=storage), meta, 0.01, "", i)
+        assert batches == []
+        metrics.settle()
         assert batches == [6]
         assert storage.history("loss_a").values() == [(0.5, 0), (0.5, 1), (0.5, 2)]
         assert storage.history("total_loss").latest() == 1.0
@@ -1522,7 +1530,7 @@ def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(m
     host instead of being read (no synchronization on an iteration nothing reads); the first
     read of the storage waits for the copies, in order. Simulated on the CPU: the CUDA test is
     the one below, and benches/gpu_check.py checks it with torch's sync debug mode."""
-    from hookloop.engine import train_loop
+    from hookloop.engine import metrics as engine_metrics
 
     started, waited = [], []
 
@@ -1535,8 +1543,8 @@ def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(m
             waited.append(len(self._tensors))
             return [t.item() for t in self._tensors]
 
-    monkeypatch.setattr(train_loop, "_is_cuda", lambda v: isinstance(v, torch.Tensor))
-    monkeypatch.setattr(train_loop, "_HostCopy", FakeCopy)
+    monkeypatch.setattr(engine_metrics, "_is_cuda", lambda v: isinstance(v, torch.Tensor))
+    monkeypatch.setattr(engine_metrics, "_HostCopy", FakeCopy)
     reads = []
 
     class Reader(HookBase):
@@ -1549,8 +1557,8 @@ def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(m
     trainer = simple_trainer()
     trainer.register_hooks([Reader()])
     trainer.train(0, 50)
-    n = len(trainer._pending_metrics)  # nothing pending after training
-    assert n == 0 and trainer._in_flight == []
+    metrics = trainer._hookloop.metrics
+    assert metrics._pending == [] and metrics._in_flight == []  # nothing left after training
     per_iter = started[0] // 20
     assert started == [20 * per_iter, 20 * per_iter]  # at iterations 19 and 39
     # Nothing waited for until the hook read the storage at 44; then both copies, in order.
@@ -1615,4 +1623,4 @@ def test_a_subclass_that_skips_simple_trainers_init_trains(async_write):
     for t in trainers:
         t.train(0, 4)
         assert [it for _, it in t.storage.history("total_loss").values()] == [0, 1, 2, 3]
-    assert trainers[0]._pending_writes is not trainers[1]._pending_writes
+    assert trainers[0]._hookloop.metrics is not trainers[1]._hookloop.metrics

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+import hookloop.engine.hooks as hooks
 from hookloop.checkpoint import Checkpointer
-from hookloop.engine import hooks
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 from hookloop.nn.precise_bn import get_bn_modules
 from hookloop.solver import LRMultiplier, WarmupParamScheduler
@@ -474,6 +474,16 @@ def _weak_after_backward(trainer: TrainerBase) -> Any:
     return after_backward
 
 
+def _share_stop(trainer: "DefaultTrainer") -> None:
+    """A stop requested on ``trainer`` rides on its wrapped trainer's metric collective: the
+    wrapped trainer gets ``trainer``'s stop controller (which ``train()`` runs)."""
+    inner = getattr(trainer._trainer, "_hookloop", None)
+    outer = trainer._hookloop.stop
+    if inner is not None and inner.stop is not outer:
+        outer.collective = inner.stop.collective
+        inner.stop = outer
+
+
 class DefaultTrainer(TrainerBase):
     """A trainer with default training logic. It does the following:
 
@@ -547,8 +557,7 @@ class DefaultTrainer(TrainerBase):
         # so the hooks' after_backward runs (detectron2's calls the wrapped trainer's, which
         # has no hooks). Without a strong reference back to this trainer.
         self._trainer.after_backward = _weak_after_backward(self)  # type: ignore[method-assign]
-        # A stop requested on this trainer rides on the wrapped trainer's metric collective.
-        self._trainer._stop_owner_ref = weakref.ref(self)
+        _share_stop(self)
 
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = Checkpointer(
@@ -662,14 +671,12 @@ class DefaultTrainer(TrainerBase):
         # Code that reads the wrapped trainer sees the run's bounds.
         self._trainer.start_iter = self.start_iter
         self._trainer.max_iter = self.max_iter
+        _share_stop(self)  # also with a wrapped trainer a subclass assigned since __init__
         super().before_train()
 
     def run_step(self) -> None:
         self._trainer.iter = self.iter
         self._trainer.run_step()
-
-    def _stop_rides_collective(self) -> bool:
-        return self._trainer._stop_rides_collective()
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
@@ -726,10 +733,6 @@ class DefaultTrainer(TrainerBase):
     @iters_per_epoch.setter
     def iters_per_epoch(self, value: Optional[int]) -> None:
         self.__dict__["iters_per_epoch"] = value
-
-    def _wait_for_metric_writes(self) -> None:
-        """The wrapped trainer's: a periodic writer waits for its asynchronous metric writes."""
-        self._trainer._wait_for_metric_writes()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -9,24 +9,22 @@ the hooks that override it. Everything that touches torch stays here.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
-import math
 import operator
-import threading
 import time
 import types
 import weakref
-from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hookloop import _core
 from hookloop.checkpoint.rng import get_rng_state, set_rng_state
+from hookloop.data.cursor import DataCursor, iters_per_epoch
+from hookloop.engine.metrics import LossMetrics, write_metrics_across
+from hookloop.engine.stop import StopController, StopTraining
 from hookloop.utils import comm
-from hookloop.utils._tensors import read_scalars, stack_scalars
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
 __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer", "HookStat"]
@@ -239,26 +237,58 @@ def _check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
     return start_iter, max_iter
 
 
-class _StopTraining(BaseException):
-    """Control flow of :meth:`TrainerBase.request_stop`, caught in ``train()``. A
-    ``BaseException``, so that a hook's ``except Exception`` does not swallow it."""
-
-
 class _StopBeforeNextStep(HookBase):
-    """Added to the hook list by :meth:`TrainerBase.request_stop`: the list edit rebuilds the
-    dispatcher's table at its next stage, and this hook's ``before_step`` runs first in the
-    next iteration, before any other hook's. Until then the loop has no stop check at all."""
+    """The hook a stop appends to the loop's hook list (:mod:`hookloop.engine.stop`): the
+    list edit rebuilds the dispatcher's table at its next stage, and this hook's
+    ``before_step`` runs first in the next iteration, before any other hook's. Until then the
+    loop has no stop check at all."""
 
     priority = -(2**62)  # before every other hook, whatever its priority
 
     def before_step(self) -> None:
-        raise _StopTraining
+        raise StopTraining
 
 
 def _overrides(hook: Any, stage: str) -> bool:
     return stage in getattr(hook, "__dict__", {}) or getattr(type(hook), stage, None) is not (
         getattr(HookBase, stage)
     )
+
+
+class _Parts:
+    """hookloop's own state of one trainer, in its one slot ``_hookloop`` (detectron2's
+    trainers have none of it; a subclass's attributes cannot collide with it):
+
+    - ``dispatcher``: the Rust hook dispatcher over the trainer's ``_hooks``;
+    - ``stop``: the :class:`~hookloop.engine.stop.StopController` (a ``DefaultTrainer`` shares
+      its own with the trainer it wraps);
+    - ``data`` and ``metrics``: ``SimpleTrainer``'s collaborators, the
+      :class:`~hookloop.data.cursor.DataCursor` and the
+      :class:`~hookloop.engine.metrics.LossMetrics` (None on other trainers);
+    - the state of the current ``train()``: whether it stopped early, its wall-clock span, the
+      storage history of a resumed checkpoint, AMP's device type.
+    """
+
+    def __init__(self, hooks: List[Any]) -> None:
+        self.dispatcher = _core.Dispatcher(hooks, _dispatch_entries)
+        self.stop = StopController(_StopBeforeNextStep)
+        self.data: Optional[DataCursor] = None
+        self.metrics: Optional[LossMetrics] = None
+        self.stopped_early = False
+        self.train_time: List[Any] = [0.0, None]
+        self.resume_storage: Optional[Mapping[str, Any]] = None
+        self.device_type = "cpu"
+
+
+def _simple_parts(trainer: Any) -> _Parts:
+    """The trainer's parts with ``SimpleTrainer``'s collaborators, made here for a subclass
+    that skipped ``SimpleTrainer.__init__``."""
+    parts: _Parts = trainer._hookloop
+    if parts.metrics is None:
+        parts.data = DataCursor()
+        parts.metrics = LossMetrics()
+        parts.stop.collective = True
+    return parts
 
 
 class TrainerBase:
@@ -284,13 +314,13 @@ class TrainerBase:
 
     def __init__(self) -> None:
         self._hooks: List[HookBase] = []
-        self._dispatcher = _core.Dispatcher(self._hooks, _dispatch_entries)
         self.iter: int = 0
         self.start_iter: int = 0
+        self._hookloop = _Parts(self._hooks)
         if type(self).after_backward is TrainerBase.after_backward:
             # run_step calls self.after_backward() every iteration: bind it straight to the
             # dispatcher, which saves a Python frame. A subclass's own after_backward is kept.
-            self.after_backward = self._dispatcher.after_backward  # type: ignore[method-assign]
+            self.after_backward = self._hookloop.dispatcher.after_backward  # type: ignore[method-assign]
 
     def register_hooks(self, hooks: Iterable[Optional[HookBase]]) -> None:
         """Register hooks to the trainer. The hooks are executed in the order they are
@@ -324,37 +354,36 @@ class TrainerBase:
 
         self.iter = self.start_iter = start_iter
         self.max_iter = max_iter
-        self._stop_requested = False
-        self._stop_applied = False
-        self.stopped_early = False
-        self._raise_after_train = None
-        self._train_time = [time.perf_counter(), None]
+        parts = self._hookloop
+        parts.stopped_early = False
+        parts.train_time = [time.perf_counter(), None]
 
         with EventStorage(start_iter) as self.storage:
-            if self._resume_storage is not None:
+            if parts.resume_storage is not None:
                 # The recent history of a resumed checkpoint: smoothing and the ETA continue.
-                self.storage._load_state(dict(self._resume_storage))
+                self.storage._load_state(dict(parts.resume_storage))
                 self.storage.iter = start_iter
-                self._resume_storage = None
+                parts.resume_storage = None
             # The hook list is re-read (it may have been rebound) and the table rebuilt.
-            self._loop_hooks = hooks = self._hooks
-            self._dispatcher.begin(hooks, self.storage, max_iter)
+            hooks = self._hooks
+            parts.stop.begin(hooks)
+            parts.dispatcher.begin(hooks, self.storage, max_iter)
             try:
                 self.before_train()
                 try:
-                    self._dispatcher.run_loop(
+                    parts.dispatcher.run_loop(
                         self,
                         start_iter,
                         max_iter,
                         self.run_step,
-                        self._overridden("before_step"),
-                        self._overridden("after_step"),
+                        _overridden(self, "before_step"),
+                        _overridden(self, "after_step"),
                     )
-                except _StopTraining:
+                except StopTraining:
                     # Raised before any hook of the iteration after the stop: the last one
                     # that completed (every after_step of it ran) is the one before.
                     self.iter -= 1
-                    self.stopped_early = True
+                    parts.stopped_early = True
                     logger.info(f"Training stopped on request after iteration {self.iter}")
                 else:
                     # self.iter == max_iter can be used by `after_train` to tell whether the
@@ -363,8 +392,8 @@ class TrainerBase:
             except BaseException as exc:
                 if isinstance(exc, Exception):
                     logger.exception("Exception during training:")
-                self._on_exception(exc)
-                self._end_loop(hooks)
+                _on_exception(self._hooks, exc)
+                parts.stop.end()
                 # The training error is what propagates: an error of after_train (a writer
                 # whose close() meets a full disk) is logged and attached to it as a note,
                 # where a plain `finally` would replace it.
@@ -373,44 +402,43 @@ class TrainerBase:
                 except Exception as after:
                     _report_secondary(exc, after, "after_train")
                 finally:
-                    self._train_time[1] = time.perf_counter()
+                    parts.train_time[1] = time.perf_counter()
                 raise
-            self._end_loop(hooks)
+            parts.stop.end()
             try:
                 self.after_train()
             finally:
-                self._train_time[1] = time.perf_counter()
-        after_stop, self._raise_after_train = self._raise_after_train, None
-        if self.stopped_early and self._stop_rides_collective():
+                parts.train_time[1] = time.perf_counter()
+        after_stop = parts.stop.take_raise_after_train()
+        if parts.stopped_early and parts.stop.rides_collective():
             # Every rank stopped after the same iteration: none leaves before the main
             # process's checkpoint of it is on disk (when one process exits, launch() and
             # torchrun stop the others).
             comm.synchronize()
-        if after_stop is not None and self.stopped_early:
+        if after_stop is not None and parts.stopped_early:
             raise after_stop
 
-    def _end_loop(self, hooks: List[Any]) -> None:
-        """Leaves the loop: no stop can be requested any more, and a stop's hook is removed."""
-        self._loop_hooks = None
-        if self._stop_applied:
-            hooks[:] = [h for h in hooks if not isinstance(h, _StopBeforeNextStep)]
-
-    _loop_hooks: Optional[List[Any]] = None
-    _stop_requested = False
-    _stop_applied = False
-    _raise_after_train: Optional[BaseException] = None
-    stopped_early = False
+    # stop_requested and stopped_early are not detectron2's names: a subclass may assign its
+    # own, which reads then give (the loop never reads them).
 
     @property
     def stop_requested(self) -> bool:
-        """Whether :meth:`request_stop` was called during the current (or last) ``train()``;
-        once a subclass assigns its own ``stop_requested`` (detectron2 has no such name), its
-        value, which the loop never reads."""
-        return self.__dict__.get("stop_requested", self._stop_requested)  # type: ignore[no-any-return]
+        """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
+        return self.__dict__.get("stop_requested", self._hookloop.stop.requested)  # type: ignore[no-any-return]
 
     @stop_requested.setter
     def stop_requested(self, value: Any) -> None:
         self.__dict__["stop_requested"] = value
+
+    @property
+    def stopped_early(self) -> bool:
+        """Whether the current (or last) ``train()`` ended through :meth:`request_stop` before
+        ``max_iter``."""
+        return self.__dict__.get("stopped_early", self._hookloop.stopped_early)  # type: ignore[no-any-return]
+
+    @stopped_early.setter
+    def stopped_early(self, value: Any) -> None:
+        self.__dict__["stopped_early"] = value
 
     def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
         """Ends training cleanly after the current step: every hook's ``after_step`` of the
@@ -427,7 +455,7 @@ class TrainerBase:
         takes effect at the next period boundary (at once when requested in ``run_step``
         before that iteration's collective), and not at all when no collective remains before
         ``max_iter`` (training then finishes). A preemption on one rank
-        (:class:`~hookloop.engine.hooks.Preempted`) makes every rank raise it. With
+        (:class:`~hookloop.engine.stop.Preempted`) makes every rank raise it. With
         ``async_write_metrics`` the agreement of one period's collective is applied at the
         next period boundary. Other trainers stop alone.
 
@@ -435,139 +463,63 @@ class TrainerBase:
             raise_after_train: an exception that ``train()`` raises after ``after_train``
                 when the run stopped early (not when the stop came in the last iteration:
                 training then finished normally; ``PreemptionHandler`` passes
-                :class:`~hookloop.engine.hooks.Preempted` for the process's exit status).
+                :class:`~hookloop.engine.stop.Preempted` for the process's exit status).
         """
-        hooks = self._loop_hooks
-        if hooks is None:
-            raise RuntimeError(
-                "request_stop() stops a running train() (call it from a hook or run_step); "
-                "no training is running"
-            )
-        if raise_after_train is not None and not isinstance(raise_after_train, BaseException):
-            raise TypeError(
-                "request_stop() raise_after_train must be an exception, got "
-                f"{type(raise_after_train).__name__}"
-            )
-        if raise_after_train is not None and self._raise_after_train is None:
-            self._raise_after_train = raise_after_train
-        if self._stop_requested:
-            return
-        self._stop_requested = True
-        if not self._stop_rides_collective():
-            self._apply_stop()
-        # Else the next packed collective carries it (_outgoing_stop), and _stop_agreed
-        # applies it on every rank at the same iteration.
-
-    def _stop_rides_collective(self) -> bool:
-        """Whether a stop request waits for the next packed metric collective (a trainer that
-        makes one, with more than one rank) instead of being taken at once."""
-        return False
-
-    def _apply_stop(self) -> None:
-        """Stops before the next step: the stop hook goes into the list, which the dispatcher
-        sees at its next stage."""
-        hooks = self._loop_hooks
-        if self._stop_applied or hooks is None:
-            return
-        self._stop_applied = True
-        hooks.append(_StopBeforeNextStep())
-
-    def _outgoing_stop(self) -> int:
-        """What this rank puts in the next collective's stop slot: 0 (no stop pending), 1 (a
-        stop), or ``1 + signum`` for a preemption by that signal."""
-        if not self._stop_requested or self._stop_applied:
-            return 0
-        signum = getattr(self._raise_after_train, "signum", None)
-        if isinstance(self._raise_after_train, SystemExit) and isinstance(signum, int):
-            return 1 + signum
-        return 1
-
-    def _stop_agreed(self, code: int) -> None:
-        """The largest stop code any rank sent in this iteration's collective: every rank
-        stops after this iteration; a preemption anywhere is raised everywhere."""
-        if self._loop_hooks is None:
-            return
-        self._stop_requested = True
-        if code > 1 and self._raise_after_train is None:
-            from hookloop.engine.hooks import Preempted
-
-            self._raise_after_train = Preempted(code - 1)
-        self._apply_stop()
-
-    def _on_exception(self, exc: BaseException) -> None:
-        """Each hook's ``on_exception`` that overrides HookBase's, in registration order; their
-        own errors are logged so that ``exc`` propagates unchanged."""
-        for h in list(self._hooks):
-            if not _overrides(h, "on_exception"):
-                continue
-            try:
-                h.on_exception(exc)
-            except Exception:
-                logger.exception(f"{type(h).__name__}.on_exception raised; re-raising the original")
-
-    def _overridden(self, stage: str) -> Any:
-        """The bound stage method if this trainer replaces TrainerBase's, else None: then the
-        loop calls the dispatcher's stage directly (the same code TrainerBase's method calls,
-        without its Python frame)."""
-        if getattr(type(self), stage) is getattr(TrainerBase, stage) and stage not in vars(self):
-            return None
-        return getattr(self, stage)
+        self._hookloop.stop.request(raise_after_train)
 
     def before_train(self) -> None:
-        if self._loop_hooks is None:
+        parts = self._hookloop
+        if not parts.stop.running:
             # A loop of the subclass's own (``for self.iter in range(...)`` calling the stages):
             # the dispatcher learns this run's storage and max_iter here, as train() tells it.
-            self._begin_own_loop()
-        self._dispatcher.before_train()
-
-    def _begin_own_loop(self) -> None:
-        storage = getattr(self, "storage", None)
-        if isinstance(storage, EventStorage):
-            max_iter = getattr(self, "max_iter", None)
-            self._dispatcher.begin(
-                self._hooks, storage, max_iter if isinstance(max_iter, int) else _NO_MAX_ITER
-            )
+            storage = getattr(self, "storage", None)
+            if isinstance(storage, EventStorage):
+                max_iter = getattr(self, "max_iter", None)
+                parts.dispatcher.begin(
+                    self._hooks, storage, max_iter if isinstance(max_iter, int) else _NO_MAX_ITER
+                )
+        parts.dispatcher.before_train()
 
     def after_train(self) -> None:
         self.storage.iter = self.iter
-        self._dispatcher.after_train(self.iter)
+        self._hookloop.dispatcher.after_train(self.iter)
 
     def before_step(self) -> None:
         # Maintain the invariant that storage.iter == trainer.iter for the entire execution
         # of each step
         self.storage.iter = self.iter
-        self._dispatcher.before_step(self.iter)
+        self._hookloop.dispatcher.before_step(self.iter)
 
     def after_backward(self) -> None:
-        self._dispatcher.after_backward()
+        self._hookloop.dispatcher.after_backward()
 
     def after_step(self) -> None:
-        self._dispatcher.after_step(self.iter)
+        self._hookloop.dispatcher.after_step(self.iter)
 
     def hooks_table(self) -> Dict[str, List[Any]]:
         """The hooks each stage calls, in call order (registration order, unless hooks declare
         a ``priority``): what the dispatcher runs, for checking where a hook lands."""
-        return {stage: list(self._dispatcher.hooks_for(stage)) for stage in _STAGES}
+        dispatcher = self._hookloop.dispatcher
+        return {stage: list(dispatcher.hooks_for(stage)) for stage in _STAGES}
 
     def hook_stats(self) -> List[HookStat]:
         """Per hook and stage, the time spent in it since ``train()`` started: a
         :class:`HookStat` ``(hook, stage, calls, total_s, max_s, share)`` per entry of the
         dispatch table, in call order. Every hook call is timed (one clock read per call, a
-        few nanoseconds; ``trainer._dispatcher.timing = False`` turns it off, and the counts
-        then stay zero). ``share`` is ``total_s`` over the training time so far."""
+        few nanoseconds; ``trainer._hookloop.dispatcher.timing = False`` turns it off, and the
+        counts then stay zero). ``share`` is ``total_s`` over the training time so far."""
+        parts = self._hookloop
         # The dispatcher's counts carry over edits of the hook list (a stop adds and removes
         # one hook of its own, left out here).
         rows = [
-            r for r in self._dispatcher.hook_stats() if not isinstance(r[0], _StopBeforeNextStep)
+            r for r in parts.dispatcher.hook_stats() if not isinstance(r[0], _StopBeforeNextStep)
         ]
-        start, end = self._train_time
+        start, end = parts.train_time
         elapsed = (time.perf_counter() if end is None else end) - start
         return [
             HookStat(h, stage, calls, total, longest, total / elapsed if elapsed > 0 else 0.0)
             for h, stage, calls, total, longest in rows
         ]
-
-    _train_time: List[Any] = [0.0, None]
 
     def run_step(self) -> None:
         raise NotImplementedError
@@ -614,9 +566,28 @@ class TrainerBase:
         if "rng" in state_dict:
             set_rng_state(state_dict["rng"])
         # Applied to the storage that the next train() opens.
-        self._resume_storage = state_dict.get("storage")
+        self._hookloop.resume_storage = state_dict.get("storage")
 
-    _resume_storage: Optional[Mapping[str, Any]] = None
+
+def _overridden(trainer: TrainerBase, stage: str) -> Any:
+    """The bound stage method if ``trainer`` replaces TrainerBase's, else None: then the loop
+    calls the dispatcher's stage directly (the same code TrainerBase's method calls, without
+    its Python frame)."""
+    if getattr(type(trainer), stage) is getattr(TrainerBase, stage) and stage not in vars(trainer):
+        return None
+    return getattr(trainer, stage)
+
+
+def _on_exception(hooks: List[Any], exc: BaseException) -> None:
+    """Each hook's ``on_exception`` that overrides HookBase's, in registration order; their
+    own errors are logged so that ``exc`` propagates unchanged."""
+    for h in list(hooks):
+        if not _overrides(h, "on_exception"):
+            continue
+        try:
+            h.on_exception(exc)
+        except Exception:
+            logger.exception(f"{type(h).__name__}.on_exception raised; re-raising the original")
 
 
 # The trainer state's key for hooks whose state detectron2 does not keep (BestCheckpointer's
@@ -657,6 +628,11 @@ class SimpleTrainer(TrainerBase):
     All other tasks during training (checkpointing, logging, evaluation, LR schedule) are
     maintained by hooks, which can be registered by :meth:`TrainerBase.register_hooks`.
 
+    Two collaborators do hookloop's extra work: a :class:`~hookloop.data.cursor.DataCursor`
+    (epochs of a finite loader, the data position for resume) and a
+    :class:`~hookloop.engine.metrics.LossMetrics` (losses read in batches, asynchronous
+    writes, the packed collective across ranks).
+
     Args:
         model: a torch Module. Takes a data from data_loader and returns a dict of losses
             (or a single loss tensor).
@@ -681,12 +657,21 @@ class SimpleTrainer(TrainerBase):
             optimizer (``AMPTrainer``: and its grad scaler). True by default;
             :class:`~hookloop.engine.hooks.OptimizationHook` sets it to False in its
             ``before_train`` and does both itself (every N iterations with accumulation).
+        epoch (int): the epoch of a finite data loader (0 for the first pass; infinite
+            loaders stay at 0).
+        iters_per_epoch: ``len(data_loader)`` when the loader has a length, else None.
     """
 
     #: At most this many recorded iterations of losses wait, as tensors, for one batched read.
     METRICS_READ_EVERY = 20
+    #: At most this many batches of CUDA losses are copied to the host without being waited
+    #: for (until something reads the storage); then they are read.
+    MAX_IN_FLIGHT = 50
 
     step_optimizer = True
+    #: Read in before_train; a subclass that skips SimpleTrainer.__init__ gets the deferred
+    #: reads unless it sets it.
+    check_finite_every_step = False
 
     def __init__(
         self,
@@ -718,50 +703,10 @@ class SimpleTrainer(TrainerBase):
         self.check_finite_every_step = check_finite_every_step
         # One worker, so metric writes run in submission order.
         self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self._init_metric_state()
-
-    #: Read in before_train; a subclass that skips SimpleTrainer.__init__ gets detectron2's
-    #: per-step reads unless it sets it.
-    check_finite_every_step = False
-    _deferring = False
-    # None until _init_metric_state ran: a subclass that skips SimpleTrainer.__init__ (calls
-    # TrainerBase.__init__ and sets detectron2's attributes itself) gets the state in
-    # before_train or after_train, whichever runs first.
-    _settle_lock: Any = None
-
-    def _init_metric_state(self) -> None:
-        """hookloop's own state for writing metrics (none of it is detectron2's): pending
-        asynchronous writes, losses recorded but not read yet, and their lock."""
-        self._pending_writes: Deque[concurrent.futures.Future] = deque()
-        # Losses recorded but not read yet: (iteration, data_time, loss_dict, prefix). The
-        # training thread appends to this one list without a lock (an append is atomic); a
-        # settle, which any thread reading the storage may run, removes what it takes, under
-        # _settle_lock. The list is never replaced: an append made while a settle runs lands
-        # either in what it takes or in a list it left empty (and that append sets the
-        # storage's flag again).
-        self._pending_metrics: List[Tuple[int, float, Mapping[str, Any], str]] = []
-        self._settle_lock = threading.RLock()
-        # Losses of earlier iterations on their way to the host (a CUDA copy not waited for).
-        self._in_flight: List[Tuple[List[Tuple[int, float, Mapping[str, Any], str]], Any]] = []
-        this = weakref.ref(self)  # the storage holds this function: no trainer <-> storage cycle
-
-        def settle() -> None:
-            trainer = this()
-            if trainer is not None:
-                trainer._settle_metrics()
-
-        self._settler = settle
+        _simple_parts(self)
 
     def before_train(self) -> None:
-        if self._settle_lock is None:
-            self._init_metric_state()
-        # Deferred reads in one process; the per-step path when asked for, for asynchronous
-        # writes, and across processes (whose reduction is per write).
-        self._deferring = not (
-            self.check_finite_every_step
-            or self.async_write_metrics
-            or (comm._initialized() and comm.get_world_size() > 1)
-        )
+        _simple_parts(self).metrics.configure(self)  # type: ignore[union-attr]
         super().before_train()
 
     def run_step(self) -> None:
@@ -772,7 +717,7 @@ class SimpleTrainer(TrainerBase):
         try:
             data = next(self._data_loader_iter)
         except StopIteration:  # a finite loader: the next epoch (free while not raised)
-            data = self._next_epoch()
+            data = _simple_parts(self).data.next_epoch(self)  # type: ignore[union-attr]
         data_time = time.perf_counter() - start
 
         if self.zero_grad_before_forward and self.step_optimizer:
@@ -786,184 +731,45 @@ class SimpleTrainer(TrainerBase):
         self.after_backward()
 
         if self.async_write_metrics:
-            self._submit_metrics(loss_dict, data_time)
+            _simple_parts(self).metrics.submit(self, loss_dict, data_time)  # type: ignore[union-attr]
         else:
             self._write_metrics(loss_dict, data_time)
 
         if self.step_optimizer:
             self.optimizer.step()
 
-    def _submit_metrics(self, loss_dict: Mapping[str, torch.Tensor], data_time: float) -> None:
-        """Writes metrics on the executor thread, after re-raising any earlier write's error.
-        The executor gets a copy of the loss dict: the model may refill its dict at the next
-        step before the executor reads it (detectron2 hands over the model's own)."""
-        self._raise_async_errors()
-        it = self.iter
-        loss_dict = dict(loss_dict)
-        if (it + 1) % self.gather_metric_period == 0 and self._stop_rides_collective():
-            # Across ranks: the stop agreed in the previous period's collective is taken
-            # here, at the same iteration on every rank (the wait is for a write a period
-            # old); this period's collective carries the stop code read now.
-            self._wait_for_metric_writes()
-            owner = self._stop_owner()
-            agreed, self._async_stop = self._async_stop, 0
-            if agreed:
-                owner._stop_agreed(agreed)
-            # Its own group: on the default one, this thread's collective could meet DDP's
-            # all-reduces in a different order on each rank (made here, on the training
-            # thread, where every rank reaches the first one at the same point).
-            group = comm._get_off_thread_group()
-            stop = owner._outgoing_stop()
-            self._pending_writes.append(
-                self.concurrent_executor.submit(
-                    self._write_metrics_async, loss_dict, data_time, it, stop, group
-                )
-            )
-            return
-        self._pending_writes.append(
-            self.concurrent_executor.submit(self._write_metrics, loss_dict, data_time, iter=it)
-        )
-
-    def _wait_for_metric_writes(self) -> None:
-        """Waits for the asynchronous metric writes queued so far, re-raising the first error.
-        A periodic writer calls this when it is due, so its lines carry every loss of the
-        iterations they cover, as in the synchronous mode."""
-        pending = self._pending_writes
-        while pending:
-            pending.popleft().result()
-
-    def _raise_async_errors(self) -> None:
-        """Re-raises, on the training thread, an exception from a finished asynchronous metric
-        write (the oldest first)."""
-        pending = self._pending_writes
-        while pending and pending[0].done():
-            pending.popleft().result()
-
     @property
     def _data_loader_iter(self) -> Any:
         # only create the data loader iterator when it is used
         if self._data_loader_iter_obj is None:
-            # Where the sampler starts, before a prefetching loader moves it on: a checkpoint
-            # records the position of the batches actually consumed from here.
-            self._data_start = _sampler_state(self.data_loader)
-            self._data_start_iter = self.iter
-            if self._resumed_rng:
-                # A DataLoader draws its base seed from torch's RNG when its iterator is made.
-                # An uninterrupted run made it at the first iteration; a resumed run must not
-                # shift the RNG stream it restored, so that draw is undone.
-                rng = torch.random.get_rng_state()
-                self._data_loader_iter_obj = iter(self.data_loader)
-                torch.random.set_rng_state(rng)
-                self._resumed_rng = False
-            else:
-                self._data_loader_iter_obj = iter(self.data_loader)
+            cursor = _simple_parts(self).data
+            self._data_loader_iter_obj = cursor.new_iterator(self)  # type: ignore[union-attr]
         return self._data_loader_iter_obj
 
-    #: The epoch of a finite data loader (0 for the first pass; infinite loaders stay at 0).
-    epoch = 0
-    # Batches taken in the current epoch before this train() (from a resumed checkpoint).
-    _epoch_batches_before = 0
-    _epoch_start_iter = 0
+    # epoch and iters_per_epoch are not detectron2's names: a subclass may assign its own
+    # (xmodaler-style trainers do), which is then what reads give; the cursor keeps its own.
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of a finite data loader (0 for the first pass)."""
+        if "epoch" in self.__dict__:
+            return self.__dict__["epoch"]  # type: ignore[no-any-return]
+        return _simple_parts(self).data.epoch  # type: ignore[union-attr]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.__dict__["epoch"] = value
 
     @property
     def iters_per_epoch(self) -> Optional[int]:
-        """``len(data_loader)`` when the loader has a length, else None; once a subclass
-        assigns its own (as xmodaler-style trainers do), that value."""
+        """``len(data_loader)`` when the loader has a length, else None."""
         if "iters_per_epoch" in self.__dict__:
             return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
-        loader = self.data_loader
-        if type(loader) in _NO_LEN:
-            return None  # asked at every write: no TypeError raised and caught each time
-        try:
-            return len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            return None
+        return iters_per_epoch(self.data_loader)
 
     @iters_per_epoch.setter
     def iters_per_epoch(self, value: Optional[int]) -> None:
         self.__dict__["iters_per_epoch"] = value
-
-    def _next_epoch(self) -> Any:
-        """The first batch of the next pass over a finite loader: ``epoch`` advances and the
-        sampler's ``set_epoch(epoch)`` is called when it has one (detectron2-style runners).
-        A one-shot iterator (a generator) has no next epoch: its ``StopIteration`` ends
-        training, as in detectron2."""
-        if iter(self.data_loader) is self.data_loader:
-            raise StopIteration
-        self.epoch += 1
-        self._epoch_start_iter = self.iter
-        self._epoch_batches_before = 0
-        set_epoch = getattr(_sampler(self.data_loader), "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(self.epoch)
-        self._data_loader_iter_obj = None
-        try:
-            return next(self._data_loader_iter)
-        except StopIteration:
-            raise ValueError(
-                f"the data loader ({type(self.data_loader).__name__}) yields no batches"
-            ) from None
-
-    _data_start: Optional[Dict[str, Any]] = None
-    _data_start_iter = 0
-    _resumed_rng = False
-
-    def _resume_epoch(self, epoch: int, batches: int) -> None:
-        """Continues a finite loader at ``batches`` into ``epoch``: the sampler gets
-        ``set_epoch(epoch)`` (so a seeded sampler repeats that epoch's order) and the batches
-        already used are drawn and dropped (a finite loader has no position to seek to)."""
-        self.epoch = epoch
-        set_epoch = getattr(_sampler(self.data_loader), "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        self._data_loader_iter_obj = None
-        rng = get_rng_state()  # drawing batches must not move the restored random streams
-        it = self._data_loader_iter
-        for _ in range(batches):
-            if next(it, _END) is _END:
-                break
-        set_rng_state(rng)
-        self._resumed_rng = False
-        self._epoch_batches_before = batches
-        self._epoch_start_iter = self.iter + 1  # the first iteration of the resumed run
-
-    def _data_state(self) -> Dict[str, Any]:
-        """The data position for a checkpoint saved at the end of iteration ``self.iter``:
-        the loader's own ``state_dict()`` when it has one, else its sampler's state moved on
-        by the batches consumed since the iterator was created (one per iteration)."""
-        loader = self.data_loader
-        own = getattr(loader, "state_dict", None)
-        if callable(own):
-            return {"loader": own()}
-        if self._data_loader_iter_obj is None or self._data_start is None:
-            return {}
-        batches = self.iter + 1 - self._data_start_iter
-        batch_size = _batch_size(loader)
-        if batch_size is None or "position" not in self._data_start:
-            return {}
-        state = dict(self._data_start)
-        state["position"] = state["position"] + batches * batch_size * comm.get_world_size()
-        return {"sampler": state}
-
-    def _load_data_state(self, data: Mapping[str, Any]) -> None:
-        if "epoch" in data:
-            self._resume_epoch(int(data["epoch"]), int(data["epoch_batches"]))
-            return
-        loader = self.data_loader
-        own = getattr(loader, "load_state_dict", None)
-        sampler = _sampler(loader)
-        if "loader" in data and callable(own):
-            own(data["loader"])
-        elif "sampler" in data and sampler is not None and hasattr(sampler, "load_state_dict"):
-            sampler.load_state_dict(data["sampler"])
-        else:
-            logger.warning(
-                f"The data loader ({type(loader).__name__}) cannot be resumed: it has no "
-                "state_dict() and no resumable sampler (hookloop.data.TrainingSampler); "
-                "training continues with its data from its current position."
-            )
-            return
-        self._data_loader_iter_obj = None
 
     def reset_data_loader(self, data_loader_builder: Any) -> None:
         """Delete and replace the current data loader with a new one, which will be created
@@ -980,115 +786,8 @@ class SimpleTrainer(TrainerBase):
         prefix: str = "",
         iter: Optional[int] = None,
     ) -> None:
-        iter = self.iter if iter is None else iter
-        if (iter + 1) % self.gather_metric_period == 0:
-            if self._deferring:
-                # Kept as tensors: no device synchronization, no torch call, this step. The
-                # dict is copied: a model may return the same dict every step, refilled.
-                pending = self._pending_metrics
-                pending.append((iter, data_time, dict(loss_dict), prefix))
-                if len(pending) == 1:
-                    self.storage._defer(self._settler)
-                elif len(pending) >= self.METRICS_READ_EVERY:
-                    self._read_pending()
-                return
-            owner = self._stop_owner()
-            try:
-                agreed = _write_metrics_across(
-                    loss_dict, data_time, iter, prefix, owner._outgoing_stop()
-                )
-            except Exception:
-                logger.exception("Exception in writing metrics: ")
-                raise
-            if agreed:
-                owner._stop_agreed(agreed)
-
-    def _stop_owner(self) -> TrainerBase:
-        """The trainer whose loop a stop ends: this one, or the ``DefaultTrainer``-style
-        wrapper that runs this one's steps (``_stop_owner_ref``)."""
-        ref = self._stop_owner_ref
-        owner = ref() if ref is not None else None
-        return self if owner is None else owner
-
-    _stop_owner_ref: Optional["weakref.ReferenceType[TrainerBase]"] = None
-
-    def _stop_rides_collective(self) -> bool:
-        return comm._initialized() and comm.get_world_size() > 1
-
-    def _write_metrics_async(
-        self,
-        loss_dict: Mapping[str, torch.Tensor],
-        data_time: float,
-        iter: int,
-        stop: int,
-        group: Any,
-    ) -> None:
-        """``_write_metrics`` on the executor thread, with the stop code the training thread
-        read at this step; the agreed code waits for the training thread (_submit_metrics)."""
-        if (iter + 1) % self.gather_metric_period != 0:
-            return
-        try:
-            agreed = _write_metrics_across(loss_dict, data_time, iter, "", stop, group)
-        except Exception:
-            logger.exception("Exception in writing metrics: ")
-            raise
-        if agreed:
-            self._async_stop = agreed
-
-    _async_stop = 0
-
-    #: At most this many batches of CUDA losses are copied to the host without being waited for
-    #: (until something reads the storage); then they are read.
-    MAX_IN_FLIGHT = 50
-
-    def _read_pending(self) -> None:
-        """The pending losses are METRICS_READ_EVERY iterations long. CUDA losses start their
-        copy to the host (one stack, one non-blocking copy into pinned memory, an event after
-        it) without waiting for it, so no iteration synchronizes until something reads the
-        storage; other losses are put now."""
-        with self._settle_lock:
-            pending = self._pending_metrics
-            tensors = (
-                _losses_if(pending, _is_cuda) if len(self._in_flight) < self.MAX_IN_FLIGHT else None
-            )
-            flat = stack_scalars(tensors) if tensors else None
-            if flat is not None:
-                self._in_flight.append((self._take_pending(), _HostCopy(flat)))
-                return  # the storage's deferred flag stays set: a read completes the copy
-        self.storage._settle()
-
-    def _take_pending(self) -> List[Tuple[int, float, Mapping[str, Any], str]]:
-        """The pending entries, removed from the list in place (under ``_settle_lock``): what
-        the training thread appends meanwhile stays for the next settle."""
-        pending = self._pending_metrics
-        taken = pending[:]
-        del pending[: len(taken)]
-        return taken
-
-    def _settle_metrics(self) -> None:
-        """Puts the pending losses of every recorded iteration with the one write_metrics
-        rule, in one call into the core per batch. Losses on a device are read in one batch
-        (one stack, one copy to the host: one synchronization, or a wait for a copy started
-        earlier); on the CPU the core reads each with ``item()``, which costs less than
-        stacking many small tensors."""
-        with self._settle_lock:
-            in_flight, self._in_flight = self._in_flight, []
-            pending = self._take_pending()
-            batches: List[Tuple[List[Any], Optional[List[float]]]] = [
-                (entries, copy.values()) for entries, copy in in_flight
-            ]
-            if pending:
-                # The first loss on the CPU (every settle of a CPU run): _losses_if stops
-                # there and the core reads them all (a stray device tensor is still read, with
-                # item()).
-                tensors = _losses_if(pending, _off_cpu)
-                batches.append((pending, read_scalars(tensors) if tensors else None))
-            try:
-                for entries, values in batches:
-                    self.storage._write_metrics_batch(entries, values)
-            except Exception:
-                logger.exception("Exception in writing metrics: ")
-                raise
+        metrics = self._hookloop.metrics or _simple_parts(self).metrics
+        metrics.write(self, loss_dict, data_time, prefix, self.iter if iter is None else iter)  # type: ignore[union-attr]
 
     @staticmethod
     def write_metrics(
@@ -1108,18 +807,12 @@ class SimpleTrainer(TrainerBase):
         on every rank; on the main process ``data_time`` (the max over ranks),
         ``{prefix}total_loss`` and, with several losses, each loss (the mean over ranks).
         """
-        _write_metrics_across(loss_dict, data_time, cur_iter, prefix, 0)
+        write_metrics_across(loss_dict, data_time, cur_iter, prefix, 0)
 
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
         ret["optimizer"] = self.optimizer.state_dict()
-        data = self._data_state()
-        if self.iters_per_epoch is not None:
-            # A finite loader: the epoch and the batches taken in it (one per iteration).
-            data["epoch"] = self.epoch
-            data["epoch_batches"] = (
-                self._epoch_batches_before + self.iter + 1 - max(self._epoch_start_iter, 0)
-            )
+        data = _simple_parts(self).data.state(self)  # type: ignore[union-attr]
         if data:
             ret["data"] = data
         return ret
@@ -1127,149 +820,24 @@ class SimpleTrainer(TrainerBase):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        if "data" in state_dict:
-            self._load_data_state(state_dict["data"])
-        self._resumed_rng = "rng" in state_dict
+        cursor = _simple_parts(self).data
+        cursor.load_state(self, state_dict.get("data"), "rng" in state_dict)  # type: ignore[union-attr]
 
     def after_train(self) -> None:
-        if self._settle_lock is None:
-            self._init_metric_state()
-        settle_error: Optional[BaseException] = None
-        try:
-            self.storage._settle()  # the last deferred losses, before the hooks read them
-        except Exception as error:
-            settle_error = error
+        metrics = _simple_parts(self).metrics
+        settle_error = metrics.settle_last(self.storage)  # type: ignore[union-attr]
         try:
             super().after_train()
         finally:
             self.concurrent_executor.shutdown(wait=True)
             self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        errors = [e for e in (f.exception() for f in self._pending_writes) if e is not None]
-        if settle_error is not None:
-            errors.insert(0, settle_error)
-        self._pending_writes.clear()
+        errors = metrics.take_errors(settle_error)  # type: ignore[union-attr]
         # A write that failed after the last step stops a run that otherwise succeeded; when
         # training already failed (maybe on an earlier such error), later ones are its echo.
         if errors and (self.iter == self.max_iter or self.stopped_early):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
-
-
-def _write_metrics_across(
-    loss_dict: Mapping[str, torch.Tensor],
-    data_time: float,
-    cur_iter: int,
-    prefix: str,
-    stop: int,
-    group: Optional[Any] = None,
-) -> int:
-    """``SimpleTrainer.write_metrics``, which also carries this rank's stop code (see
-    ``TrainerBase._outgoing_stop``) in the packed collective (on ``group``, by default the
-    default group): returns the largest any rank sent (0 in one process, where a stop never
-    waits for a collective)."""
-    # get_event_storage(), inlined: this runs every step.
-    storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
-    if type(loss_dict) is not dict:
-        if not isinstance(loss_dict, Mapping):
-            raise TypeError(
-                f"write_metrics() needs a dict of losses, got {type(loss_dict).__name__}"
-            )
-        loss_dict = dict(loss_dict)
-    if not comm._initialized() or comm.get_world_size() == 1:
-        # One process: the reduced values are its own; the core reads each loss with
-        # item() (what detectron2's v.detach().cpu().item() computes, without the copies).
-        storage._write_metrics(loss_dict, data_time, data_time, cur_iter, prefix)
-        return 0
-    names = list(loss_dict)
-    # One packed collective: every rank's losses, data time and stop code in one float64
-    # tensor, all-gathered once (detectron2 pickles a dict per rank through gather_object).
-    # Every rank gets every value, so a non-finite total fails on all ranks at this
-    # iteration, not on the main process alone while the others wait in their next
-    # collective, and a stop asked for on one rank stops every rank after this iteration.
-    packed = read_scalars([v for v in loss_dict.values()]) + [float(data_time), float(stop)]
-    gathered = _all_gather_floats(packed, len(names), cur_iter, group)
-    # data_time among workers can have high variance. The actual latency caused by
-    # data_time is the maximum among workers.
-    max_data_time = max(row[-2] for row in gathered)
-    agreed = int(max(row[-1] for row in gathered))
-    reduced = {k: _mean([row[i] for row in gathered]) for i, k in enumerate(names)}
-    if comm.is_main_process():
-        storage._write_metrics(reduced, data_time, max_data_time, cur_iter, prefix)
-        return agreed
-    storage._write_metrics(None, data_time, None, cur_iter, prefix)
-    total = sum(reduced.values())
-    if not math.isfinite(total):
-        import numpy as np
-
-        # The main process's message (the core's): the dict of numpy means, as detectron2's.
-        means = {k: np.float64(v) for k, v in reduced.items()}
-        raise FloatingPointError(
-            f"Loss became infinite or NaN at iteration={cur_iter}!\nloss_dict = {means}"
-        )
-    return agreed
-
-
-def _all_gather_floats(
-    values: List[float], n_losses: int, cur_iter: int, group: Optional[Any] = None
-) -> List[List[float]]:
-    """Every rank's ``values`` (losses, data time, stop code), with one all_gather of one
-    tensor on ``group`` (the default group when None)."""
-    import torch.distributed as dist
-
-    world = comm.get_world_size()
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    chunks = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(chunks, mine, group=group)
-    rows = torch.stack(chunks).cpu().tolist()
-    if any(len(r) != n_losses + 2 for r in rows):  # pragma: no cover - shapes are fixed
-        raise ValueError(f"ranks reported different numbers of losses at iteration {cur_iter}")
-    return rows
-
-
-def _losses_if(
-    pending: List[Tuple[int, float, Mapping[str, Any], str]], accept: Any
-) -> Optional[List[Any]]:
-    """Every loss of the ``pending`` iterations, when ``accept`` takes each of them (tried on
-    the first one before the list is built), else None."""
-    if not accept(next(iter(pending[0][2].values()), None)):
-        return None
-    values = [v for _, _, losses, _ in pending for v in losses.values()]
-    return values if all(map(accept, values)) else None
-
-
-def _off_cpu(value: Any) -> bool:
-    # is_cpu, not .device.type: a device object per call costs seven times as much
-    return isinstance(value, torch.Tensor) and not value.is_cpu
-
-
-_END = object()
-
-# Iterables that never have a length (the infinite loaders detectron2-style code passes).
-_NO_LEN = frozenset({itertools.cycle, itertools.count, itertools.repeat, types.GeneratorType})
-
-
-def _is_cuda(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_cuda
-
-
-class _HostCopy:
-    """Losses stacked on a CUDA device (``stack_scalars``) on their way to the host, copied
-    without blocking into pinned memory, with an event recorded after the copy.
-    :meth:`values` waits for that event only (not for the whole device)."""
-
-    def __init__(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            self._host.copy_(flat, non_blocking=True)
-            # On the stream of the losses' device (the copy's), not the current device's.
-            self._event = torch.cuda.current_stream(flat.device).record_event()
-
-    def values(self) -> List[float]:
-        self._event.synchronize()
-        return self._host.reshape(-1).tolist()
 
 
 def _losses(out: Any, who: str) -> Tuple[Mapping[str, torch.Tensor], torch.Tensor]:
@@ -1318,35 +886,6 @@ def _sum(values: Iterable[Any]) -> Any:
     return total
 
 
-def _sampler(loader: Any) -> Any:
-    """The sampler that orders a loader's data: a DataLoader's ``batch_sampler.sampler`` or
-    ``sampler``, or the loader itself when it is a sampler."""
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    if sampler is None:
-        sampler = getattr(loader, "sampler", None)
-    return sampler
-
-
-def _sampler_state(loader: Any) -> Optional[Dict[str, Any]]:
-    sampler = _sampler(loader)
-    state_dict = getattr(sampler, "state_dict", None)
-    return dict(state_dict()) if callable(state_dict) else None
-
-
-def _batch_size(loader: Any) -> Optional[int]:
-    size = getattr(loader, "batch_size", None)
-    if size is None:
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    return size if isinstance(size, int) and size > 0 else None
-
-
-def _mean(values: List[float]) -> float:
-    """numpy.mean of the values gathered from the ranks."""
-    import numpy as np
-
-    return float(np.mean(values))
-
-
 class AMPTrainer(SimpleTrainer):
     """Like :class:`SimpleTrainer`, but uses automatic mixed precision in the training loop.
 
@@ -1387,14 +926,14 @@ class AMPTrainer(SimpleTrainer):
             check_finite_every_step=check_finite_every_step,
         )
 
-        self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        if self._device_type == "cpu" and precision == torch.float16:
+        self._hookloop.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if self._hookloop.device_type == "cpu" and precision == torch.float16:
             logger.info("AMPTrainer: no CUDA device, using bfloat16 autocast on the CPU")
             precision = torch.bfloat16
         if grad_scaler is None:
             # Loss scaling guards float16 gradients; bfloat16 has float32's range.
             grad_scaler = torch.amp.GradScaler(
-                self._device_type, enabled=self._device_type == "cuda"
+                self._hookloop.device_type, enabled=self._hookloop.device_type == "cuda"
             )
         self.grad_scaler = grad_scaler
         self.precision = precision
@@ -1409,12 +948,12 @@ class AMPTrainer(SimpleTrainer):
         try:
             data = next(self._data_loader_iter)
         except StopIteration:  # a finite loader: the next epoch (free while not raised)
-            data = self._next_epoch()
+            data = _simple_parts(self).data.next_epoch(self)  # type: ignore[union-attr]
         data_time = time.perf_counter() - start
 
         if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
-        with torch.autocast(device_type=self._device_type, dtype=self.precision):
+        with torch.autocast(device_type=self._hookloop.device_type, dtype=self.precision):
             loss_dict, losses = _losses(self.model(data), "AMPTrainer")
 
         if not self.zero_grad_before_forward and self.step_optimizer:
@@ -1429,7 +968,7 @@ class AMPTrainer(SimpleTrainer):
         self.after_backward()
 
         if self.async_write_metrics:
-            self._submit_metrics(loss_dict, data_time)
+            _simple_parts(self).metrics.submit(self, loss_dict, data_time)  # type: ignore[union-attr]
         else:
             self._write_metrics(loss_dict, data_time)
 

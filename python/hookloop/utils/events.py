@@ -619,11 +619,14 @@ class CommonMetricPrinter(EventWriter):
         trainer = self._trainer
         if trainer is None:
             return None
+        # hookloop.data imports torch; importing events does not.
+        from hookloop.data.cursor import run_epochs
+
         try:
-            per_epoch = trainer.iters_per_epoch
-            if not per_epoch or int(trainer.max_iter) <= int(per_epoch):
+            per_epoch = run_epochs(trainer)
+            if per_epoch is None:
                 return None  # no epochs, or a run within one pass: detectron2's line
-            return int(trainer.epoch) + 1, -(-int(trainer.max_iter) // int(per_epoch))
+            return int(trainer.epoch) + 1, -(-int(trainer.max_iter) // per_epoch)
         except (ReferenceError, AttributeError, TypeError):
             return None  # the trainer is gone, or is not one that counts epochs
 

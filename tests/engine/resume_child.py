@@ -1,13 +1,13 @@
 """A training run for the exact-resume tests, run as a child process:
 
-    python resume_child.py OUT MAX_ITER [--kill-at N] [--kill-in-save N]
+    python resume_child.py OUT MAX_ITER [--kill-at N] [--kill-in-save N] [--async-save]
 
 It trains a small model with dropout on a seeded random dataset drawn through
 ``hookloop.data.TrainingSampler``, with periodic and best checkpoints, an evaluation, an LR
 schedule and the JSON and TensorBoard writers, always resuming from OUT when a checkpoint is
 there. ``--kill-at N`` sends itself SIGKILL at the end of iteration N; ``--kill-in-save N``
 does it in the middle of the checkpoint save of iteration N (after the file's bytes are
-written, before the rename).
+written, before the rename). ``--async-save`` saves checkpoints on a background thread.
 """
 
 import argparse
@@ -42,6 +42,7 @@ def main():
     p.add_argument("max_iter", type=int)
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--kill-in-save", type=int, default=-1)
+    p.add_argument("--async-save", action="store_true")
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -57,7 +58,7 @@ def main():
     )
     trainer = SimpleTrainer(model, loader, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
-    ckpt = Checkpointer(model, args.out, trainer=trainer)
+    ckpt = Checkpointer(model, args.out, trainer=trainer, async_save=args.async_save)
 
     def evaluate():
         model.eval()

@@ -1,5 +1,6 @@
-"""The headline guarantee: a run killed with SIGKILL at any moment past its first checkpoint and
-restarted with resume ends exactly as a run that was never interrupted: the same weights,
+"""The headline guarantee: a run killed with SIGKILL at any moment (before its first checkpoint
+too, and while an asynchronous save is on its way to the disk) and restarted with resume ends
+exactly as a run that was never interrupted: the same weights,
 optimizer and scheduler state, best-checkpoint record, metrics.json (the same iterations, none
 twice, none missing, the same values) and TensorBoard curves (one value per step)."""
 
@@ -59,12 +60,26 @@ def load(path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kill",
-    [["--kill-at", "14"], ["--kill-at", "33"], ["--kill-in-save", "19"]],
-    ids=["mid-period", "late", "during-save"],
+    [
+        ["--kill-at", "14"],
+        ["--kill-at", "33"],
+        ["--kill-in-save", "19"],
+        ["--kill-at", "6"],
+        ["--kill-at", "10", "--async-save"],
+        ["--kill-at", "23", "--async-save"],
+    ],
+    ids=[
+        "mid-period",
+        "late",
+        "during-save",
+        "before-the-first-checkpoint",
+        "async-save-in-flight",
+        "async-mid-period",
+    ],
 )
 def test_killed_and_resumed_run_equals_uninterrupted_run(straight, tmp_path, kill):
     assert run(tmp_path, *kill) == -signal.SIGKILL
-    assert run(tmp_path) == 0
+    assert run(tmp_path, *[a for a in kill if a == "--async-save"]) == 0
 
     a, b = load(straight / "model_final.pth"), load(tmp_path / "model_final.pth")
     for k, v in a["model"].items():

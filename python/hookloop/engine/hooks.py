@@ -229,14 +229,14 @@ class PeriodicWriter(HookBase):
             bind = getattr(writer, "_bind_trainer", None)
             if bind is not None:
                 bind(self.trainer)
+        # Drop what an earlier run wrote for iterations >= start_iter (a killed run's steps
+        # after its checkpoint; at 0, a fresh start's output replaces the earlier run's), so
+        # no output mixes two runs' steps (TensorBoard: its purge marker).
         start_iter = self.trainer.start_iter
-        if start_iter > 0:
-            # A resumed run: drop what a killed run wrote for iterations >= start_iter, so the
-            # outputs have no duplicates (TensorBoard: its purge marker).
-            for writer in self._writers:
-                resume = getattr(writer, "_resume_from", None)
-                if resume is not None:
-                    resume(start_iter)
+        for writer in self._writers:
+            resume = getattr(writer, "_resume_from", None)
+            if resume is not None:
+                resume(start_iter)
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
         if "_period" not in self.__dict__:

@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import os
+import shutil
 import socket
 import sys
 import time
@@ -347,17 +348,49 @@ class JSONWriter(_NativeFileWriter):
         return _JSONFileHandle(self._native)
 
     def _resume_from(self, start_iter: int) -> None:
-        """A resumed run restarts at ``start_iter``: the lines a killed run wrote for
-        iterations >= ``start_iter`` are removed from the file (an atomic rewrite), so the
-        resumed run's lines follow without duplicates. ``PeriodicWriter`` calls this."""
+        """A run starts at ``start_iter``: the lines an earlier run wrote for iterations >=
+        ``start_iter`` are removed from the file (an atomic rewrite), so this run's lines
+        follow without duplicates. ``PeriodicWriter`` calls this at ``before_train``.
+
+        A resumed run (``start_iter > 0``) removes what the killed run wrote after its
+        checkpoint: the resumed run writes those iterations again. A run that starts at 0 (a
+        fresh start, or a resume that found no checkpoint) replaces the whole file; a file
+        that held lines is first copied to ``<path>.1`` (``.2``, ... when taken), and a
+        warning names both."""
+        kept = self._keep_earlier_run() if start_iter <= 0 else None
         removed = self._native._purge_from(start_iter)
-        if removed:
+        if kept is not None:
+            logger.warning(
+                "%s held %d line(s) of an earlier run; this run starts at iteration %d and "
+                "replaces them (the earlier file is kept as %s)",
+                self._native.path,
+                removed,
+                start_iter,
+                kept,
+            )
+        elif removed:
             logger.info(
                 "Removed %d line(s) of iterations >= %d from %s, left by an earlier run",
                 removed,
                 start_iter,
                 self._native.path,
             )
+
+    def _keep_earlier_run(self) -> Optional[str]:
+        """A copy of the file at the first free ``<path>.N``, when it holds anything."""
+        self._native.flush()
+        path = self._native.path
+        try:
+            if os.path.getsize(path) == 0:
+                return None
+        except FileNotFoundError:
+            return None
+        n = 1
+        while os.path.exists(f"{path}.{n}"):
+            n += 1
+        kept = f"{path}.{n}"
+        shutil.copyfile(path, kept)
+        return kept
 
 
 class _JSONFileHandle:
@@ -429,10 +462,21 @@ class TensorboardXWriter(_NativeFileWriter):
             self._resume_from(purge_step)
 
     def _resume_from(self, start_iter: int) -> None:
-        """A resumed run restarts at ``start_iter``: writes TensorBoard's purge marker (a
+        """A run starts at ``start_iter``: writes TensorBoard's purge marker (a
         ``SessionLog.START`` event at that step, what ``SummaryWriter(purge_step=...)`` writes),
-        so TensorBoard's reader discards the events a killed run left at steps >= it."""
+        so TensorBoard's reader discards the events an earlier run left at steps >= it. At 0
+        (a fresh start) only when the directory holds an earlier event file: a first run's
+        file stays as SummaryWriter's. The earlier files stay on disk."""
+        if start_iter <= 0 and not self._earlier_event_files():
+            return
         self._native._purge_from(start_iter)
+
+    def _earlier_event_files(self) -> bool:
+        log_dir = self._writer.log_dir
+        try:
+            return any(n.startswith("events.out.tfevents.") for n in os.listdir(log_dir))
+        except OSError:
+            return False  # not created yet: nothing earlier in it
 
     def write(self) -> None:
         storage = get_event_storage()

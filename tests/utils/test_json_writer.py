@@ -127,6 +127,42 @@ def test_start_iter_and_resume_appends(tmp_path):
     assert max(iters) >= 29
 
 
+def test_a_run_from_iteration_0_replaces_an_earlier_runs_lines_and_keeps_them_aside(
+    tmp_path, caplog
+):
+    """detectron2 appends a fresh run's lines to an existing metrics.json, which then holds two
+    runs' steps; hookloop's run from 0 replaces them, after copying the earlier file to the
+    first free ``metrics.json.N``, with one warning naming both."""
+    path = tmp_path / "metrics.json"
+    earlier = '{"iteration": 3, "old": 1.0}\n{"iteration": 7, "old": 2.0}\n'
+    path.write_text(earlier)
+    (tmp_path / "metrics.json.1").write_text("taken\n")
+    for start, stop in [(0, 6), (0, 6)]:
+        with caplog.at_level("WARNING", logger="hookloop"):
+            trainer = ScriptedTrainer(0)
+            trainer.register_hooks([PeriodicWriter([JSONWriter(path, 10)], period=4)])
+            trainer.train(start, stop)
+    assert (tmp_path / "metrics.json.1").read_text() == "taken\n"
+    assert (tmp_path / "metrics.json.2").read_text() == earlier
+    first_run = (tmp_path / "metrics.json.3").read_text()
+    assert 3 in _iterations(tmp_path / "metrics.json.3")
+    assert path.read_text() == first_run  # the second run replaced the first's lines
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2
+    assert f"{path} held 2 line(s) of an earlier run" in warnings[0]
+    assert warnings[0].endswith(f"(the earlier file is kept as {path}.2)")
+
+
+def test_a_first_run_into_an_empty_directory_keeps_nothing_aside(tmp_path, caplog):
+    path = tmp_path / "metrics.json"
+    with caplog.at_level("WARNING", logger="hookloop"):
+        trainer = ScriptedTrainer(0)
+        trainer.register_hooks([PeriodicWriter([JSONWriter(path, 10)], period=4)])
+        trainer.train(0, 6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_second_writer_appends_to_existing_file(tmp_path):
     path = tmp_path / "metrics.json"
     path.write_text('{"iteration": 0, "old": 1.0}\n')

@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 import weakref
@@ -336,7 +337,9 @@ class JSONWriter(_NativeFileWriter):
         *,
         fsync: str = _core.JSON_FSYNC_DEFAULT,
     ) -> None:
-        self._native = _core.JSONWriter(_fspath("json_file", json_file), window_size, fsync)
+        path = _fspath("json_file", json_file)
+        self._earlier_lines = _regular_and_not_empty(path)
+        self._native = _core.JSONWriter(path, window_size, fsync)
 
     def write(self) -> None:
         self._native.write(get_event_storage())
@@ -357,7 +360,11 @@ class JSONWriter(_NativeFileWriter):
         fresh start, or a resume that found no checkpoint) replaces the whole file; a file
         that held lines is first copied to ``<path>.1`` (``.2``, ... when taken), and a
         warning names both."""
-        kept = self._keep_earlier_run() if start_iter <= 0 else None
+        kept = None
+        if start_iter <= 0:
+            kept = self._keep_earlier_run()
+            if kept is None:
+                return  # nothing of an earlier run in the file
         removed = self._native._purge_from(start_iter)
         if kept is not None:
             logger.warning(
@@ -377,20 +384,27 @@ class JSONWriter(_NativeFileWriter):
             )
 
     def _keep_earlier_run(self) -> Optional[str]:
-        """A copy of the file at the first free ``<path>.N``, when it holds anything."""
+        """A copy of the file at the first free ``<path>.N``, when it is a regular file that
+        held lines when this writer opened it (not a device, a pipe, or only this writer's
+        own lines)."""
+        if not self._earlier_lines:
+            return None
         self._native.flush()
         path = self._native.path
-        try:
-            if os.path.getsize(path) == 0:
-                return None
-        except FileNotFoundError:
-            return None
         n = 1
         while os.path.exists(f"{path}.{n}"):
             n += 1
         kept = f"{path}.{n}"
         shutil.copyfile(path, kept)
         return kept
+
+
+def _regular_and_not_empty(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
 
 
 class _JSONFileHandle:

@@ -25,7 +25,7 @@ lint:               ## formatting, lints, types, and the stub contract of the ex
 	$(PYTHON) -m mypy python/hookloop
 	$(PYTHON) -m mypy.stubtest hookloop._core
 
-bench:              ## overhead benchmarks (figures in benches/RESULTS.md)
+bench:              ## overhead benchmarks (figures in docs/performance.md)
 	$(PYTHON) benches/bench_overhead.py
 
 bench-quick:

@@ -11,12 +11,12 @@ name). Each build runs in a process of its own under valgrind's callgrind, as
 IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
 ``--period``), each for ``--short`` and ``--long`` steps inside ``operator.call``, the garbage
 collector off. The child uses only hookloop's public API and builds the tiny MLP itself, so
-that it runs against builds older than ``hookloop.bench``.
+that it runs against builds that lack ``hookloop.bench``.
 
     python benches/bench_compare_builds.py --timed --period 1 --against /tmp/old/python  # ~4 min
 
 ``--timed`` times the same loops instead: the hand loop and each build's stack in paired
-turns (``hookloop.bench.paired``; every process a fresh interpreter that imports its build and
+turns (``lab.paired``; every process a fresh interpreter that imports its build and
 checks that it did), and per build the stack's µs per step over the hand loop and its ratio to
 this build's, with 95% intervals that resample the processes and the rounds.
 """
@@ -49,7 +49,7 @@ LOOPS = ("hand", "stack")
 
 
 def tiny_mlp() -> Tuple[Any, List[Any]]:
-    """``hookloop.bench.tiny_mlp``'s model class and its batches (the same seeds, layers and
+    """``hookloop.bench``'s model class and its batches (the same seeds, layers and
     losses; a test checks that both give the same losses), rebuilt here for old builds."""
     import torch
     from torch import nn
@@ -85,7 +85,7 @@ def make_loops(
     """The two loops, each as ``make(n)``: a fresh model and a function that trains it ``n``
     steps (the hand-written loop, and ``SimpleTrainer`` with the default stack at ``period``
     writing under ``tmp``), taking its batches from ``data(batches)`` (default: cycled).
-    Only hookloop's public API: it runs against builds older than ``hookloop.bench``."""
+    Only hookloop's public API: it runs against builds that lack ``hookloop.bench``."""
     import torch
     from hookloop.engine import SimpleTrainer, hooks
     from hookloop.utils import events
@@ -151,14 +151,6 @@ def child(period: int, lengths: Sequence[int]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-#: hookloop.bench.paired of this checkout, which the timed children load from its file:
-#: importing it as part of the package would import this build's hookloop.
-PAIRED = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python", "hookloop", "bench",
-    "paired.py",
-)  # fmt: skip
-
-
 def timed_child(
     conn: Any, python_path: Optional[str], loop: str, period: int, window: int, steps: int,
     tmp: str,
@@ -166,7 +158,6 @@ def timed_child(
     """One process of ``--timed`` (a fresh interpreter): ``loop`` of the hookloop found first
     on ``python_path`` (the parent's when None) trains, taking its turns through
     ``paired._turns``, until the parent stops it."""
-    import importlib.util
     import traceback
 
     if python_path is not None:
@@ -180,11 +171,8 @@ def timed_child(
             os.path.join(python_path, "hookloop")
         ):
             raise RuntimeError(f"imported hookloop from {where}, not from {python_path}")
-        spec = importlib.util.spec_from_file_location("_hookloop_paired_turns", PAIRED)
-        assert spec is not None and spec.loader is not None
-        turns = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = turns  # dataclasses look their module up
-        spec.loader.exec_module(turns)
+        from lab import paired as turns  # this checkout's; it imports no hookloop
+
         torch.set_num_threads(1)
         device = torch.device("cpu")
         makes = make_loops(period, tmp, lambda batches: turns._turns(conn, batches, window, device))
@@ -287,11 +275,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def timed(args: argparse.Namespace) -> int:
     """``--timed``: the hand loop and each build's stack in paired turns
-    (``hookloop.bench.paired``, every process a fresh interpreter), and per build the stack's
+    (``lab.paired``, every process a fresh interpreter), and per build the stack's
     µs per step over the hand loop, with 95% intervals that resample the processes and the
     rounds, and its ratio to the first build's."""
     import numpy as np
-    from hookloop.bench import paired
+    from lab import paired
 
     builds: List[Optional[str]] = [None, *args.against]
     hand = paired.Variant("hand")

@@ -2,9 +2,9 @@
 """Two gloo ranks on 127.0.0.1, spawned by ``hookloop.engine.launch``: what hookloop costs
 over a hand-written DDP loop, and what its metric reduction costs against detectron2's.
 
-1. **steps/s** of the tiny MLP of ``hookloop.bench.tiny_mlp`` (Linear 32→64, ReLU, Linear
-   64→1, batches of 16, SGD with momentum) wrapped in ``DistributedDataParallel``, each rank
-   on its own data: ``hookloop.bench.tiny_mlp.hand_loop`` (the same torch calls as
+1. **steps/s** of the tiny MLP of ``lab.tiny_mlp`` (Linear 32→64, ReLU, Linear 64→1,
+   batches of 16, SGD with momentum) wrapped in ``DistributedDataParallel``, each rank on its
+   own data: ``lab.tiny_mlp.hand_loop`` (the same torch calls as
    ``SimpleTrainer.run_step``: data, forward, sum, zero_grad, backward, step; no metrics),
    the same loop plus the one all_gather of the packed metrics every step (what hookloop
    makes at ``gather_metric_period=1``), and hookloop's ``SimpleTrainer`` (no hooks) at
@@ -40,10 +40,10 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import torch
 import torch.distributed as dist
-from hookloop.bench import overhead, tiny_mlp
 from hookloop.engine import SimpleTrainer, launch
 from hookloop.utils import comm
 from hookloop.utils.events import EventStorage, get_event_storage
+from lab import overhead, tiny_mlp
 from torch.nn.parallel import DistributedDataParallel
 
 

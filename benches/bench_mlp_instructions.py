@@ -109,7 +109,7 @@ def child(loops: Sequence[str], lengths: Sequence[int]) -> None:
     ``tiny_mlp.time_hand`` runs them, the trainers' ``train()``. Building the model counts in
     both runs of a loop, and so cancels out."""
     import torch
-    from hookloop.bench import overhead, tiny_mlp
+    from lab import overhead, tiny_mlp
 
     torch.set_num_threads(1)
     dev = torch.device("cpu")

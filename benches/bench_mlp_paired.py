@@ -1,5 +1,5 @@
-"""The tiny MLP of issue 11 in paired turns (:mod:`hookloop.bench.paired`), with each ratio's
-95% confidence interval: the figures RESULTS.md quotes for the tiny-MLP goals.
+"""The tiny MLP of issue 11 in paired turns (:mod:`lab.paired`), with each ratio's
+95% confidence interval: the tiny-MLP figures of docs/performance.md.
 
     python benches/bench_mlp_paired.py                 # 400 rounds, 4 processes a loop: ~3 min
     python benches/bench_mlp_paired.py --rounds 50     # a quick look
@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from hookloop.bench import paired
+from lab import paired
 
 VARIANTS = {
     "hand-written loop (model calls only)": paired.HAND,

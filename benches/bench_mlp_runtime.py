@@ -62,7 +62,7 @@ def child(loop: str, steps: int, json_fsync: Optional[str] = None) -> Dict[str, 
     import torch
 
     torch.set_num_threads(1)
-    from hookloop.bench import tiny_mlp
+    from lab import tiny_mlp
 
     logging.getLogger("hookloop").setLevel(logging.WARNING)  # "Starting training" and the summary
     batches = tiny_mlp.make_batches()

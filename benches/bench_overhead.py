@@ -3,8 +3,8 @@
 
     python benches/bench_overhead.py [--quick] [--json out.json]
 
-A thin wrapper: the measurements live in ``hookloop.bench.overhead`` (shared with
-``hookloop bench``); see there and ``benches/README.md`` for what each section measures.
+A thin wrapper: the measurements live in ``lab.overhead`` (``benches/lab/overhead.py``); see
+there and ``benches/README.md`` for what each section measures.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 import hookloop  # noqa: F401  (the smoke test patches hookloop.BUILD_PROFILE through it)
-from hookloop.bench import overhead
-from hookloop.bench.overhead import (  # noqa: F401  (the names the smoke test uses)
+from lab import overhead
+from lab.overhead import (  # noqa: F401  (the names the smoke test uses)
     SECTIONS,
     Config,
     Row,

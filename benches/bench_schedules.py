@@ -14,7 +14,7 @@ Measures, side by side in this one process, the cost of one scheduler step per i
   a Python ``ParamScheduler`` subclass (the fallback: torch's step, ``get_lr``, Python schedule);
 - ``detectron2 LRMultiplier+fvcore .step()``: the baseline, detectron2's ``LRMultiplier`` over
   fvcore's ``WarmupParamScheduler(MultiStepParamScheduler(...))`` as modelled in
-  ``tests/compat/d2.py`` (the tests' model of detectron2).
+  ``tests/compat/reference_engine.py`` (the tests' model of detectron2, ``compat.d2``).
 
 Each repeat runs every variant once, in a rotating order, so all see the same machine noise;
 the table gives the median and minimum over repeats (ns per iteration) and the ratio of torch's
@@ -25,23 +25,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# The baseline is the tests' model of detectron2, tests/compat/d2.py.
-TESTS = os.path.join(os.path.dirname(HERE), "tests")
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
-
-import hookloop  # noqa: E402
-import torch  # noqa: E402
-from compat import d2  # noqa: E402
-from hookloop.solver import LRMultiplier, WarmupParamScheduler  # noqa: E402
-from hookloop.solver.param_scheduler import MultiStepParamScheduler, ParamScheduler  # noqa: E402
+import hookloop
+import lab  # noqa: F401  (puts tests/ on sys.path: the baseline, compat.d2)
+import torch
+from compat import d2
+from hookloop.solver import LRMultiplier, WarmupParamScheduler
+from hookloop.solver.param_scheduler import MultiStepParamScheduler, ParamScheduler
 
 perf_ns = time.perf_counter_ns
 

@@ -4,7 +4,7 @@
     python benches/gpu_check.py [--iters 200] [--n 2000] [--repeats 5] [--json out.json]
 
 Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP of
-``hookloop.bench.tiny_mlp`` (Linear 32→64, ReLU, Linear 64→1, batch 16, SGD momentum,
+``lab.tiny_mlp`` (Linear 32→64, ReLU, Linear 64→1, batch 16, SGD momentum,
 4 losses, data already on the device):
 
 1. **Synchronizations.** hookloop's ``SimpleTrainer`` and ``AMPTrainer`` with IterationTimer +
@@ -20,11 +20,11 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    made in ``torch/amp/grad_scaler.py`` are listed but not counted against hookloop.
 2. **Speed.** steps/s of hookloop's trainer, the pure-Python detectron2-semantics reference's
    and a hand-written loop making the same model calls, with and without AMP (float16 with a
-   GradScaler): medians over interleaved repetitions of the ratio to the hand-written loop,
-   formed within each repetition (``hookloop.bench``'s measuring code). The default stack is
-   also given as a fraction of a hand-written loop that does its own bookkeeping
+   GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of the ratio to
+   the hand-written loop, formed within each repetition. The default stack is also given as a
+   fraction of a hand-written loop that does its own bookkeeping
    (``tiny_mlp.hand_loop_bookkeeping``: ``scheduler.step()`` every step, the losses read with
-   one ``.item()`` and one line logged every 20 steps), as ``hookloop bench``'s mlp section.
+   one ``.item()`` and one line logged every 20 steps), as ``bench_mlp_paired.py`` does.
 
 Exit status: 0 when hookloop's non-write iterations made no synchronization, 1 when they made
 some (the report says where), 2 for a debug build. Under a minute on one GPU.
@@ -37,11 +37,13 @@ import collections
 import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -153,7 +155,7 @@ def _first_sync_error(e: BaseException) -> Tuple[str, str]:
 def _sync_checks(
     iters: int, tmpdir: str, device: torch.device
 ) -> Tuple[bool, List[Dict[str, Any]]]:
-    from hookloop.bench import tiny_mlp
+    from lab import tiny_mlp
 
     batches = tiny_mlp.make_batches(device)
     non_write = sum(not _writes_at(i, iters, PERIOD) for i in range(iters))
@@ -210,8 +212,20 @@ def _sync_checks(
     return clean, results
 
 
+@dataclass
+class Figure:
+    """The median over the repetitions and the best one (the highest steps/s or ratio)."""
+
+    median: float
+    best: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Figure:
+        return cls(statistics.median(values), max(values))
+
+
 def _speed(n: int, repeats: int, tmpdir: str, device: torch.device) -> List[Dict[str, Any]]:
-    from hookloop.bench import command, tiny_mlp
+    from lab import overhead, tiny_mlp
 
     batches = tiny_mlp.make_batches(device)
     rows = []
@@ -228,18 +242,17 @@ def _speed(n: int, repeats: int, tmpdir: str, device: torch.device) -> List[Dict
                     return tiny_mlp.time_trainer(t, n)
 
                 variants[f"{impl}-{hooks}"] = f
-        res = command._measure(variants, repeats)
+        for f in variants.values():
+            f()  # untimed: first calls allocate, compile, fill caches
+        res = overhead._interleaved(variants, repeats)
         hand = res["hand"]
-        row: Dict[str, Any] = {
-            "amp": amp,
-            "hand_steps_per_s": command.Figure.throughput([n / h for h in hand]),
-        }
+        row: Dict[str, Any] = {"amp": amp, "hand_steps_per_s": Figure.of([n / h for h in hand])}
         for key in variants:
             if key != "hand":
-                row[key] = command.Figure.throughput([h / t for h, t in zip(hand, res[key])])
+                row[key] = Figure.of([h / t for h, t in zip(hand, res[key])])
         for impl in ("hl", "ref"):
             runs = zip(res["hand-bk"], res[f"{impl}-stack"])
-            row[f"{impl}-stack-over-bk"] = command.Figure.throughput([h / t for h, t in runs])
+            row[f"{impl}-stack-over-bk"] = Figure.of([h / t for h, t in runs])
         rows.append(row)
     return rows
 
@@ -308,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         set_mode = torch.cuda.set_sync_debug_mode
 
     import hookloop
-    from hookloop.bench import overhead
+    from lab import overhead
 
     if hookloop.BUILD_PROFILE != "release":
         print(f"gpu_check: hookloop._core is a {hookloop.BUILD_PROFILE!r} build; rebuild with "

@@ -1,5 +1,5 @@
-"""``hookloop.bench.paired``: loops in processes of their own, taking turns of a window of
-steps. Tiny sizes; no timing is asserted."""
+"""``lab.paired`` (``benches/lab/paired.py``): loops in processes of their own, taking turns of
+a window of steps. Tiny sizes; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hookloop.bench import paired
+from lab import paired
 
 
 def test_every_process_reports_one_window_per_round_after_the_warmup() -> None:

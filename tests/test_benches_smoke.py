@@ -16,12 +16,9 @@ BENCHES = Path(__file__).resolve().parents[1] / "benches"
 
 
 def _bench_module(name: str) -> Any:
-    """A script of benches/ imported as a module (benches/ is not a package)."""
-    sys.path.insert(0, str(BENCHES))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHES))
+    """A script of benches/ imported as a module (benches/ is on the tests' path, as the
+    directory of the scripts is on theirs; it is not a package)."""
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +90,63 @@ def test_only_runs_the_sections_named(bench: Any, tmp_path: Path) -> None:
     assert all(r.met is not None for r in rows if r.target)
     with pytest.raises(ValueError, match="unknown sections"):
         bench.run_all(bench.Config.tiny(), str(tmp_path), only=["nope"])
+
+
+def test_native_schedule_gives_multistep_lrs(tmp_path: Path) -> None:
+    """The native-schedule loops compare like with like: every trained iteration gets the LR
+    torch's MultiStepLR gives it, for hookloop's schedule classes and the reference's."""
+    import torch
+    from lab import tiny_mlp
+
+    n = 45
+
+    def lrs(sched: Any, opt: torch.optim.Optimizer) -> List[float]:
+        out = []
+        for _ in range(n):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    _, opt, sched = tiny_mlp.build()
+    expected = lrs(sched, opt)
+    for impl in ("hl", "ref"):
+        _, opt, _ = tiny_mlp.build()
+        assert lrs(tiny_mlp.native_scheduler(impl, opt, n), opt) == expected, impl
+    assert tiny_mlp.native_available("hl") and tiny_mlp.native_available("ref")
+    # and the trainer built with it puts those LRs
+    t = tiny_mlp.make_trainer("hl", torch.device("cpu"), tiny_mlp.make_batches(count=4), n,
+                              str(tmp_path), "native")  # fmt: skip
+    t.train(0, n)
+    assert [v for v, _ in t.storage.history("lr").values()] == expected
+
+
+def test_bookkeeping_loop_reads_and_logs_every_20_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    import torch
+    from lab import tiny_mlp
+
+    log = tiny_mlp.hand_logger()
+    assert not log.propagate and log.isEnabledFor(logging.INFO)
+    assert any(isinstance(h, logging.NullHandler) for h in log.handlers)
+    records: List[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log.addHandler(handler)
+    reads: List[int] = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or item(self))
+    try:
+        model, opt, sched = tiny_mlp.build()
+        data = iter(tiny_mlp.make_batches(count=45))
+        tiny_mlp.hand_loop_bookkeeping(model, opt, sched, data, 45)
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage().split()[:2] for r in records] == [["iter:", "19"], ["iter:", "39"]]
+    assert "total_loss:" in records[0].getMessage() and "lr: 0.001" in records[0].getMessage()
+    assert len(reads) == 2
+    assert sched.last_epoch == 45  # stepped every step
 
 
 def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> None:
@@ -237,10 +291,10 @@ def test_compare_builds_child_runs_both_loops_on_its_own_copy_of_the_tiny_mlp(
     capsys: pytest.CaptureFixture,
 ) -> None:
     import torch
-    from hookloop.bench import tiny_mlp
+    from lab import tiny_mlp
 
     builds = _bench_module("bench_compare_builds")
-    # the child's own copy of the model and data (for builds older than hookloop.bench)
+    # the child's own copy of the model and data (for builds that lack hookloop.bench)
     model_cls, batches = builds.tiny_mlp()
     ours = tiny_mlp.make_batches()
     assert all(
@@ -291,7 +345,7 @@ def test_compare_builds_timed_takes_turns_with_another_build(
 def test_compare_builds_timed_child_refuses_a_build_it_did_not_import(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hookloop.bench import paired
+    from lab import paired
 
     builds = _bench_module("bench_compare_builds")
     monkeypatch.syspath_prepend(str(BENCHES))

@@ -1,11 +1,15 @@
-"""The package surface: cheap import, the CLI demo (the README's main job), the build profile."""
+"""The package surface: cheap import, the CLI demo (the README's main job), the build profile,
+and what the wheel ships."""
 
 from __future__ import annotations
 
+import ast
+import collections
 import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import hookloop
 import pytest
@@ -18,6 +22,58 @@ def test_importing_hookloop_and_events_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "python" / "hookloop"
+# detectron2's engine classes: hookloop defines each once; a second definition in the package
+# would be another engine (the tests' reference engine, say) shipping with it
+ENGINE_CLASSES = {
+    "HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer", "HistoryBuffer", "EventStorage",
+    "JSONWriter", "TensorboardXWriter", "CommonMetricPrinter", "IterationTimer", "LRScheduler",
+    "PeriodicWriter",
+}  # fmt: skip
+
+
+def _shipped() -> list:
+    """The files the wheel takes from the package directory (maturin's ``python-source``),
+    less bytecode caches and the extension, which the build makes."""
+    return sorted(
+        p
+        for p in PACKAGE.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".so", ".pyd"))
+    )
+
+
+def test_the_wheel_ships_no_reference_engine_and_no_benchmark_machinery():
+    files = _shipped()
+    assert PACKAGE / "engine" / "train_loop.py" in files  # the walk sees the package
+    sources = {p: p.read_text(encoding="utf-8") for p in files if p.suffix == ".py"}
+    # no reference engine: not by name, and no second definition of an engine class
+    assert not [p for p in files if "reference" in p.name or "_d2" in p.name]
+    assert not [p for p, text in sources.items() if "_d2_reference" in text]
+    defined = collections.defaultdict(list)
+    for p, text in sources.items():
+        for node in ast.walk(ast.parse(text, str(p))):
+            if isinstance(node, ast.ClassDef) and node.name in ENGINE_CLASSES:
+                defined[node.name].append(str(p.relative_to(PACKAGE)))
+    assert {k: v for k, v in defined.items() if len(v) > 1} == {}
+    # no benchmark machinery: one small `hookloop bench` module, and nothing that imports the
+    # repository's benches/ or tests/ (the scripts, their lab package, the tests' compat)
+    bench = [p.relative_to(PACKAGE).as_posix() for p in files if "bench" in p.name.lower()]
+    assert bench == ["bench.py"] and not (PACKAGE / "bench").exists()
+    assert len((PACKAGE / "bench.py").read_text(encoding="utf-8").splitlines()) <= 300
+    outside = {"benches", "tests", "lab", "compat", "conftest"}
+    outside |= {p.stem for p in (ROOT / "benches").iterdir() if p.suffix == ".py" or p.is_dir()}
+    outside |= {p.stem for p in (ROOT / "tests").iterdir() if p.suffix == ".py" or p.is_dir()}
+    imports = []
+    for p, text in sources.items():
+        for node in ast.walk(ast.parse(text, str(p))):
+            if isinstance(node, ast.Import):
+                imports += [(p.name, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imports.append((p.name, node.module))
+    assert [(f, m) for f, m in imports if m.split(".")[0] in outside] == []
 
 
 def test_version_and_build_profile():
@@ -92,9 +148,12 @@ def test_demo_interrupt_does_not_depend_on_the_inherited_sigint(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_resumes_where_it_stopped(tmp_path):
-    """Interrupted (Ctrl-C) after its checkpoint at 199, then resumed to 300: the metrics
-    equal a run that went to 300 at once, apart from wall-clock times."""
+@pytest.mark.parametrize("interrupt_at", [200, 50])
+def test_demo_resumes_where_it_stopped(tmp_path, interrupt_at):
+    """Interrupted (Ctrl-C) after its checkpoint at 199, or at 50 before its first checkpoint,
+    then resumed to 300: metrics.json and the TensorBoard curves equal a run that went to 300
+    at once, apart from wall-clock times (a resume that finds no checkpoint starts at 0 and
+    replaces the interrupted run's lines, which it keeps as metrics.json.1)."""
     common = ["--checkpoint-period", "100", "--eval-period", "100"]
 
     def demo(out, iters, *extra, rc=0):
@@ -106,10 +165,15 @@ def test_demo_resumes_where_it_stopped(tmp_path):
         return proc
 
     demo(tmp_path / "straight", 300)
-    stopped = demo(tmp_path / "resumed", 300, "--interrupt-at", "200", rc=130)
-    assert "interrupted at iteration 199" in stopped.stdout
+    stopped = demo(tmp_path / "resumed", 300, "--interrupt-at", str(interrupt_at), rc=130)
+    assert f"interrupted at iteration {interrupt_at - 1}" in stopped.stdout
     proc = demo(tmp_path / "resumed", 300, "--resume")
-    assert "resuming from" in proc.stdout
+    if interrupt_at > 100:
+        assert "resuming from" in proc.stdout
+    else:
+        assert "Starting training from iteration 0" in proc.stdout
+        kept = (tmp_path / "resumed" / "metrics.json.1").read_text().splitlines()
+        assert [json.loads(x)["iteration"] for x in kept] == [19, 39, 49]
 
     def rows(out):
         timing = {"time", "data_time", "rank_data_time", "eta_seconds"}
@@ -117,3 +181,10 @@ def test_demo_resumes_where_it_stopped(tmp_path):
         return [{k: v for k, v in json.loads(x).items() if k not in timing} for x in lines]
 
     assert rows(tmp_path / "resumed") == rows(tmp_path / "straight")
+
+    def curve(out):
+        acc = EventAccumulator(str(out), size_guidance={"scalars": 0})
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("total_loss")]
+
+    assert curve(tmp_path / "resumed") == curve(tmp_path / "straight")

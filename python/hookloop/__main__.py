@@ -6,9 +6,10 @@ detectron2-style progress lines (and a live progress bar on a terminal) and writ
 ``metrics.json``, TensorBoard event files and checkpoints into its output directory;
 ``--resume`` continues from the last checkpoint.
 
-``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop, the
-pure-Python detectron2-semantics reference and detectron2 (when importable) side by side over
-a bare loop; ``hookloop bench --help`` lists its options (see ``hookloop.bench.command``).
+``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop over
+a bare loop, side by side with detectron2 when it is importable; ``--hook MODULE:CLASS`` adds
+that hook's cost per iteration, ``--quick`` makes the runs short, ``--json PATH`` keeps the
+rows (see ``hookloop.bench``).
 """
 
 from __future__ import annotations
@@ -215,12 +216,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench = sub.add_parser(
         "bench",
         help="measure the training loop's bookkeeping overhead on this machine",
-        description="Bookkeeping overhead per iteration: a bare loop, hookloop, the pure-Python "
-        "detectron2-semantics reference and detectron2 (when importable), side by side.",
+        description="Bookkeeping overhead per iteration: hookloop over a bare loop, side by side "
+        "with detectron2 when it is importable.",
     )
-    from hookloop.bench import command as bench_command
-
-    bench_command.add_arguments(bench)
+    bench.add_argument("--quick", action="store_true", help="short runs (a few seconds)")
+    bench.add_argument("--json", metavar="PATH", help="also write the machine and the rows as JSON")
+    bench.add_argument(
+        "--hook",
+        metavar="MODULE:CLASS",
+        help="also measure this hook's cost per iteration (the class is made with no arguments)",
+    )
     demo.add_argument("--output", default="output/demo", help="directory for metrics and events")
     demo.add_argument("--iters", type=int, default=5000, help="iterations to train")
     demo.add_argument("--period", type=int, default=20, help="write metrics every N iterations")
@@ -248,7 +253,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "bench":
         raw = list(sys.argv[1:] if argv is None else argv)
         args.argv = raw[raw.index("bench") + 1 :] if "bench" in raw else []
-        return bench_command.run(args, bench)
+        from hookloop import bench as bench_module  # imports torch
+
+        return bench_module.run(args, bench)
     for name in ("iters", "period", "checkpoint_period", "eval_period"):
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if value <= 0:

@@ -1,12 +1,11 @@
-"""The tests' model of detectron2: ``hookloop._d2_reference``, under its old name.
+"""The tests' model of detectron2: ``compat.reference_engine``, under the name the tests use.
 
-The reference engine ships inside the package so that ``hookloop bench`` can run it without
-this directory. This module *is* that module (``sys.modules`` is pointed at it), so
-``from compat import d2`` gives the same classes and functions, private names included.
+This module *is* that module (``sys.modules`` is pointed at it), so ``from compat import d2``
+gives the same classes and functions, private names included.
 """
 
 import sys
 
-from hookloop import _d2_reference
+from compat import reference_engine
 
-sys.modules[__name__] = _d2_reference
+sys.modules[__name__] = reference_engine

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-from hookloop.bench.tiny_mlp import TinyMLP
+from hookloop.bench import TinyMLP
 from hookloop.checkpoint import Checkpointer
 from hookloop.data import TrainingSampler
 from hookloop.engine import HookBase, SimpleTrainer, hooks

@@ -1,12 +1,13 @@
-"""The end-to-end tiny model of issue 11, for ``hookloop bench`` and ``benches/gpu_check.py``.
+"""The end-to-end tiny model, for the scripts of ``benches/``: ``hookloop bench``'s.
 
-Linear 32→64, ReLU, Linear 64→1 on batches of 16, SGD with momentum, four losses: a step
-cheap enough (a few hundred µs on one CPU thread) that the training loop's bookkeeping shows.
-The same model calls are made by a hand-written loop (:func:`hand_loop`, the floor: data,
-forward, sum, zero_grad, backward, step), by a hand-written loop that also does a user's own
-bookkeeping (:func:`hand_loop_bookkeeping`), and by each engine's ``SimpleTrainer`` or
-``AMPTrainer`` (:func:`make_trainer`); each is timed to the end of its last iteration
-(:func:`time_hand`, :func:`time_trainer`), after waiting for the device.
+:class:`TinyMLP` (Linear 32→64, ReLU, Linear 64→1 on batches of 16, SGD with momentum, four
+losses: a step cheap enough, a few hundred µs on one CPU thread, that the training loop's
+bookkeeping shows), its batches and :func:`build` are those of :mod:`hookloop.bench`. The same
+model calls are made by a hand-written loop (:func:`hand_loop`, the floor: data, forward, sum,
+zero_grad, backward, step), by a hand-written loop that also does a user's own bookkeeping
+(:func:`hand_loop_bookkeeping`), and by each engine's ``SimpleTrainer`` or ``AMPTrainer``
+(:func:`make_trainer`); each is timed to the end of its last iteration (:func:`time_hand`,
+:func:`time_trainer`), after waiting for the device.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from hookloop import bench
+from hookloop.bench import TinyMLP, build, make_batches
 from torch import nn
 
-from hookloop.bench import overhead
+from lab import overhead
 
 __all__ = [
     "TinyMLP",
@@ -40,50 +43,6 @@ __all__ = [
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
-class TinyMLP(nn.Module):
-    """Linear 32→64, ReLU, Linear 64→1; four losses from one prediction."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-
-    def forward(self, batch: Batch) -> Dict[str, torch.Tensor]:
-        x, y = batch
-        pred = self.net(x)
-        err = pred - y
-        return {
-            "loss_mse": (err * err).mean(),
-            "loss_l1": err.abs().mean(),
-            "loss_huber": nn.functional.smooth_l1_loss(pred, y),
-            "loss_reg": 1e-4 * (pred * pred).mean(),
-        }
-
-
-def make_batches(
-    device: Any = "cpu", count: int = 64, batch: int = 16, seed: int = 0
-) -> List[Batch]:
-    """``count`` batches of generated regression data, already on ``device`` (the data path
-    stays out of the figure); a loader cycles through them."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(32, 1, generator=g)
-    out = []
-    for _ in range(count):
-        x = torch.randn(batch, 32, generator=g)
-        out.append((x.to(device), (x @ w).to(device)))
-    return out
-
-
-def build(
-    device: Any = "cpu", seed: int = 0
-) -> Tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The model, SGD with momentum, and torch's MultiStepLR (as in issue 11's measurement)."""
-    torch.manual_seed(seed)
-    model = TinyMLP().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[10**9], gamma=0.1)
-    return model, opt, sched
-
-
 def amp_settings(device: torch.device) -> Tuple[str, torch.dtype, bool]:
     """What AMPTrainer uses: float16 with a GradScaler on CUDA, bfloat16 without on the CPU."""
     if device.type == "cuda":
@@ -100,16 +59,12 @@ def hand_loop(
     scaler: Optional[Any] = None,
 ) -> None:
     """The same model calls as ``SimpleTrainer.run_step`` (``AMPTrainer.run_step`` with
-    ``amp``), with no bookkeeping: no timing, no metrics, no hooks."""
-    model.train()
+    ``amp``), with no bookkeeping: no timing, no metrics, no hooks. Without ``amp``, it is
+    ``hookloop bench``'s floor."""
     if not amp:
-        for _ in range(n):
-            loss_dict = model(next(data))
-            losses = sum(loss_dict.values())
-            opt.zero_grad()
-            losses.backward()  # type: ignore[union-attr]
-            opt.step()
+        bench.hand_loop(model, opt, data, n)
         return
+    model.train()
     device_type, dtype, _ = amp_settings(next(model.parameters()).device)
     assert scaler is not None
     for _ in range(n):
@@ -132,7 +87,7 @@ def hand_logger() -> logging.Logger:
     Each line is built (as the printer builds its own) and becomes a LogRecord that reaches
     the handler, which drops it: no Formatter runs and nothing is written, as for the
     printers' lines under ``overhead.printer_logging``."""
-    lg = logging.getLogger("hookloop.bench.hand_loop")
+    lg = logging.getLogger("lab.tiny_mlp.hand_loop")
     lg.setLevel(logging.INFO)
     lg.propagate = False
     if not lg.handlers:
@@ -201,7 +156,7 @@ def _schedule_classes(impl: str) -> Tuple[Any, Any, Any]:
 
         return solver.LRMultiplier, solver.WarmupParamScheduler, ps.MultiStepParamScheduler
     if impl == "ref":
-        from hookloop import _d2_reference as ref
+        from compat import reference_engine as ref
 
         return ref.LRMultiplier, ref.WarmupParamScheduler, ref.MultiStepParamScheduler
     if impl == "d2":
@@ -265,7 +220,7 @@ def time_hand(
 def _ref_amp_trainer() -> Any:
     """detectron2's AMPTrainer.run_step over the reference SimpleTrainer (the reference has
     no AMPTrainer of its own)."""
-    from hookloop import _d2_reference as ref
+    from compat import reference_engine as ref
 
     class RefAMPTrainer(ref.SimpleTrainer):  # type: ignore[misc]
         def __init__(self, model: nn.Module, data_loader: Any, optimizer: Any) -> None:

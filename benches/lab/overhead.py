@@ -1,13 +1,14 @@
 """Training-loop overhead: hookloop against a pure-Python detectron2-style baseline.
 
-The measurements behind ``benches/bench_overhead.py`` (a thin wrapper that calls :func:`main`)
-and, through :mod:`hookloop.bench.command`, behind ``hookloop bench``. Everything is measured
-side by side in one process: each repeat runs every variant once, in a rotating order, so both
-sides see the same machine noise; the table gives the median and the minimum over repeats and
-the ratio reference / hookloop of the medians. The baseline is ``hookloop._d2_reference``
-(detectron2's semantics, our own code; the tests' oracle too, as ``tests/compat/d2.py``). The
-garbage collector is off inside timed regions (as ``timeit`` does). A debug build of hookloop is
-refused. See ``benches/README.md`` for what each section measures.
+The measurements behind ``benches/bench_overhead.py`` (a thin wrapper that calls :func:`main`),
+and helpers the other scripts of ``benches/`` share. Everything is measured side by side in one
+process: each repeat runs every variant once, in a rotating order, so both sides see the same
+machine noise; the table gives the median and the minimum over repeats and the ratio
+reference / hookloop of the medians. The baseline is ``compat.reference_engine``
+(``tests/compat/reference_engine.py``: detectron2's semantics, our own code; the tests' oracle
+too, as ``compat.d2``). The garbage collector is off inside timed regions (as ``timeit``
+does). A debug build of hookloop is refused. See ``benches/README.md`` for what each section
+measures.
 """
 
 from __future__ import annotations
@@ -31,11 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import hookloop
 import numpy as np
 import torch
-
-import hookloop
-from hookloop import _d2_reference as ref
+from compat import reference_engine as ref
 from hookloop.engine import hooks as hl_hooks
 from hookloop.engine import train_loop as hl_loop
 from hookloop.utils import events as hl_events
@@ -211,8 +211,8 @@ def _timed(fn: Callable[[], float]) -> float:
         gc.enable()
 
 
-# Called after every timed run of ``_interleaved`` (``hookloop bench`` points it at its progress
-# bar); a no-op otherwise.
+# Called after every timed run of ``_interleaved`` (a script may point it at a progress bar); a
+# no-op otherwise.
 progress: Callable[[], None] = lambda: None  # noqa: E731
 
 

@@ -3,12 +3,11 @@ and fvcore behaviour that hookloop is checked and measured against.
 
 Written for hookloop (not copied from detectron2 or fvcore), it does the same work per call as
 ``detectron2.engine`` / ``detectron2.utils.events`` and fvcore's ``HistoryBuffer`` and
-``Timer``. The benchmarks (``benches/bench_overhead.py``) run it as their baseline, so that
-"reference / hookloop" ratios measure what a detectron2 user would save; the tests use it as
-their oracle (directly, or through ``compat.reference`` for the writers; ``tests/compat/d2.py``
-is this module under its old name). It ships inside the package so that ``hookloop bench``
-runs it without the tests directory, but it imports nothing from hookloop, so it shares none of
-hookloop's code.
+``Timer``. The tests use it as their oracle, as ``compat.d2`` (directly, or through
+``compat.reference`` for the writers); the benchmarks in ``benches/`` run it as their
+baseline (``benches/lab`` puts this directory on ``sys.path``), so that "reference / hookloop"
+ratios measure what a detectron2 user would save. It is not part of the package, and it
+imports nothing from hookloop, so it shares none of hookloop's code.
 
 - ``HistoryBuffer`` is fvcore's: a list of ``(value, iteration)`` tuples that evicts with
   ``list.pop(0)`` once ``max_length`` (1e6) entries are held, ``np.median`` / ``np.mean`` over

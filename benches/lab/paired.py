@@ -52,7 +52,7 @@ WINDOW_TIMEOUT = 120.0
 
 @dataclass(frozen=True)
 class Variant:
-    """A loop of :mod:`hookloop.bench.tiny_mlp`: ``impl`` is ``"hand"`` (the hand-written
+    """A loop of :mod:`lab.tiny_mlp`: ``impl`` is ``"hand"`` (the hand-written
     loop; ``hooks="bookkeeping"`` for the one that does its own bookkeeping) or an engine of
     ``tiny_mlp.make_trainer`` (``"hl"``, ``"ref"``, ``"d2"``) with its ``hooks``, writing every
     ``period`` iterations with ``writers`` (empty: those :func:`run` is given)."""
@@ -109,7 +109,7 @@ def _child(
     try:
         import torch
 
-        from hookloop.bench import overhead, tiny_mlp
+        from lab import overhead, tiny_mlp
 
         torch.set_num_threads(1)
         dev = torch.device(device)
@@ -136,7 +136,7 @@ def _context() -> Any:
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["hookloop.bench.tiny_mlp"])
+        ctx.set_forkserver_preload(["lab.tiny_mlp"])
         return ctx
     return multiprocessing.get_context("spawn")
 

@@ -1,0 +1,300 @@
+"""``hookloop bench``: what the training loop's bookkeeping costs on this machine.
+
+hookloop, and detectron2 when it is importable, over a floor, side by side in one process: each
+repetition runs every variant once (the order rotates, the garbage collector is off), and the
+table gives medians of costs and ratios formed within one repetition. The floors: a bare ``for``
+loop calling a no-op ``run_step`` (for ``TrainerBase.train`` with no hooks, and with 16 that
+override ``before_step`` and ``after_step``); a hand-written loop making the tiny MLP's model
+calls (for ``SimpleTrainer`` with no hooks, and with the default stack); ``SimpleTrainer`` alone
+(for it with ``--hook``). The repository's ``benches/`` has the full benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import importlib.machinery
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+import hookloop
+
+__all__ = ["TinyMLP", "make_batches", "build", "hand_loop", "run"]
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+Variants = Dict[str, Callable[[], float]]
+ENGINES, RATIOS = ("hookloop", "detectron2"), ("hookloop_over_floor", "detectron2_over_hookloop")
+STEPS = ("before_step", "after_step")
+HOOKS, PERIOD = 16, 20  # the dispatch rows' hook count, the default stack's write period
+CLASSES = ("HookBase", "TrainerBase", "SimpleTrainer", "IterationTimer", "LRScheduler",
+           "PeriodicWriter", "CommonMetricPrinter", "JSONWriter", "TensorboardXWriter")  # fmt: skip
+
+
+class TinyMLP(nn.Module):
+    """Linear 32→64, ReLU, Linear 64→1; four losses from one prediction: a step cheap enough
+    (a few hundred µs on one CPU thread) that the loop's bookkeeping shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, batch: Batch) -> Dict[str, torch.Tensor]:
+        pred = self.net(batch[0])
+        err = pred - batch[1]
+        return {"loss_mse": (err * err).mean(), "loss_l1": err.abs().mean(),
+                "loss_huber": nn.functional.smooth_l1_loss(pred, batch[1]),
+                "loss_reg": 1e-4 * (pred * pred).mean()}  # fmt: skip
+
+
+def make_batches(device: Any = "cpu", count: int = 64, batch: int = 16, seed: int = 0) -> Any:
+    """``count`` batches of generated regression data, on ``device``; loaders cycle them."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 1, generator=g)
+    xs = [torch.randn(batch, 32, generator=g) for _ in range(count)]
+    return [(x.to(device), (x @ w).to(device)) for x in xs]
+
+
+def build(device: Any = "cpu", seed: int = 0) -> Tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The model, SGD with momentum, and torch's MultiStepLR (its milestone is never reached)."""
+    torch.manual_seed(seed)
+    model = TinyMLP().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return model, opt, torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
+
+
+def hand_loop(model: nn.Module, opt: torch.optim.Optimizer, data: Iterator[Batch], n: int) -> None:
+    """The model calls of ``SimpleTrainer.run_step`` (data, forward, sum, zero_grad, backward,
+    step) with no bookkeeping: no timing, no metrics, no hooks."""
+    model.train()
+    for _ in range(n):
+        losses: Any = sum(model(next(data)).values())
+        opt.zero_grad()
+        losses.backward()
+        opt.step()
+
+
+def _measure(variants: Variants, repeats: int) -> Dict[str, List[float]]:
+    """Per variant, what it returned in each of ``repeats`` repetitions that run every variant
+    once, one variant later each time, the garbage collector off (as timeit does), after one
+    untimed run of each (first calls allocate and fill caches)."""
+    names = list(variants)
+    out: Dict[str, List[float]] = {k: [] for k in names}
+    for r in range(-1, repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            gc.disable()
+            try:
+                value = variants[name]()
+            finally:
+                gc.enable()
+            if r >= 0:
+                out[name].append(value)
+    return out
+
+
+def _engine(package: str) -> Any:
+    """hookloop's or detectron2's classes, by detectron2's names."""
+    mods = [importlib.import_module(f"{package}.{m}") for m in ("engine.train_loop",
+            "engine.hooks", "utils.events")]  # fmt: skip
+    return argparse.Namespace(**{c: next(getattr(m, c) for m in mods if hasattr(m, c))
+                                 for c in CLASSES})  # fmt: skip
+
+
+def _per_step(f: Callable[[], Any], n: int, unit: float) -> float:
+    """Runs ``f`` (``n`` steps): the time per step, in units of ``unit`` seconds."""
+    t0 = time.perf_counter()
+    f()
+    return (time.perf_counter() - t0) / n / unit
+
+
+def _dispatch(engines: Dict[str, Any], n: int, reps: int) -> List[Dict[str, Any]]:
+    def timed(f: Callable[[], Any]) -> Callable[[], float]:
+        return functools.partial(_per_step, f, n, 1e-9)
+
+    variants: Variants = {}
+    for name, e in engines.items():
+        no_op = type("NoOp", (e.TrainerBase,), {"run_step": lambda self: None})
+        step_hook = type("StepHook", (e.HookBase,), dict.fromkeys(STEPS, lambda self: None))
+        plain, hooked = no_op(), no_op()
+        hooked.register_hooks([step_hook() for _ in range(HOOKS)])
+        variants[name] = timed(functools.partial(plain.train, 0, n))
+        variants[name + "+hooks"] = timed(functools.partial(hooked.train, 0, n))
+
+    def bare(run_step: Callable[[], None] = plain.run_step) -> None:
+        for _ in range(n):
+            run_step()
+
+    res = _measure({"floor": timed(bare), **variants}, reps)
+    what, size = "TrainerBase.train, {}, over a bare `for` loop", f"{n:,} × {reps}"
+    return [_row(what.format("no hooks"), "ns/iter", size, res, {e: e for e in engines}),
+            _row(what.format(f"{HOOKS} hooks overriding before_step and after_step"), "ns/iter",
+                 size, res, {e: e + "+hooks" for e in engines})]  # fmt: skip
+
+
+def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmpdir: str,
+         hook: Optional[Tuple[str, Any]]) -> List[Dict[str, Any]]:  # fmt: skip
+    batches = make_batches()
+
+    def hand() -> float:
+        model, opt, _ = build()
+        return _per_step(lambda: hand_loop(model, opt, itertools.cycle(batches), n), n, 1e-6)
+
+    def trainer(e: Any, stack: bool, extra: Sequence[Callable[[], Any]] = ()) -> Any:
+        def timed() -> float:
+            model, opt, sched = build()
+            t = e.SimpleTrainer(model, itertools.cycle(batches), opt)
+            d = tempfile.mkdtemp(dir=tmpdir)
+            make = {"printer": lambda: e.CommonMetricPrinter(n),
+                    "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json")),
+                    "tb": lambda: e.TensorboardXWriter(d)}  # fmt: skip
+            pw = e.PeriodicWriter([make[w]() for w in writers], PERIOD) if stack else None
+            hooks = [e.IterationTimer(), e.LRScheduler(opt, sched), pw] if stack else []
+            t.register_hooks(hooks + [m() for m in extra])
+            return _per_step(functools.partial(t.train, 0, n), n, 1e-6)  # to the writers' close
+
+        return timed
+
+    variants: Variants = {"floor": hand}
+    for name, e in engines.items():
+        variants.update({name: trainer(e, False), name + "+stack": trainer(e, True)})
+    if hook is not None:
+        variants["hook"] = trainer(engines["hookloop"], False, [hook[1]])
+    res = _measure(variants, reps)
+    names = {"printer": "printer", "json": "JSON", "tb": "TensorBoard"}
+    stack = f"PeriodicWriter({', '.join(names[w] for w in writers)}; period {PERIOD})"
+    what, size = "tiny MLP: SimpleTrainer{}, over the hand-written loop", f"{n:,} × {reps}"
+    rows = [_row(what.format(", no hooks"), "µs/step", size, res, {e: e for e in engines}),
+            _row(what.format(f" + IterationTimer + LRScheduler + {stack}"), "µs/step", size, res,
+                 {e: e + "+stack" for e in engines})]  # fmt: skip
+    if hook is not None:
+        what = f"tiny MLP: SimpleTrainer + {hook[0]}, over SimpleTrainer alone"
+        rows.append(_row(what, "µs/step", size, res, {"hookloop": "hook"}, floor="hookloop"))
+    return rows
+
+
+def _row(what: str, unit: str, n: str, res: Any, keys: Dict[str, str], floor: str = "floor") -> Any:
+    """One row's medians: costs of ``res[keys[engine]]`` over ``res[floor]`` and ratios, each
+    formed within a repetition (a ratio over a cost at or under zero would be noise: none)."""
+    floor_runs, runs = res[floor], {e: res[k] for e, k in keys.items()}
+    cost = {e: [x - f for x, f in zip(v, floor_runs)] for e, v in runs.items()}
+    hl, d2 = cost["hookloop"], cost.get("detectron2")
+    ratio = [d / h for d, h in zip(d2, hl)] if d2 and min(hl) > 0 else None
+    over_floor = [x / f for x, f in zip(runs["hookloop"], floor_runs)]
+    return {"what": what, "unit": unit, "n": n, "floor": statistics.median(floor_runs),
+            **{e: statistics.median(cost[e]) if e in cost else None for e in ENGINES},
+            "hookloop_over_floor": statistics.median(over_floor),
+            "detectron2_over_hookloop": statistics.median(ratio) if ratio else None,
+            "runs": {"floor": floor_runs, **runs}}  # fmt: skip
+
+
+def _fmt(x: Optional[float], unit: str = "") -> str:
+    digits = 0 if x is None or abs(x) >= 100 else 1 if abs(x) >= 10 else 2
+    return "—" if x is None else f"{x:,.{digits}f}{unit}"
+
+
+def format_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """The rows as a markdown table of medians."""
+    out = ["| measurement | unit | floor | hookloop | detectron2 | hookloop ÷ floor "
+           "| detectron2 ÷ hookloop | n × repeats |", "|---" * 8 + "|"]  # fmt: skip
+    for r in rows:
+        cells = [*(_fmt(r[k]) for k in ("floor", *ENGINES)), *(_fmt(r[k], "×") for k in RATIOS)]
+        out.append(f"| {r['what']} | {r['unit']} | {' | '.join(cells)} | {r['n']} |")
+    return "\n".join(out)
+
+
+def _hook_class(p: argparse.ArgumentParser, spec: str) -> Any:
+    """``MODULE:CLASS``, imported and made once now: a mistake is a usage error, not a traceback."""
+    from hookloop.engine.train_loop import HookBase
+
+    mod_name, sep, cls_name = spec.partition(":")
+    if not sep or not mod_name or not cls_name:
+        p.error(f"--hook {spec!r}: expected MODULE:CLASS, e.g. mypkg.hooks:GradNorm")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would, for the user's own modules
+    try:
+        module = importlib.import_module(mod_name)
+    except Exception as e:
+        p.error(f"--hook {spec!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}")
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, HookBase):
+        what = "not found" if cls is None else f"a {type(cls).__name__}, not a HookBase subclass"
+        p.error(f"--hook {spec!r}: {cls_name!r} in {mod_name!r} is {what}")
+    try:
+        cls()
+    except Exception as e:
+        p.error(f"--hook {spec!r}: {cls_name}() failed: {type(e).__name__}: {e} (the hook is "
+                "made with no arguments: a subclass can supply them)")  # fmt: skip
+    return cls
+
+
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """``hookloop bench`` with parsed ``args`` (``quick``, ``json``, ``hook``, and ``argv``:
+    the command's own arguments, as given); ``p`` reports usage errors."""
+    hook = (args.hook, _hook_class(p, args.hook)) if args.hook else None
+    if hookloop.BUILD_PROFILE != "release":
+        p.error(f"refusing to benchmark: hookloop._core is a {hookloop.BUILD_PROFILE!r} build; "
+                "rebuild with `pip install -e .` or `maturin develop --release`")  # fmt: skip
+    torch.set_num_threads(1)  # the model is too small for the intra-op pool; one is less noise
+    engines = {"hookloop": _engine("hookloop")}
+    # an installed detectron2 on sys.path, not a module a program put in sys.modules
+    if importlib.machinery.PathFinder.find_spec("detectron2") is not None:
+        with contextlib.suppress(Exception):
+            engines["detectron2"] = _engine("detectron2")
+    writers = ("printer", "json") + (("tb",) if importlib.util.find_spec("tensorboard") else ())
+    n, m, reps = (20_000, 200, 5) if args.quick else (200_000, 2_000, 9)
+    d2 = sys.modules["detectron2"] if "detectron2" in engines else None
+    cpus = []
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        cpus = [x.split(":", 1)[1].strip() for x in f if x.startswith("model name")]
+    info = {"command": " ".join(["hookloop bench", *args.argv]), "cpu": (cpus or ["?"])[0],
+            "nproc": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "hookloop": hookloop.__version__,
+            "build_profile": hookloop.BUILD_PROFILE,
+            "detectron2": getattr(d2, "__version__", "unknown") if d2 else None}  # fmt: skip
+    print("\n".join(f"{k}: {v}" for k, v in info.items()) + "\n", flush=True)
+    # The printers' loggers at INFO with one handler that drops each record, as the run's
+    # logging would be set up: every line is formatted and handled, and nothing is printed.
+    loggers = [logging.getLogger(f"{e}.utils.events") for e in ENGINES]
+    saved = [(lg.level, lg.propagate, lg.handlers) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        lg.propagate, lg.handlers = False, [logging.NullHandler()]
+    tmpdir, t0 = tempfile.mkdtemp(prefix="hookloop-bench-"), time.perf_counter()
+    try:
+        rows = _dispatch(engines, n, reps) + _mlp(engines, m, reps, writers, tmpdir, hook)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        for lg, (level, propagate, handlers) in zip(loggers, saved):
+            lg.setLevel(level)  # also clears the loggers' cached levels
+            lg.propagate, lg.handlers = propagate, handlers
+    info["seconds"] = round(time.perf_counter() - t0, 1)
+    print(format_table(rows) + "\n")
+    print(f"total: {info['seconds']} s. Medians over {reps} interleaved repetitions; each cost "
+          "over the floor and each ratio is formed within one repetition. A busy machine makes "
+          "them noisy: rerun before quoting one.")  # fmt: skip
+    if d2 is None:
+        print("detectron2 is not importable here: its column is left out.")
+    if "tb" not in writers:
+        print("tensorboard is not installed: the default stack runs without TensorBoard.")
+    if args.json:
+        sizes = {"dispatch_n": n, "mlp_n": m, "repeats": reps, "writers": list(writers)}
+        out = {"machine": info, "sizes": sizes, "engines": list(engines), "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    return 0

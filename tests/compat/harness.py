@@ -86,6 +86,13 @@ def pattern(repo: str, source: str) -> Callable[[Callable[..., Any]], Callable[.
 ADDITIONS = {
     # IterationTimer logs a per-hook time table after detectron2's two lines.
     "log:time in hooks": re.compile(r"^Time in hooks:\n"),
+    # A resume that cannot be exact says so (detectron2 resumes such a loader silently from
+    # its start), and a run from iteration 0 that replaces an earlier run's metrics.json says
+    # where it kept the earlier file (detectron2 appends to it).
+    "log:resume notices": re.compile(
+        r"^(The data loader \(\w+\) cannot be resumed|The checkpoint holds no position of the "
+        r"data loader|\S+ held \d+ line\(s\) of an earlier run)"
+    ),
     # A checkpoint's trainer state carries the RNG states, the recent scalar history and the
     # data position, for exact resume, and the state of hooks that detectron2 keeps stateless
     # (BestCheckpointer's best value) where detectron2 does not look; detectron2's holds
@@ -233,6 +240,8 @@ class _Capture(logging.Handler):
             return  # another library's logger (torch, tensorboard)
         message = record.getMessage()
         if ADDITIONS["log:time in hooks"].match(message):
+            return
+        if ADDITIONS["log:resume notices"].match(message):
             return
         self.records.append((name, record.levelname, mask_text(message, self.out)))
 

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from hookloop.checkpoint.rng import get_rng_state, set_rng_state
 from hookloop.data import TrainingSampler
 from hookloop.data.cursor import DataCursor, iters_per_epoch, run_epochs
 
@@ -101,7 +102,8 @@ def test_a_resume_continues_mid_epoch_at_the_next_batch():
     for run.iter in range(11):
         batches.append(run.step())
     state = run.cursor.state(run)  # a checkpoint at the end of iteration 10
-    assert state == {"epoch": 2, "epoch_batches": 3}  # iterations 8, 9 and 10
+    assert (state["epoch"], state["epoch_batches"]) == (2, 3)  # iterations 8, 9 and 10
+    assert set(state) == {"epoch", "epoch_batches", "epoch_rng"}
     for run.iter in range(11, 14):
         batches.append(run.step())
 
@@ -122,7 +124,8 @@ def test_the_state_of_a_finite_loader_counts_the_batches_of_this_epoch():
     t = Trainer(EpochSampler(4))
     for t.iter in range(6):
         t.step()
-    assert t.cursor.state(t) == {"epoch": 1, "epoch_batches": 2}
+    state = t.cursor.state(t)
+    assert (state["epoch"], state["epoch_batches"]) == (1, 2)
 
 
 def test_a_sampler_position_moves_by_the_batches_consumed():
@@ -169,3 +172,51 @@ def test_a_resumed_rng_is_not_moved_by_making_the_iterator(resumed_rng):
     before = torch.random.get_rng_state()
     assert t._data_loader_iter is not None  # once only: the next iterator draws as usual
     assert not torch.equal(torch.random.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("at", [5, 7, 8, 13])
+def test_a_shuffling_loader_resumes_to_the_uninterrupted_order(at):
+    """DataLoader(shuffle=True) draws each epoch's order from torch's RNG when the epoch
+    starts; the checkpoint keeps the random states of that moment, so the resumed epoch has
+    the same order whatever the RNG did since (here: dropout-like draws every step)."""
+    data = list(range(16))
+
+    def run(resume_from=None):
+        loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+        t = Trainer(loader)
+        start = 0
+        if resume_from is not None:
+            state, rng, start = resume_from
+            set_rng_state(rng)
+            t.iter = start - 1
+            t.cursor.load_state(t, state, resumed_rng=True)
+        seen, saved = [], None
+        for t.iter in range(start, 20):
+            seen.append(t.step().tolist())
+            torch.rand(3)  # the model's own draws move the stream
+            if t.iter == at:
+                saved = (t.cursor.state(t), get_rng_state(), at + 1)
+        return seen, saved
+
+    torch.manual_seed(0)
+    straight, saved = run()
+    resumed, _ = run(saved)
+    assert resumed == straight[at + 1 :]
+
+
+def test_a_checkpoint_without_a_position_warns_for_a_resumable_loader(caplog):
+    sampler = TrainingSampler(10, seed=0)
+    loader = torch.utils.data.DataLoader(range(10), batch_size=2, sampler=sampler)
+    t = Trainer(loader, max_iter=10**6)
+    with caplog.at_level(logging.WARNING, logger="hookloop.engine.train_loop"):
+        t.cursor.load_state(t, None, resumed_rng=False)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "holds no position of the data loader (DataLoader)" in warning
+
+
+def test_a_generator_resumed_from_a_checkpoint_warns_once(caplog):
+    t = Trainer(x for x in range(100))
+    with caplog.at_level(logging.WARNING, logger="hookloop.engine.train_loop"):
+        t.cursor.load_state(t, {}, resumed_rng=False)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "The data loader (generator) cannot be resumed" in warning

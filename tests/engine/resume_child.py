@@ -1,6 +1,7 @@
 """A training run for the exact-resume tests, run as a child process:
 
     python resume_child.py OUT MAX_ITER [--kill-at N] [--kill-in-save N] [--async-save]
+                                        [--loader KIND] [--precise-bn]
 
 It trains a small model with dropout on a seeded random dataset drawn through
 ``hookloop.data.TrainingSampler``, with periodic and best checkpoints, an evaluation, an LR
@@ -8,9 +9,15 @@ schedule and the JSON and TensorBoard writers, always resuming from OUT when a c
 there. ``--kill-at N`` sends itself SIGKILL at the end of iteration N; ``--kill-in-save N``
 does it in the middle of the checkpoint save of iteration N (after the file's bytes are
 written, before the rename). ``--async-save`` saves checkpoints on a background thread.
+``--loader`` picks the training data: ``sampler`` (the default, a ``TrainingSampler``),
+``shuffle`` (``DataLoader(shuffle=True)``, finite: the run goes over it in epochs),
+``shuffle-workers`` (the same with two workers) or ``generator`` (a plain generator, which
+cannot be resumed). ``--precise-bn`` adds a BatchNorm layer and a ``PreciseBN`` hook over a
+shuffled loader of its own.
 """
 
 import argparse
+import itertools
 import os
 import signal
 
@@ -24,10 +31,15 @@ torch.set_num_threads(1)
 
 
 class Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, bn=False):
         super().__init__()
+        norm = [torch.nn.BatchNorm1d(16)] if bn else []
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+            torch.nn.Linear(4, 16),
+            *norm,
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.3),
+            torch.nn.Linear(16, 1),
         )
 
     def forward(self, batch):
@@ -43,6 +55,8 @@ def main():
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--kill-in-save", type=int, default=-1)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--loader", default="sampler")
+    p.add_argument("--precise-bn", action="store_true")
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -51,11 +65,27 @@ def main():
     train = torch.utils.data.TensorDataset(xs[:48], ys[:48])
     held_out = (xs[48:], ys[48:])
     torch.manual_seed(1)
-    model = Model()
+    model = Model(bn=args.precise_bn)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torch.utils.data.DataLoader(
-        train, batch_size=4, sampler=TrainingSampler(len(train), seed=3), num_workers=0
-    )
+    if args.loader == "sampler":
+        loader = torch.utils.data.DataLoader(
+            train, batch_size=4, sampler=TrainingSampler(len(train), seed=3), num_workers=0
+        )
+    elif args.loader in ("shuffle", "shuffle-workers"):
+        workers = 2 if args.loader == "shuffle-workers" else 0
+        loader = torch.utils.data.DataLoader(
+            train, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=False
+        )
+    elif args.loader == "generator":
+
+        def batches():
+            for i in itertools.count():
+                j = (i * 4) % 48
+                yield xs[j : j + 4], ys[j : j + 4]
+
+        loader = batches()
+    else:
+        raise SystemExit(f"unknown --loader {args.loader}")
     trainer = SimpleTrainer(model, loader, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
     ckpt = Checkpointer(model, args.out, trainer=trainer, async_save=args.async_save)
@@ -82,9 +112,15 @@ def main():
 
         torch.save = save
 
+    precise = []
+    if args.precise_bn:
+        sampler = torch.utils.data.RandomSampler(train, replacement=True, num_samples=10**6)
+        bn_loader = torch.utils.data.DataLoader(train, batch_size=4, sampler=sampler)
+        precise = [hooks.PreciseBN(10, model, bn_loader, num_iter=3)]
     trainer.register_hooks(
         [
             hooks.IterationTimer(),
+            *precise,
             hooks.LRScheduler(scheduler=sched),
             hooks.PeriodicCheckpointer(ckpt, period=10, max_to_keep=2),
             hooks.EvalHook(10, evaluate),

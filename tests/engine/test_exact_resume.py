@@ -23,22 +23,33 @@ TIMEOUT = 120
 TIMING = {"time", "data_time", "rank_data_time", "eta_seconds"}
 
 
-def run(out: Path, *extra: str) -> int:
+def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, str(CHILD), str(out), str(MAX_ITER), *extra],
         capture_output=True,
+        text=True,
         timeout=TIMEOUT,
     )
     if proc.returncode not in (0, -signal.SIGKILL):
-        raise AssertionError(proc.stderr.decode())
-    return proc.returncode
+        raise AssertionError(proc.stderr)
+    return proc
+
+
+_STRAIGHT = {}
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight")
-    assert run(out) == 0
-    return out
+    """The uninterrupted run of a configuration (its options), made once per module."""
+
+    def get(*config):
+        if config not in _STRAIGHT:
+            out = tmp_path_factory.mktemp("straight")
+            assert run(out, *config).returncode == 0
+            _STRAIGHT[config] = out
+        return _STRAIGHT[config]
+
+    return get
 
 
 def metrics(out: Path):
@@ -78,10 +89,56 @@ def load(path: Path):
     ],
 )
 def test_killed_and_resumed_run_equals_uninterrupted_run(straight, tmp_path, kill):
-    assert run(tmp_path, *kill) == -signal.SIGKILL
-    assert run(tmp_path, *[a for a in kill if a == "--async-save"]) == 0
+    config = tuple(a for a in kill if a == "--async-save")
+    assert_resumed_equals_straight(straight(*config), tmp_path, kill, config)
 
-    a, b = load(straight / "model_final.pth"), load(tmp_path / "model_final.pth")
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, kill",
+    [
+        (("--loader", "shuffle"), "14"),
+        (("--loader", "shuffle"), "23"),
+        (("--loader", "shuffle"), "33"),
+        (("--loader", "shuffle-workers"), "17"),
+        (("--precise-bn",), "14"),
+        (("--precise-bn",), "33"),
+        (("--precise-bn", "--loader", "shuffle"), "25"),
+    ],
+    ids=[
+        "shuffle-mid-epoch",
+        "shuffle-epoch-end",
+        "shuffle-third-epoch",
+        "shuffle-workers",
+        "precise-bn",
+        "precise-bn-late",
+        "precise-bn-shuffle",
+    ],
+)
+def test_shuffled_loaders_and_precise_bn_resume_exactly(straight, tmp_path, config, kill):
+    """DataLoader(shuffle=True) (whose epoch order comes from torch's RNG when the epoch
+    starts) and PreciseBN (whose loader continues across its runs) resume to the batches of
+    the uninterrupted run: the same weights, BN statistics, optimizer and curves."""
+    assert_resumed_equals_straight(straight(*config), tmp_path, ["--kill-at", kill], config)
+
+
+@pytest.mark.slow
+def test_a_generator_loader_resumes_with_one_warning_naming_it(tmp_path):
+    """A plain generator has no position to save or restore: the resumed run says so once."""
+    assert run(tmp_path, "--loader", "generator", "--kill-at", "14").returncode == -signal.SIGKILL
+    proc = run(tmp_path, "--loader", "generator")
+    assert proc.returncode == 0
+    warning = "The data loader (generator) cannot be resumed"
+    assert proc.stderr.count(warning) == 1, proc.stderr
+
+
+def assert_resumed_equals_straight(straight_out, tmp_path, kill, config):
+    assert run(tmp_path, *kill, *config).returncode == -signal.SIGKILL
+    resumed = run(tmp_path, *config)
+    assert resumed.returncode == 0
+    assert "cannot be resumed" not in resumed.stderr, resumed.stderr
+
+    a, b = load(straight_out / "model_final.pth"), load(tmp_path / "model_final.pth")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
     ta, tb = a["trainer"], b["trainer"]
@@ -93,11 +150,11 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(straight, tmp_path, kil
     assert ta["optimizer"]["param_groups"] == tb["optimizer"]["param_groups"]
     assert ta["hooks"]["LRScheduler"] == tb["hooks"]["LRScheduler"]
     assert ta["hookloop_hooks"]["BestCheckpointer"] == tb["hookloop_hooks"]["BestCheckpointer"]
-    best_a, best_b = load(straight / "model_best.pth"), load(tmp_path / "model_best.pth")
+    best_a, best_b = load(straight_out / "model_best.pth"), load(tmp_path / "model_best.pth")
     for k, v in best_a["model"].items():
         assert torch.equal(v, best_b["model"][k]), k
 
-    rows_a, rows_b = metrics(straight), metrics(tmp_path)
+    rows_a, rows_b = metrics(straight_out), metrics(tmp_path)
     iters = [r["iteration"] for r in rows_b]
     assert len(iters) == len(set(iters)), "an iteration was written twice"
     assert rows_b == rows_a
@@ -106,4 +163,4 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(straight, tmp_path, kil
         points = scalars(tmp_path, tag)
         steps = [s for s, _ in points]
         assert len(steps) == len(set(steps)), f"{tag}: a step was written twice"
-        assert points == scalars(straight, tag)
+        assert points == scalars(straight_out, tag)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import types
+from collections.abc import Iterator
 from typing import Any, Dict, Mapping, Optional
 
 import torch
@@ -44,8 +45,10 @@ def run_epochs(trainer: Any) -> Optional[int]:
     """The iterations per epoch when ``trainer`` runs epochs (its ``iters_per_epoch``, a
     finite loader's length, is known and ``max_iter`` spans more than one pass), else None."""
     per_epoch = getattr(trainer, "iters_per_epoch", None)
+    if not per_epoch:
+        return None  # the common case, an endless loader: asked at every console line
     max_iter = getattr(trainer, "max_iter", None)
-    if not per_epoch or max_iter is None or int(max_iter) <= int(per_epoch):
+    if max_iter is None or int(max_iter) <= int(per_epoch):
         return None
     return int(per_epoch)
 
@@ -69,6 +72,9 @@ class DataCursor:
         self._start_iter = 0
         # The RNG was restored from a checkpoint: making the iterator must not move it.
         self._resumed_rng = False
+        # A finite loader's random states when its current epoch's iterator was made: a
+        # shuffling sampler (DataLoader(shuffle=True)) draws the epoch's order from them.
+        self._epoch_rng: Optional[Dict[str, Any]] = None
 
     def new_iterator(self, trainer: Any) -> Any:
         """A new iterator over ``trainer.data_loader``, made at ``trainer.iter``."""
@@ -77,6 +83,8 @@ class DataCursor:
         # records the position of the batches actually consumed from here.
         self._start = _sampler_state(loader)
         self._start_iter = trainer.iter
+        if iters_per_epoch(loader) is not None:
+            self._epoch_rng = get_rng_state()
         if not self._resumed_rng:
             return iter(loader)
         # A DataLoader draws its base seed from torch's RNG when its iterator is made. An
@@ -94,7 +102,7 @@ class DataCursor:
         A one-shot iterator (a generator) has no next epoch: its ``StopIteration`` ends
         training, as in detectron2."""
         loader = trainer.data_loader
-        if iter(loader) is loader:
+        if isinstance(loader, Iterator):  # asked without iter(): a DataLoader's draws a seed
             raise StopIteration
         self.epoch += 1
         self._epoch_start_iter = trainer.iter
@@ -130,6 +138,8 @@ class DataCursor:
             data["epoch_batches"] = (
                 self._batches_before + trainer.iter + 1 - max(self._epoch_start_iter, 0)
             )
+            if self._epoch_rng is not None:
+                data["epoch_rng"] = self._epoch_rng
         return data
 
     def load_state(
@@ -138,22 +148,32 @@ class DataCursor:
         """Restores :meth:`state`'s position (``data``, None when the checkpoint has none);
         ``resumed_rng``: the checkpoint restored the RNG streams, which making the next
         iterator must not move."""
-        if data is not None:
-            if "epoch" in data:
-                self._resume_epoch(trainer, int(data["epoch"]), int(data["epoch_batches"]))
-            else:
-                self._load_position(trainer, data)
+        if data and "epoch" in data:
+            # The iterator is made here, under the epoch's random states, which are then put
+            # back: the next iterator (the next epoch's) draws as in the uninterrupted run.
+            self._resume_epoch(
+                trainer, int(data["epoch"]), int(data["epoch_batches"]), data.get("epoch_rng")
+            )
+            return
+        self._load_position(trainer, data or {})
         self._resumed_rng = resumed_rng
 
-    def _resume_epoch(self, trainer: Any, epoch: int, batches: int) -> None:
+    def _resume_epoch(
+        self, trainer: Any, epoch: int, batches: int, epoch_rng: Optional[Mapping[str, Any]]
+    ) -> None:
         """Continues a finite loader at ``batches`` into ``epoch``: the sampler gets
-        ``set_epoch(epoch)`` (so a seeded sampler repeats that epoch's order) and the batches
-        already used are drawn and dropped (a finite loader has no position to seek to)."""
+        ``set_epoch(epoch)`` (so a seeded sampler repeats that epoch's order), the iterator is
+        made under the random states the epoch's iterator was made under (so a shuffling
+        sampler draws the same order, and a DataLoader the same workers' seed), and the
+        batches already used are drawn and dropped (a finite loader has no position to seek
+        to). The restored random streams are then put back: the drawing does not move them."""
         self.epoch = epoch
         _set_epoch(trainer.data_loader, epoch)
         trainer._data_loader_iter_obj = None
-        rng = get_rng_state()  # drawing batches must not move the restored random streams
+        rng = get_rng_state()
         self._resumed_rng = False
+        if epoch_rng is not None:
+            set_rng_state(epoch_rng)
         it = trainer._data_loader_iter
         for _ in range(batches):
             if next(it, _END) is _END:
@@ -170,6 +190,13 @@ class DataCursor:
             own(data["loader"])
         elif "sampler" in data and sampler is not None and hasattr(sampler, "load_state_dict"):
             sampler.load_state_dict(data["sampler"])
+        elif not data and (callable(own) or hasattr(sampler, "load_state_dict")):
+            logger.warning(
+                f"The checkpoint holds no position of the data loader ({type(loader).__name__}) "
+                "(it was saved without one, by detectron2 or before the loader was used); "
+                "training continues with its data from its current position."
+            )
+            return
         else:
             logger.warning(
                 f"The data loader ({type(loader).__name__}) cannot be resumed: it has no "
@@ -206,3 +233,62 @@ def _batch_size(loader: Any) -> Optional[int]:
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+class ReplayIterator:
+    """An iterator over ``loader`` that a checkpoint can put back where it was: it keeps the
+    random states of the moment it made its iterator and the count of items drawn since. A
+    resumed one makes the iterator again under those states (a shuffling sampler draws the
+    same order, a DataLoader the same workers' seed) and draws and drops that many items; the
+    random streams are then put back, so the drawing does not move them. Made lazily, at the
+    first ``next()``, as detectron2's hooks make theirs. ``PreciseBN``'s data."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._it: Optional[Any] = None
+        self._rng: Optional[Dict[str, Any]] = None
+        self._drawn = 0
+        self._resume: Optional[Dict[str, Any]] = None
+
+    def __iter__(self) -> "ReplayIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._make()
+        item = next(self._it)  # type: ignore[arg-type]
+        self._drawn += 1
+        return item
+
+    def state(self) -> Dict[str, Any]:
+        """``{"rng": ..., "drawn": n}``; empty before the first ``next()``."""
+        if self._resume is not None:
+            return dict(self._resume)
+        if self._it is None:
+            return {}
+        return {"rng": self._rng, "drawn": self._drawn}
+
+    def load_state(self, state: Optional[Mapping[str, Any]]) -> None:
+        """Puts the iterator back at :meth:`state`'s position at its next ``next()``; an empty
+        state starts it afresh."""
+        self._it = None
+        self._resume = dict(state) if state else None
+
+    def _make(self) -> None:
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self._rng = get_rng_state()
+            self._it = iter(self._loader)
+            self._drawn = 0
+            return
+        now = get_rng_state()
+        try:
+            set_rng_state(resume["rng"])
+            self._rng = resume["rng"]
+            self._it = iter(self._loader)
+            for _ in range(int(resume["drawn"])):
+                if next(self._it, _END) is _END:
+                    break  # it ran out before: the next next() says so, as then
+        finally:
+            set_rng_state(now)
+        self._drawn = int(resume["drawn"])

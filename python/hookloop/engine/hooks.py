@@ -20,7 +20,7 @@ import torch
 from hookloop import _core
 from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
 from hookloop.checkpoint.checkpointer import _save_with
-from hookloop.data.cursor import run_epochs
+from hookloop.data.cursor import ReplayIterator, run_epochs
 from hookloop.engine._args import _callable_arg, _int_arg, _path_arg
 from hookloop.engine.extra_hooks import EarlyStopping, OptimizationHook, PreemptionHandler
 from hookloop.engine.metrics import metrics_of
@@ -465,6 +465,8 @@ class PreciseBN(HookBase):
         self._model = model
         self._data_loader = data_loader
         self._data_iter: Optional[Iterator[Any]] = None
+        # Where the runs so far left the data: saved, so a resumed run continues there.
+        self._data_position = ReplayIterator(data_loader)
         self._disabled = len(get_bn_modules(model)) == 0
         if self._disabled:
             self._logger.info(
@@ -484,7 +486,7 @@ class PreciseBN(HookBase):
         if self._disabled:
             return
         if self._data_iter is None:
-            self._data_iter = iter(self._data_loader)
+            self._data_iter = self._data_position
         data_iter = self._data_iter
 
         def data_loader() -> Iterator[Any]:
@@ -503,6 +505,22 @@ class PreciseBN(HookBase):
                 + "Note that this could produce different statistics every time."
             )
             update_bn_stats(self._model, data_loader(), self._num_iter)
+
+    # detectron2's PreciseBN is stateless (its resumed runs start the loader again): the data
+    # position is kept where detectron2 does not look.
+    _STATE_BEYOND_DETECTRON2 = True
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The data position of the runs so far (the random states when the loader's iterator
+        was made, and the batches drawn), so that a resumed run draws the batches an
+        uninterrupted one would: without it, the statistics after a resume (and the weights
+        and evaluations that follow) differ."""
+        position = self._data_position.state()
+        return {"data": position} if position else {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._data_position.load_state(state_dict.get("data"))
+        self._data_iter = None
 
 
 class TorchProfiler(HookBase):

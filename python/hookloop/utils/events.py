@@ -671,17 +671,20 @@ class CommonMetricPrinter(EventWriter):
         ):
             trainer = weakref.proxy(trainer)
         self._trainer = trainer
+        if trainer is not None:
+            # The one epoch rule, the data cursor's (imported here, at before_train: hookloop.data
+            # imports torch, and importing events does not).
+            from hookloop.data.cursor import run_epochs
+
+            self._run_epochs = run_epochs
 
     def _trainer_epoch(self) -> Optional[Tuple[int, int]]:
         """``(trainer.epoch + 1, epochs of the run)`` when the bound trainer runs epochs."""
         trainer = self._trainer
         if trainer is None:
             return None
-        # hookloop.data imports torch; importing events does not.
-        from hookloop.data.cursor import run_epochs
-
         try:
-            per_epoch = run_epochs(trainer)
+            per_epoch = self._run_epochs(trainer)
             if per_epoch is None:
                 return None  # no epochs, or a run within one pass: detectron2's line
             return int(trainer.epoch) + 1, -(-int(trainer.max_iter) // per_epoch)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hookloop.checkpoint.rng import get_rng_state, set_rng_state
 from hookloop.data import TrainingSampler
-from hookloop.data.cursor import DataCursor, iters_per_epoch, run_epochs
+from hookloop.data.cursor import DataCursor, ReplayIterator, iters_per_epoch, run_epochs
 
 
 class Trainer:
@@ -220,3 +220,47 @@ def test_a_generator_resumed_from_a_checkpoint_warns_once(caplog):
         t.cursor.load_state(t, {}, resumed_rng=False)
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "The data loader (generator) cannot be resumed" in warning
+
+
+def test_a_replay_iterator_resumes_a_shuffled_loader_where_it_was():
+    loader = torch.utils.data.DataLoader(
+        range(64),
+        batch_size=2,
+        sampler=torch.utils.data.RandomSampler(range(64), replacement=True, num_samples=10**4),
+    )
+    torch.manual_seed(5)
+    it = ReplayIterator(loader)
+    assert it.state() == {}
+    first = [next(it).tolist() for _ in range(3)]
+    state = it.state()
+    assert state["drawn"] == 3
+    rng = get_rng_state()
+    rest = [next(it).tolist() for _ in range(4)]
+
+    torch.manual_seed(123)  # another process, another stream until the checkpoint loads
+    again = ReplayIterator(loader)
+    again.load_state(state)
+    set_rng_state(rng)
+    before = torch.random.get_rng_state()
+    assert [next(again).tolist() for _ in range(4)] == rest
+    assert first != rest and again.state()["drawn"] == 7
+    # The replay (made under the saved states, 3 batches dropped) put the stream back.
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_precise_bn_saves_and_restores_its_data_position():
+    from hookloop.engine import hooks
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    data = [torch.randn(3, 2) for _ in range(20)]
+    hook = hooks.PreciseBN(0, model, data, num_iter=4)
+    assert hook.state_dict() == {}
+    hook.update_stats()
+    state = hook.state_dict()
+    assert state["data"]["drawn"] == 4
+    other = hooks.PreciseBN(0, model, data, num_iter=4)
+    other.load_state_dict(state)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    other.update_stats()
+    assert [t.data_ptr() for t in seen] == [t.data_ptr() for t in data[4:8]]

@@ -197,3 +197,14 @@ def test_bad_state():
         s.load_state_dict({**good, "position": -1})
     with pytest.raises(ValueError, match="epoch_states"):
         s.load_state_dict({**good, "epoch_states": {0: "x"}})
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -(2**63) - 1])
+def test_a_seed_torch_cannot_take_is_a_value_error_naming_seed(seed):
+    with pytest.raises(ValueError, match=rf"TrainingSampler\(seed=\) must be in .* got {seed}$"):
+        TrainingSampler(10, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), 0])
+def test_the_ends_of_torchs_seed_range_are_accepted(seed):
+    assert len(list(itertools.islice(iter(TrainingSampler(10, seed=seed)), 5))) == 5

@@ -3,6 +3,7 @@ and then tests/solver/test_param_scheduler.py's formulas still check the schedul
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -82,3 +83,32 @@ def test_random_schedules_match_fvcore():
         assert ours._native is not None
         bad = [w for w in wheres if outcome(theirs, w) != outcome(ours, w)]
         assert not bad, (type(ours).__name__, bad[:3])
+
+
+@pytest.mark.parametrize("where", [1.5, -0.1, 2.0, float("nan")])
+def test_a_cosine_outside_its_range_continues_as_fvcores(where):
+    """fvcore's cosine takes any finite ``where`` (and NaN): hookloop's gives the same values."""
+    ours = H.CosineParamScheduler(0.1, 0.001)(where)
+    theirs = F.CosineParamScheduler(0.1, 0.001)(where)
+    assert (ours == theirs) or (math.isnan(ours) and math.isnan(theirs))
+
+
+@pytest.mark.parametrize("where", [float("inf"), -float("inf")])
+def test_an_infinite_where_is_fvcores_value_error_naming_where(where):
+    with pytest.raises(ValueError):
+        F.CosineParamScheduler(0.1, 0.001)(where)  # math domain error
+    with pytest.raises(
+        ValueError, match=r"where in CosineParamScheduler must be finite.*got -?inf"
+    ):
+        H.CosineParamScheduler(0.1, 0.001)(where)
+
+
+@pytest.mark.parametrize("lengths", [[1.5, -0.5], [-0.25, 1.25], [1.0005, 0.0]])
+def test_a_negative_composite_length_is_refused_where_fvcore_takes_it(lengths):
+    """fvcore builds a composite with a negative length (the sum is 1) and maps ``where``
+    backwards through it; hookloop refuses it, naming the length."""
+    parts = [F.ConstantParamScheduler(1.0), F.ConstantParamScheduler(2.0)]
+    F.CompositeParamScheduler(parts, list(lengths), ["rescaled", "rescaled"])
+    ours = [H.ConstantParamScheduler(1.0), H.ConstantParamScheduler(2.0)]
+    with pytest.raises(ValueError, match=r"lengths\[\d\] must be >= 0"):
+        H.CompositeParamScheduler(ours, list(lengths), ["rescaled", "rescaled"])

@@ -66,6 +66,12 @@ class TrainingSampler(Sampler[int]):
                 raise TypeError(
                     f"TrainingSampler(seed=) expects an int or None, got {type(seed).__name__}"
                 ) from None
+            if not -(2**63) <= seed < 2**64:
+                # detectron2's fails at the first batch, in torch.Generator.manual_seed.
+                raise ValueError(
+                    "TrainingSampler(seed=) must be in [-2**63, 2**64) (what "
+                    f"torch.Generator.manual_seed takes), got {seed}"
+                )
         self._size = size
         self._shuffle = bool(shuffle)
         self._seed = int(seed)

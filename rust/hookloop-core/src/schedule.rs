@@ -164,6 +164,19 @@ impl Spans {
             let n = lengths.len();
             lengths[n - 1] = 1.0 - py_sum(&lengths[..n - 1], sum);
         }
+        // Stricter than fvcore, which takes a negative length as long as the sum is 1 and
+        // then maps `where` backwards through it: every length (the last one after fvcore's
+        // adjustment too) is a fraction of training, >= 0 (a NaN length is refused above: its
+        // sum is NaN).
+        if let Some((i, &l)) = lengths.iter().enumerate().find(|(_, &l)| l < 0.0) {
+            return Err(bad(
+                WHAT,
+                format!(
+                    "lengths[{i}] must be >= 0 (a fraction of training), got {}",
+                    Repr(l)
+                ),
+            ));
+        }
         Ok(Spans { lengths, scaling })
     }
 
@@ -648,12 +661,15 @@ impl Schedule {
             } => {
                 let angle = std::f64::consts::PI * where_;
                 if angle.is_infinite() {
-                    // math.cos(inf) raises "math domain error".
-                    return Err(Error::WhereOutOfRange {
-                        what: "CosineParamScheduler",
-                        range: "[0, 1]",
-                        where_,
-                    });
+                    // fvcore's math.cos(inf) raises ValueError("math domain error"). A finite
+                    // `where` outside [0, 1] is fvcore's too: the cosine continues there.
+                    return Err(Error::bad_value(
+                        "where in CosineParamScheduler",
+                        format!(
+                            "must be finite (math.cos of it is a domain error): got {}",
+                            Repr(where_)
+                        ),
+                    ));
                 }
                 Ok(end_value + 0.5 * (start_value - end_value) * (1.0 + angle.cos()))
             }
@@ -799,7 +815,20 @@ mod tests {
         bits_eq(s.value(0.0).unwrap(), 0.1);
         // Known Python value: fvcore CosineParamScheduler(0.1, 0.0001)(0.5)
         bits_eq(s.value(0.5).unwrap(), 0.050050000000000004);
-        assert!(s.value(f64::INFINITY).is_err());
+        // Outside [0, 1] the cosine continues, as fvcore's; inf is fvcore's ValueError.
+        bits_eq(
+            s.value(1.5).unwrap(),
+            0.0001 + 0.5 * (0.1 - 0.0001) * (1.0 + (std::f64::consts::PI * 1.5).cos()),
+        );
+        for w in [f64::INFINITY, f64::NEG_INFINITY] {
+            match s.value(w) {
+                Err(Error::BadValue { what, reason }) => {
+                    assert_eq!(what, "where in CosineParamScheduler");
+                    assert!(reason.ends_with(&format!("got {}", Repr(w))), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
         assert!(s.value(f64::NAN).unwrap().is_nan());
     }
 
@@ -1053,6 +1082,30 @@ mod tests {
         let parts = vec![Schedule::constant(1.0)];
         let spans = Spans::new(&[0.5, 0.5], vec![Scaling::Fixed; 2], N).unwrap();
         assert!(Schedule::composite(parts, spans).is_err());
+    }
+
+    #[test]
+    fn composite_refuses_negative_lengths() {
+        for (lengths, index, shown) in [
+            (vec![1.5, -0.5], 1, "-0.5"),
+            (vec![-0.25, 1.25], 0, "-0.25"),
+            // Within fvcore's 1e-3 of 1, the last length is adjusted to a negative one.
+            (vec![1.0005, 0.0], 1, "-0.0004999999999999449"),
+        ] {
+            match Spans::new(&lengths, vec![Scaling::Rescaled; 2], SumMode::Naive) {
+                Err(Error::BadSchedule { what, reason }) => {
+                    assert_eq!(what, "CompositeParamScheduler");
+                    assert_eq!(
+                        reason,
+                        format!(
+                            "lengths[{index}] must be >= 0 (a fraction of training), got {shown}"
+                        )
+                    );
+                }
+                other => panic!("{lengths:?}: {other:?}"),
+            }
+        }
+        assert!(Spans::new(&[1.0, 0.0], vec![Scaling::Rescaled; 2], SumMode::Naive).is_ok());
     }
 
     #[test]

@@ -170,15 +170,8 @@ class DataCursor:
         self.epoch = epoch
         _set_epoch(trainer.data_loader, epoch)
         trainer._data_loader_iter_obj = None
-        rng = get_rng_state()
         self._resumed_rng = False
-        if epoch_rng is not None:
-            set_rng_state(epoch_rng)
-        it = trainer._data_loader_iter
-        for _ in range(batches):
-            if next(it, _END) is _END:
-                break
-        set_rng_state(rng)
+        _replayed(lambda: trainer._data_loader_iter, epoch_rng, batches)
         self._batches_before = batches
         self._epoch_start_iter = trainer.iter + 1  # the first iteration of the resumed run
 
@@ -205,6 +198,24 @@ class DataCursor:
             )
             return
         trainer._data_loader_iter_obj = None
+
+
+def _replayed(make: Any, rng_at_start: Optional[Mapping[str, Any]], drawn: int) -> Any:
+    """The iterator ``make()`` returns, as it was after ``drawn`` items: made under the random
+    states ``rng_at_start`` (when given), those items drawn and dropped (fewer if it runs out:
+    its next ``next()`` then says so, as it did then). The random streams are put back after,
+    so the replay does not move them."""
+    now = get_rng_state()
+    try:
+        if rng_at_start is not None:
+            set_rng_state(rng_at_start)
+        it = make()
+        for _ in range(drawn):
+            if next(it, _END) is _END:
+                break
+    finally:
+        set_rng_state(now)
+    return it
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
@@ -281,14 +292,6 @@ class ReplayIterator:
             self._it = iter(self._loader)
             self._drawn = 0
             return
-        now = get_rng_state()
-        try:
-            set_rng_state(resume["rng"])
-            self._rng = resume["rng"]
-            self._it = iter(self._loader)
-            for _ in range(int(resume["drawn"])):
-                if next(self._it, _END) is _END:
-                    break  # it ran out before: the next next() says so, as then
-        finally:
-            set_rng_state(now)
+        self._rng = resume["rng"]
+        self._it = _replayed(lambda: iter(self._loader), self._rng, int(resume["drawn"]))
         self._drawn = int(resume["drawn"])

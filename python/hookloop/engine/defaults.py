@@ -557,7 +557,6 @@ class DefaultTrainer(TrainerBase):
         # so the hooks' after_backward runs (detectron2's calls the wrapped trainer's, which
         # has no hooks). Without a strong reference back to this trainer.
         self._trainer.after_backward = _weak_after_backward(self)  # type: ignore[method-assign]
-        _share_stop(self)
 
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = Checkpointer(
@@ -671,7 +670,7 @@ class DefaultTrainer(TrainerBase):
         # Code that reads the wrapped trainer sees the run's bounds.
         self._trainer.start_iter = self.start_iter
         self._trainer.max_iter = self.max_iter
-        _share_stop(self)  # also with a wrapped trainer a subclass assigned since __init__
+        _share_stop(self)  # the wrapped trainer as it is now (a subclass may assign its own)
         super().before_train()
 
     def run_step(self) -> None:

@@ -3,6 +3,7 @@ is full. The runs happen in child processes (sys.executable)."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -122,6 +123,61 @@ def test_sigkill_mid_run_leaves_readable_files(tmp_path):
     after = _json_rows(metrics)
     assert after[: len(rows)] == rows
     assert after[-1] == {"iteration": 10**6, "loss": 2.0}
+
+
+WIDE_RUN = """
+    import sys
+    from hookloop.utils.events import EventStorage, JSONWriter
+
+    # Lines of ~40 B to ~4 KiB: iteration i puts (i * 37) % 200 scalars besides the loss.
+    writer = JSONWriter(sys.argv[1])
+    names = [f"metric/{n:03d}" for n in range(200)]
+    with EventStorage() as storage:
+        for i in range(10**9):
+            storage.iter = i
+            storage.put_scalar("loss", i * 0.5, smoothing_hint=False)
+            for name in names[: (i * 37) % 200]:
+                storage.put_scalar(name, 0.25, smoothing_hint=False)
+            writer.write()
+"""
+
+
+@pytest.mark.slow
+def test_every_line_up_to_4_kib_is_whole_after_sigkill(tmp_path):
+    # The documented guarantee: after kill -9 at any moment, every line of at most 4 KiB
+    # parses, the last one included (it may lack its newline). Each run appends to the
+    # file the killed runs left, whose last line it pads when its first line needs to.
+    metrics = tmp_path / "metrics.json"
+    rng = random.Random(0)
+    runs = []
+    for _ in range(12):
+        before = metrics.stat().st_size if metrics.exists() else 0
+        proc = subprocess.Popen(_child(WIDE_RUN, metrics), stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                if metrics.exists() and metrics.stat().st_size > before + (256 << 10):
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail("the child wrote less than 256 KiB in time")
+            time.sleep(rng.uniform(0, 0.05))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(TIMEOUT)
+            proc.stderr.close()
+        assert proc.returncode == -signal.SIGKILL
+        text = metrics.read_text()
+        lines = text.splitlines()
+        assert max(map(len, lines)) > 3500  # the widths the test is about
+        runs.append([json.loads(line)["iteration"] for line in lines])  # every line parses
+    # The runs' iterations, in order: each run's own 0, 1, 2, ... after the earlier ones'.
+    for earlier, later in zip(runs, runs[1:]):
+        assert later[: len(earlier)] == earlier
+        added = later[len(earlier) :]
+        assert added == list(range(len(added)))
+    assert runs[0] == list(range(len(runs[0])))
 
 
 UNCLOSED_RUN = """

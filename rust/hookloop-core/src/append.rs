@@ -9,6 +9,10 @@
 //!   is only ever inside one unit, the one crossing it, whose two sides are copied back to
 //!   back. So after `kill -9` a file holds whole units, in order, except that the last may be
 //!   torn, cut at a 4096-aligned offset inside it; the next `JSONWriter` on the file cuts it.
+//! - **Lines stay inside their page.** metrics.json's lines are laid out by
+//!   [`page_aligned_lines`] so that a line of at most a page never crosses a page boundary:
+//!   the line before it is padded with trailing spaces. So after `kill -9` every line of up to
+//!   4 KiB is whole; only a longer line can be torn.
 //! - **Disk full keeps what fits.** A write that fails part-way keeps every whole unit that
 //!   reached the file and removes only the torn bytes of the failed unit.
 //! - **A rollback removes only its own bytes**: it is measured from the end of this handle's
@@ -105,6 +109,69 @@ pub fn chunks(ends: &[usize], offset: u64) -> Vec<(usize, usize, usize)> {
         out.push((start, end, units));
     }
     out
+}
+
+/// A batch of lines laid out for the file: see [`page_aligned_lines`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// The bytes to append.
+    pub data: Vec<u8>,
+    /// The end offsets of its units, ascending, the last one `data.len()`.
+    pub ends: Vec<usize>,
+    /// `data` begins by padding the file's last line: the caller cuts the file's final
+    /// newline first (appending at one byte before the offset given), and `data`'s first unit
+    /// is the spaces and that newline.
+    pub retract_newline: bool,
+}
+
+/// Lays out `text` (lines, appended at file offset `offset`) so that no line of at most
+/// [`PAGE`] bytes crosses a page boundary of the file, so that `kill -9` can never tear it
+/// (see the module): where a line would cross one, the line before it is padded with spaces
+/// before its newline (whitespace JSON allows after a value) and the line starts on the
+/// boundary. When the line before is the file's last, `file_ends_with_newline` (called at
+/// most once) says whether it can be padded; the layout then starts by retracting it. A line
+/// longer than a page, or a first line after a file that does not end with a newline, is left
+/// where it falls.
+pub fn page_aligned_lines(
+    text: &[u8],
+    offset: u64,
+    file_ends_with_newline: impl FnOnce() -> bool,
+) -> Layout {
+    let mut ask = Some(file_ends_with_newline);
+    let mut data = Vec::with_capacity(text.len());
+    let mut ends: Vec<usize> = Vec::new();
+    let mut base = offset;
+    let mut retract_newline = false;
+    let mut start = 0;
+    for end in line_ends(text) {
+        let line = &text[start..end];
+        start = end;
+        let used = ((base + data.len() as u64) % PAGE as u64) as usize;
+        if used != 0 && line.len() <= PAGE && used + line.len() > PAGE {
+            let pad = PAGE - used;
+            if data.last() == Some(&b'\n') {
+                data.pop();
+                data.resize(data.len() + pad, b' ');
+                data.push(b'\n');
+                if let Some(last) = ends.last_mut() {
+                    *last += pad;
+                }
+            } else if data.is_empty() && offset > 0 && ask.take().is_some_and(|f| f()) {
+                base = offset - 1;
+                retract_newline = true;
+                data.resize(pad, b' ');
+                data.push(b'\n');
+                ends.push(data.len());
+            }
+        }
+        data.extend_from_slice(line);
+        ends.push(data.len());
+    }
+    Layout {
+        data,
+        ends,
+        retract_newline,
+    }
 }
 
 /// Appends `data`, made of units ending at `ends`, in page-bounded write calls (see the
@@ -464,6 +531,115 @@ mod tests {
         assert!(bytes.len() >= theirs.len() + 250);
     }
 
+    /// Where `layout` puts each line of the file it is appended to (a file of `at` bytes):
+    /// `(start, end)` file offsets of the lines, the retracted newline's line ending after
+    /// the padding.
+    fn placed(layout: &Layout, at: u64) -> Vec<(u64, u64)> {
+        let base = at - u64::from(layout.retract_newline);
+        let mut start = base;
+        let mut out = Vec::new();
+        for (k, &e) in layout.ends.iter().enumerate() {
+            let end = base + e as u64;
+            if !(k == 0 && layout.retract_newline) {
+                out.push((start, end));
+            }
+            start = end;
+        }
+        out
+    }
+
+    /// Lines of 50 B to 4 KiB (and a few longer), each a JSON object.
+    fn mixed_lines(n: usize) -> Vec<u8> {
+        let mut text = Vec::new();
+        for i in 0..n {
+            let width = if i % 41 == 7 {
+                PAGE + 1 + i
+            } else {
+                50 + (i * 7919) % (PAGE - 49)
+            };
+            text.extend(lines(1, width));
+        }
+        text
+    }
+
+    #[test]
+    fn no_line_of_at_most_a_page_crosses_a_page_boundary() {
+        let text = mixed_lines(300);
+        for at in OFFSETS {
+            let layout = page_aligned_lines(&text, at as u64, || true);
+            assert_eq!(*layout.ends.last().unwrap(), layout.data.len());
+            for (start, end) in placed(&layout, at as u64) {
+                let len = (end - start) as usize;
+                if len <= PAGE {
+                    assert_eq!(start / 4096, (end - 1) / 4096, "{start}..{end} from {at}");
+                }
+            }
+            // The same lines, only trailing spaces added before some newlines.
+            let unpadded: Vec<u8> = layout
+                .data
+                .split_inclusive(|&b| b == b'\n')
+                .flat_map(|l| {
+                    let body = l.trim_ascii_end();
+                    body.iter()
+                        .copied()
+                        .chain((!body.is_empty()).then_some(b'\n'))
+                })
+                .collect();
+            assert_eq!(unpadded, text, "from {at}");
+        }
+    }
+
+    #[test]
+    fn a_first_line_that_would_cross_pads_the_files_last_line() {
+        let text = lines(1, 200);
+        let layout = page_aligned_lines(&text, 4000, || true);
+        assert!(layout.retract_newline);
+        // The file is cut to 3999 bytes, then 96 spaces and the newline end at 4096.
+        let mut want = vec![b' '; 96];
+        want.push(b'\n');
+        want.extend(&text);
+        assert_eq!(layout.data, want);
+        assert_eq!(layout.ends, [97, 297]);
+        // Not when the file's last byte is not a newline, or the line fits.
+        let layout = page_aligned_lines(&text, 4000, || false);
+        assert_eq!((layout.retract_newline, layout.data), (false, text.clone()));
+        let layout = page_aligned_lines(&text, 3896, || unreachable!());
+        assert_eq!((layout.retract_newline, layout.data), (false, text.clone()));
+        // A page-long line at a boundary, and a longer one anywhere, stay where they fall.
+        let page = lines(1, PAGE);
+        assert_eq!(
+            page_aligned_lines(&page, 8192, || unreachable!()).data,
+            page
+        );
+        let long = lines(1, PAGE + 1);
+        assert_eq!(page_aligned_lines(&long, 10, || unreachable!()).data, long);
+    }
+
+    #[test]
+    fn the_file_is_the_same_whatever_the_batches() {
+        // Appending the lines in batches of any size leaves the bytes of one batch: a resumed
+        // run's file equals an uninterrupted one's.
+        let text = mixed_lines(120);
+        let ends = line_ends(&text);
+        let whole = page_aligned_lines(&text, 0, || unreachable!()).data;
+        for batch in [1, 2, 3, 7, 20] {
+            let mut file: Vec<u8> = Vec::new();
+            for group in ends.chunks(batch) {
+                let start = file.len();
+                let first = ends.partition_point(|&e| e < group[0]);
+                let from = if first == 0 { 0 } else { ends[first - 1] };
+                let chunk = &text[from..*group.last().unwrap()];
+                let layout =
+                    page_aligned_lines(chunk, start as u64, || file.last() == Some(&b'\n'));
+                if layout.retract_newline {
+                    file.pop();
+                }
+                file.extend(layout.data);
+            }
+            assert_eq!(file, whole, "batches of {batch}");
+        }
+    }
+
     #[test]
     fn record_ends_follow_the_framing() {
         let mut data = Vec::new();
@@ -487,52 +663,95 @@ mod cost {
     use super::*;
     use std::time::Instant;
 
-    /// What page-bounded writes cost the writer thread against one `write_all` per batch:
+    /// What page-bounded writes, and the padding that keeps lines inside their page, cost the
+    /// writer thread against one `write_all` per batch, and the padding's bytes:
     /// `cargo test --release -p hookloop-core -- --ignored --nocapture page_bounded_cost`.
     #[test]
     #[ignore = "a measurement, not a check"]
     fn page_bounded_cost() {
         let dir = std::env::temp_dir().join(format!("hookloop-cost-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for (width, batch) in [(200, 1), (200, 20), (200, 256), (3000, 256)] {
+        // (widths, lines per batch); width 0 is 50 B to 4 KiB, varying.
+        for (width, batch) in [
+            (200, 1),
+            (200, 20),
+            (200, 256),
+            (3000, 256),
+            (0, 1),
+            (0, 20),
+        ] {
             let mut data = Vec::new();
-            for i in 0..batch {
+            for i in 0..batch.max(64) {
+                let w = if width > 0 {
+                    width
+                } else {
+                    50 + (i * 7919) % 4046
+                };
                 let mut line = format!("{{\"iteration\": {i}, \"x\": \"");
-                line.push_str(&"p".repeat(width - line.len() - 3));
+                line.push_str(&"p".repeat(w - line.len() - 3));
                 line.push_str("\"}\n");
                 data.extend_from_slice(line.as_bytes());
             }
-            let ends = line_ends(&data);
-            let batches = (20 << 20) / data.len().max(1);
-            let mut best = [f64::MAX; 2];
+            // Batches of `batch` lines, cycling through the 64+ lines made.
+            let all = line_ends(&data);
+            let groups: Vec<&[u8]> = all
+                .chunks(batch)
+                .scan(0, |from, g| {
+                    let chunk = &data[*from..*g.last().unwrap()];
+                    *from = *g.last().unwrap();
+                    Some(chunk)
+                })
+                .filter(|c| line_ends(c).len() == batch)
+                .collect();
+            let batches = (20 << 20) / (data.len() / groups.len()).max(1);
+            let mut best = [f64::MAX; 3];
+            let mut bytes = [0u64; 3];
             for _ in 0..3 {
                 for (k, best) in best.iter_mut().enumerate() {
                     let path = dir.join("m.json");
                     let _ = std::fs::remove_file(&path);
                     let mut file = std::fs::OpenOptions::new()
+                        .read(true)
                         .append(true)
                         .create(true)
                         .open(&path)
                         .unwrap();
                     let t = Instant::now();
-                    for _ in 0..batches {
+                    for b in 0..batches {
+                        let chunk = groups[b % groups.len()];
                         if k == 0 {
-                            file.write_all(&data).unwrap();
-                        } else {
-                            let start = live_len(&file, &path).unwrap();
-                            append_units(&mut file, &data, &ends, start).unwrap();
+                            file.write_all(chunk).unwrap();
+                            continue;
                         }
+                        let mut start = live_len(&file, &path).unwrap();
+                        if k == 1 {
+                            append_units(&mut file, chunk, &line_ends(chunk), start).unwrap();
+                            continue;
+                        }
+                        let layout = page_aligned_lines(chunk, start, || true);
+                        if layout.retract_newline {
+                            start -= 1;
+                            file.set_len(start).unwrap();
+                        }
+                        append_units(&mut file, &layout.data, &layout.ends, start).unwrap();
                     }
                     *best = best.min(t.elapsed().as_secs_f64() / batches as f64);
+                    bytes[k] = file.metadata().unwrap().len();
                 }
             }
+            let per_line = |a: f64, b: f64| (b - a) * 1e6 / batch as f64;
             println!(
-                "lines of {width} B, {batch} per batch: one write_all {:.2} µs/batch, \
-                 page-bounded {:.2} µs/batch ({:+.2} µs, {:.2} µs/line more)",
+                "lines of {} B, {batch} per batch: one write_all {:.2} µs/batch, page-bounded \
+                 {:+.2} µs/line, padded {:+.2} µs/line more; padding {:.1}% of the bytes",
+                if width > 0 {
+                    width.to_string()
+                } else {
+                    "50-4096".into()
+                },
                 best[0] * 1e6,
-                best[1] * 1e6,
-                (best[1] - best[0]) * 1e6,
-                (best[1] - best[0]) * 1e6 / batch as f64
+                per_line(best[0], best[1]),
+                per_line(best[1], best[2]),
+                (bytes[2] as f64 / bytes[0] as f64 - 1.0) * 100.0
             );
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -230,10 +230,28 @@ impl JsonSink {
             return Ok(());
         }
         let text = std::mem::take(&mut self.pending);
-        let start = append::live_len(&self.file, &self.path)?;
-        let ends = append::line_ends(text.as_bytes());
-        append::append_units(&mut self.file, text.as_bytes(), &ends, start)
-            .map_err(|f| f.into_error(&self.path, "lines"))
+        let mut start = append::live_len(&self.file, &self.path)?;
+        let file = &mut self.file;
+        let layout = append::page_aligned_lines(text.as_bytes(), start, || {
+            read_at(file, start - 1, 1).is_ok_and(|b| b == b"\n")
+        });
+        if layout.retract_newline {
+            // The file's last line gets the padding: its newline is cut and appended again
+            // after the spaces. A kill between the two leaves a whole object without a
+            // newline, which `open` keeps.
+            start -= 1;
+            self.file
+                .set_len(start)
+                .map_err(|e| Error::io(&self.path, e))?;
+        }
+        let appended = append::append_units(&mut self.file, &layout.data, &layout.ends, start);
+        let untouched = || self.file.metadata().is_ok_and(|m| m.len() == start);
+        if appended.is_err() && layout.retract_newline && untouched() {
+            // Not even the padding reached the file: put the newline back, or start the next
+            // line with one.
+            self.needs_newline = self.file.write_all(b"\n").is_err();
+        }
+        appended.map_err(|f| f.into_error(&self.path, "lines"))
     }
 }
 
@@ -442,6 +460,44 @@ mod tests {
             h.send(Payload::Json(vec![])),
             Err(Error::Closed { .. })
         ));
+    }
+
+    #[test]
+    fn json_sink_keeps_every_line_of_at_most_a_page_inside_its_page() {
+        let path = tmpdir("pages").join("metrics.json");
+        std::fs::write(&path, "{\"iteration\": -1}\n").unwrap();
+        let mut sink = JsonSink::open(&path, FsyncPolicy::Never).unwrap();
+        let mut want = vec![-1];
+        for i in 0..200i64 {
+            // 1 to 3 rows per batch, lines of ~40 B to ~4 KiB.
+            let rows: Vec<JsonRow> = (0..1 + i % 3)
+                .map(|k| {
+                    let iter = i * 3 + k;
+                    want.push(iter);
+                    let names: Vec<String> =
+                        (0..(iter * 37) % 300).map(|n| format!("m{n:03}")).collect();
+                    let scalars: Vec<(&str, f64)> =
+                        names.iter().map(|n| (n.as_str(), 0.5)).collect();
+                    row(iter, &scalars)
+                })
+                .collect();
+            sink.write(Payload::Json(rows)).unwrap();
+            sink.sync().unwrap();
+        }
+        sink.close().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let mut start = 0;
+        let mut got = Vec::new();
+        for line in bytes.split_inclusive(|&b| b == b'\n') {
+            let end = start + line.len();
+            assert!(line.len() <= append::PAGE);
+            assert_eq!(start / 4096, (end - 1) / 4096, "line {start}..{end}");
+            let text = std::str::from_utf8(line).unwrap();
+            got.push(line_iteration(text.trim_end()).unwrap() as i64);
+            start = end;
+        }
+        assert_eq!(got, want);
+        assert!(bytes.windows(2).any(|w| w == b" \n"), "no line was padded");
     }
 
     #[test]

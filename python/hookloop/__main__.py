@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -170,7 +171,12 @@ def _demo(args: argparse.Namespace) -> int:
         best_metric="val/accuracy",
         best_mode="max",
         seed=args.seed,
+        trackers=tuple(
+            t for t, on in (("mlflow", args.mlflow is not None), ("wandb", args.wandb)) if on
+        ),
     )
+    if args.mlflow:
+        os.environ["MLFLOW_TRACKING_URI"] = args.mlflow
     trainer = DemoTrainer(cfg)
     trainer.resume_or_load(resume=args.resume)
     start_iter = trainer.start_iter
@@ -248,6 +254,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=0,
         metavar="N",
         help="act as if Ctrl-C was pressed after iteration N - 1 (to try --resume)",
+    )
+    demo.add_argument(
+        "--mlflow",
+        nargs="?",
+        const="",
+        metavar="URI",
+        help="also log to MLflow (default: sqlite:///<output>/mlflow.db, or MLFLOW_TRACKING_URI)",
+    )
+    demo.add_argument(
+        "--wandb", action="store_true", help="also log to Weights & Biases (offline by default)"
     )
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -57,6 +57,7 @@ def main():
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--loader", default="sampler")
     p.add_argument("--precise-bn", action="store_true")
+    p.add_argument("--mlflow", action="store_true", help="also an MLflowWriter (sqlite in out)")
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -117,6 +118,12 @@ def main():
         sampler = torch.utils.data.RandomSampler(train, replacement=True, num_samples=10**6)
         bn_loader = torch.utils.data.DataLoader(train, batch_size=4, sampler=sampler)
         precise = [hooks.PreciseBN(10, model, bn_loader, num_iter=3)]
+    trackers = []
+    if args.mlflow:
+        from hookloop.utils.events import MLflowWriter
+
+        db = os.path.join(os.path.abspath(args.out), "mlflow.db")
+        trackers.append(MLflowWriter(f"sqlite:///{db}", experiment_name="resume"))
     trainer.register_hooks(
         [
             hooks.IterationTimer(),
@@ -126,7 +133,11 @@ def main():
             hooks.EvalHook(10, evaluate),
             hooks.BestCheckpointer(10, ckpt, "val/mse", mode="min"),
             hooks.PeriodicWriter(
-                [JSONWriter(os.path.join(args.out, "metrics.json")), TensorboardXWriter(args.out)],
+                [
+                    JSONWriter(os.path.join(args.out, "metrics.json")),
+                    TensorboardXWriter(args.out),
+                    *trackers,
+                ],
                 period=5,
             ),
             Kill(),

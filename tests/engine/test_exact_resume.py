@@ -123,6 +123,15 @@ def test_shuffled_loaders_and_precise_bn_resume_exactly(straight, tmp_path, conf
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill", [["--kill-at", "14"], ["--kill-at", "6"], ["--kill-in-save", "29"]]
+)
+def test_an_mlflow_run_resumes_with_one_point_per_step(straight, tmp_path, kill):
+    pytest.importorskip("mlflow")
+    assert_resumed_equals_straight(straight("--mlflow"), tmp_path, kill, ("--mlflow",))
+
+
 def test_a_generator_loader_resumes_with_one_warning_naming_it(tmp_path):
     """A plain generator has no position to save or restore: the resumed run says so once."""
     assert run(tmp_path, "--loader", "generator", "--kill-at", "14").returncode == -signal.SIGKILL
@@ -164,3 +173,34 @@ def assert_resumed_equals_straight(straight_out, tmp_path, kill, config):
         steps = [s for s, _ in points]
         assert len(steps) == len(set(steps)), f"{tag}: a step was written twice"
         assert points == scalars(straight_out, tag)
+    if "--mlflow" in config:
+        assert_mlflow_run_equals_straight(straight_out, tmp_path, tb)
+
+
+def mlflow_points(out: Path, run_id=None):
+    """Each metric's (step, value) points in the run ``run_id`` (else the only run)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    if run_id is None:
+        (found,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+        run_id = found.info.run_id
+    keys = client.get_run(run_id).data.metrics
+    return {
+        key: sorted((p.step, p.value) for p in client.get_metric_history(run_id, key))
+        for key in keys
+        if key not in TIMING
+    }
+
+
+def assert_mlflow_run_equals_straight(straight_out, tmp_path, final_trainer_state):
+    # The run the final checkpoint names: the killed run's, continued (a kill before the first
+    # checkpoint leaves that run with its few points, and the restart makes a new one).
+    (state,) = final_trainer_state["hookloop_hooks"]["PeriodicWriter"]["writers"].values()
+    got = mlflow_points(tmp_path, state["run_id"])
+    want = mlflow_points(straight_out)
+    assert got.keys() == want.keys() and "total_loss" in got
+    for key, points in got.items():
+        steps = [s for s, _ in points]
+        assert len(steps) == len(set(steps)), f"{key}: a step was logged twice"
+        assert points == want[key], key

@@ -81,6 +81,8 @@ class TrainConfig:
             ``model_best.pth`` for; "" for none. ``best_mode``: "max" or "min".
         seed: seeds Python's, numpy's and torch's RNGs before the model is built; negative:
             a seed drawn from the OS, logged.
+        trackers: experiment trackers the writers also log to: ``"mlflow"``, ``"wandb"``
+            (see :func:`default_writers`).
     """
 
     max_iter: int = 40000
@@ -110,6 +112,7 @@ class TrainConfig:
     best_metric: str = ""
     best_mode: str = "max"
     seed: int = -1
+    trackers: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -273,6 +276,9 @@ class TrainConfig:
             )
         if self.best_mode not in ("max", "min"):
             raise ValueError(f"{name}.best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        unknown = [t for t in self.trackers if t not in ("mlflow", "wandb")]
+        if unknown:
+            raise ValueError(f"{name}.trackers must be 'mlflow' or 'wandb', got {unknown[0]!r}")
         steps = self.lr_steps
         if any(s <= 0 for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
             raise ValueError(
@@ -392,6 +398,8 @@ def default_writers(
     output_dir: Union[str, "os.PathLike[str]"],
     max_iter: Optional[int] = None,
     window_size: int = 20,
+    *,
+    trackers: Iterable[Union[str, EventWriter]] = (),
 ) -> List[EventWriter]:
     """Build a list of :class:`EventWriter` to be used. It now consists of a
     :class:`CommonMetricPrinter`, :class:`TensorboardXWriter` and :class:`JSONWriter`.
@@ -400,17 +408,44 @@ def default_writers(
         output_dir: directory to store JSON metrics and tensorboard events
         max_iter: the total number of iterations
         window_size: the writers' smoothing window
+        trackers: experiment trackers to add (hookloop's addition): ``"mlflow"`` (an
+            :class:`MLflowWriter` to ``MLFLOW_TRACKING_URI``, else
+            ``sqlite:///<output_dir>/mlflow.db``), ``"wandb"`` (a :class:`WandbWriter`,
+            ``WANDB_MODE`` or offline, its files under ``output_dir``), or writers
 
     Returns:
         list[EventWriter]: a list of :class:`EventWriter` objects.
     """
     output_dir = os.fspath(output_dir)
+    if isinstance(trackers, (str, EventWriter)):
+        trackers = [trackers]
+    extra: List[EventWriter] = []
+    for tracker in trackers:
+        if isinstance(tracker, EventWriter):
+            extra.append(tracker)
+        elif tracker == "mlflow":
+            from hookloop.utils.trackers import MLflowWriter
+
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
+                os.path.join(output_dir, "mlflow.db")
+            )
+            extra.append(MLflowWriter(uri, window_size=window_size))
+        elif tracker == "wandb":
+            from hookloop.utils.wandb_writer import WandbWriter
+
+            mode = os.environ.get("WANDB_MODE") or "offline"
+            extra.append(WandbWriter(mode=mode, dir=output_dir, window_size=window_size))
+        else:
+            raise ValueError(
+                f"default_writers trackers: {tracker!r} is not 'mlflow', 'wandb' or an EventWriter"
+            )
     os.makedirs(output_dir, exist_ok=True)
     return [
         # It may not always print what you want to see, since it prints "common" metrics only.
         CommonMetricPrinter(max_iter, window_size=window_size),
         JSONWriter(os.path.join(output_dir, "metrics.json"), window_size=window_size),
         TensorboardXWriter(output_dir, window_size=window_size),
+        *extra,
     ]
 
 
@@ -655,7 +690,9 @@ class DefaultTrainer(TrainerBase):
         Returns:
             list[EventWriter]: a list of :class:`EventWriter` objects.
         """
-        return default_writers(self.cfg.output_dir, self.max_iter, self.cfg.window_size)
+        return default_writers(
+            self.cfg.output_dir, self.max_iter, self.cfg.window_size, trackers=self.cfg.trackers
+        )
 
     def train(self) -> Optional[Any]:  # type: ignore[override]
         """Run training.

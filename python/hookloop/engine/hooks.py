@@ -238,6 +238,31 @@ class PeriodicWriter(HookBase):
             if resume is not None:
                 resume(start_iter)
 
+    # Writers with a resume state (the trackers' run ids) save it in the trainer state's
+    # "hookloop_hooks": detectron2's PeriodicWriter has no load_state_dict.
+    _STATE_BEYOND_DETECTRON2 = True
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The writers' resume states (a tracker's run id), keyed ``"<index>:<class>"``; empty
+        when no writer has one (a checkpoint then has no entry for this hook)."""
+        states = {}
+        for i, writer in enumerate(getattr(self, "_writers", ())):
+            get = getattr(writer, "_state_dict", None)
+            state = get() if get is not None else None
+            if state:
+                states[f"{i}:{type(writer).__name__}"] = state
+        return {"writers": states} if states else {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        writers = {f"{i}:{type(w).__name__}": w for i, w in enumerate(self._writers)}
+        for key, state in state_dict.get("writers", {}).items():
+            writer = writers.get(key)
+            load = getattr(writer, "_load_state_dict", None)
+            if load is None:
+                logger.warning(f"PeriodicWriter has no writer '{key}'; its state is ignored")
+                continue
+            load(state)
+
     def _dispatch_period(self, stage: str) -> Optional[int]:
         if "_period" not in self.__dict__:
             raise TypeError(

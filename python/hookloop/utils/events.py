@@ -23,6 +23,15 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from hookloop import _core
+from hookloop.utils._base import (
+    _CURRENT_STORAGE_STACK,
+    EventWriter,
+    get_event_storage,
+    has_event_storage,
+)
+from hookloop.utils._base import (
+    NoEventStorageError as NoEventStorageError,
+)
 
 __all__ = [
     "get_event_storage",
@@ -35,39 +44,27 @@ __all__ = [
     "CommonMetricPrinter",
 ]
 
+# The tracker writers are imported on first use (their clients are optional dependencies).
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MLflowWriter":
+        from hookloop.utils.trackers import MLflowWriter
+
+        return MLflowWriter
+    if name == "WandbWriter":
+        from hookloop.utils.wandb_writer import WandbWriter
+
+        return WandbWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 logger = logging.getLogger(__name__)
 
 HistoryBuffer = _core.HistoryBuffer
 
 # The most buckets put_histogram makes (torch.histc allocates them all).
 _MAX_BINS = 1 << 24
-
-_CURRENT_STORAGE_STACK: List[EventStorage] = []
-
-
-class NoEventStorageError(RuntimeError, AssertionError):
-    """Raised by :func:`get_event_storage` outside any ``with EventStorage(...)`` block.
-
-    Also an ``AssertionError``, which is what detectron2 raises there.
-    """
-
-
-def get_event_storage() -> EventStorage:
-    """The :class:`EventStorage` of the innermost ``with EventStorage(...)`` block.
-
-    Raises:
-        NoEventStorageError: when no storage is active.
-    """
-    if not _CURRENT_STORAGE_STACK:
-        raise NoEventStorageError(
-            "get_event_storage() has to be called inside a 'with EventStorage(...)' context!"
-        )
-    return _CURRENT_STORAGE_STACK[-1]
-
-
-def has_event_storage() -> bool:
-    """Whether a storage is active (so :func:`get_event_storage` would succeed)."""
-    return len(_CURRENT_STORAGE_STACK) > 0
 
 
 class EventStorage(_core.EventStorage):
@@ -256,19 +253,6 @@ def _history_from_double(name: str, double: Any) -> HistoryBuffer:
     for value, iteration in values():
         buffer.update(value, iteration)
     return buffer
-
-
-class EventWriter:
-    """Base class for writers that obtain events from :class:`EventStorage` and process them.
-
-    Subclass it in Python with ``write()`` and ``close()``; native writers subclass it too.
-    """
-
-    def write(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
 
 
 class _NativeFileWriter(EventWriter):

@@ -1,0 +1,223 @@
+"""A writer to Weights & Biases: :class:`WandbWriter`. The snapshot on the training thread,
+the sender thread, the bounded buffer, the retries and the resume state are those of
+:class:`~hookloop.utils.trackers.TrackerWriter`, the base it shares with ``MLflowWriter``.
+
+The client is optional: ``pip install "hookloop[wandb]"``. Importing hookloop never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import secrets
+import string
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from hookloop.utils.trackers import TrackerWriter, _Row, flatten_config
+
+__all__ = ["WandbWriter"]
+
+logger = logging.getLogger(__name__)
+
+# The modes wandb.init takes (its "dryrun" and "run" are old names of offline and online).
+_MODES = ("online", "offline", "disabled", "shared")
+
+
+def _new_run_id() -> str:
+    """A run id as W&B makes them (8 lowercase letters and digits)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def _config_value(value: Any) -> Any:
+    """A config value as W&B stores it: numbers, strings, None and lists of them as they are,
+    anything else as its ``str`` (an object W&B cannot serialize would make every
+    ``wandb.init`` fail, and the writer retry it to the end)."""
+    if value is None or isinstance(value, (str, numbers.Number)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_config_value(v) for v in value]
+    return str(value)
+
+
+class WandbWriter(TrackerWriter):
+    """Writes the smoothed scalars that ``JSONWriter`` writes, at the same iterations, to a
+    Weights & Biases run: one ``run.log(values, step=iteration, commit=True)`` per iteration
+    written, from the writer's own thread. The W&B step is the iteration; the point's
+    ``_timestamp`` is the training thread's wall time at ``write()`` (as ``MLflowWriter``'s
+    timestamps), not the time the writer's thread got to it.
+
+    The run is made by ``wandb.init(..., reinit="create_new")`` on the writer's first points,
+    and the writer logs to the run object it returned, never to the global ``wandb.run``: several
+    writers (several runs) in one process each log to their own run. The default ``mode`` is
+    ``"offline"``: the run is written under ``<dir>/wandb/offline-run-*`` and uploaded later
+    with ``wandb sync``; ``mode="online"`` logs to the server as training goes.
+
+    Resuming: the run id is chosen when the writer is made (unless ``id`` is given), so every
+    checkpoint holds it (with :class:`PeriodicWriter`'s state), even one saved before the run
+    was open. A run resumed from it calls ``wandb.init(id=<that id>, resume="allow")``; W&B
+    refuses a ``log()`` at a step below the run's current one, so:
+
+    - Online, the client learns the run's step from the server (``run.starting_step``, one
+      past the last step the run has) and ignores every lower one, with a warning each
+      ("Tried to log to step ... that is less than the current step ..."; checked in-process
+      with wandb 0.31.0). The steps that the killed run logged after its checkpoint thus stay
+      as it logged them, and the writer does not send them again (the resumed run computes the
+      same values): it logs from the run's first step it does not have.
+    - Offline, the client knows nothing of earlier runs: ``starting_step`` is 0, and the
+      resumed run is a new ``offline-run-*`` folder with the same run id that holds every step
+      from the resumed iteration on, those the killed run had logged after its checkpoint
+      included (what wandb 0.31.0 writes). What ``wandb sync`` of both folders makes of the
+      steps they share is the server's to decide; it is not checked here.
+    """
+
+    _name = "WandbWriter"
+
+    def __init__(
+        self,
+        project: Optional[str] = None,
+        entity: Optional[str] = None,
+        name: Optional[str] = None,
+        id: Optional[str] = None,
+        config: Any = None,
+        mode: str = "offline",
+        dir: Optional[Union[str, "os.PathLike[str]"]] = None,
+        window_size: int = 20,
+        *,
+        max_buffered: int = 100_000,
+        strict: bool = False,
+        close_timeout: float = 30.0,
+    ) -> None:
+        """
+        Args:
+            project, entity, name, id: as in ``wandb.init`` (the project defaults to W&B's
+                default project; a given ``id`` is continued, with ``resume="allow"``)
+            config: a nested config (a dict, a ``CfgNode``, a dataclass, an OmegaConf object)
+                logged once, at the run's start, as the run's config with dotted keys (see
+                :func:`~hookloop.utils.trackers.flatten_config`)
+            mode (str): ``"offline"`` (the default), ``"online"``, ``"disabled"`` or
+                ``"shared"``, as in ``wandb.init``
+            dir (str): where W&B writes its ``wandb/`` folder (default: ``WANDB_DIR`` or the
+                working directory); made if missing
+            window_size (int): the scalars' smoothing window, as ``JSONWriter``'s
+            max_buffered (int): points kept while the tracker does not take them
+            strict (bool): raise at ``close()`` what was not logged, instead of a warning
+            close_timeout (float): seconds ``close()`` waits for the queue to drain
+        """
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                'WandbWriter needs the wandb client: pip install "hookloop[wandb]"'
+            ) from e
+        for arg, value in (("project", project), ("entity", entity), ("name", name), ("id", id)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"WandbWriter {arg} must be a str or None, got {type(value).__name__}"
+                )
+        if dir is not None and not isinstance(dir, (str, os.PathLike)):
+            raise TypeError(f"WandbWriter dir must be a path or None, got {type(dir).__name__}")
+        if not isinstance(mode, str):
+            raise TypeError(f"WandbWriter mode must be a str, got {type(mode).__name__}")
+        if mode not in _MODES:
+            raise ValueError(f"WandbWriter mode must be one of {_MODES}, got {mode!r}")
+        try:
+            # W&B's own rules for a project and a run id (reserved characters, empty ids), so
+            # that a bad one fails here and not on the writer's thread, retried to the end.
+            wandb.Settings(project=project, run_id=id)
+        except Exception as e:
+            raise ValueError(f"WandbWriter: {e}") from e
+        super().__init__(
+            window_size, max_buffered=max_buffered, strict=strict, close_timeout=close_timeout
+        )
+        self._wb_project = project
+        self._wb_entity = entity
+        self._wb_name = name
+        self._wb_mode = mode
+        self._wb_dir = None if dir is None else os.fspath(dir)
+        # What is not a config fails here, not at the run's start on the writer's thread.
+        try:
+            flat = flatten_config(config)
+        except TypeError as e:
+            raise TypeError(f"WandbWriter config: {e}") from e
+        self._wb_config: Dict[str, Any] = {k: _config_value(v) for k, v in flat.items()}
+        # W&B lets the client choose the run id: it is chosen here, not when the writer's
+        # thread gets the run open, so that a checkpoint saved before then (or while W&B is
+        # unreachable) holds it too, and a run resumed from it continues this run.
+        self._wb_given_id = id
+        self._wb_id: Optional[str] = id or _new_run_id()
+        self._wb_run: Any = None  # the wandb Run that _open made
+        self._wb_run_dir: Optional[str] = None
+
+    def _where(self) -> str:
+        project = self._wb_project or "(default project)"
+        place = self._wb_run_dir or self._wb_dir or os.environ.get("WANDB_DIR") or "."
+        return f"W&B project {project} ({self._wb_mode}, {place})"
+
+    def _run_id(self) -> Optional[str]:
+        return self._wb_id
+
+    def _adopt_run(self, run_id: str) -> None:
+        self._wb_id = run_id
+
+    def _load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # The base adopts a checkpoint's run id only when the writer has none; the id chosen
+        # at construction is a default that the checkpoint's replaces (an id the user gave, or
+        # the one of a run already open, is kept, as the base keeps them).
+        if self._wb_given_id is not None or self._wb_run is not None:
+            super()._load_state_dict(state)
+            return
+        chosen = self._wb_id
+        self._wb_id = None  # the base adopts the checkpoint's id when _run_id() is None
+        try:
+            super()._load_state_dict(state)
+        finally:
+            if self._wb_id is None:
+                self._wb_id = chosen
+
+    def _open(self) -> None:
+        import wandb
+
+        if self._wb_dir is not None:
+            # wandb.init falls back to a temporary directory when dir is missing.
+            os.makedirs(self._wb_dir, exist_ok=True)
+        run = wandb.init(
+            project=self._wb_project,
+            entity=self._wb_entity,
+            name=self._wb_name,
+            id=self._wb_id,
+            # A given or checkpointed id continues its run; an unknown one starts it.
+            resume="allow",
+            config=self._wb_config or None,
+            mode=self._wb_mode,  # type: ignore[arg-type]  # checked against _MODES
+            dir=self._wb_dir,
+            # A run of its own, even when another one (another writer's) is open.
+            reinit="create_new",
+        )
+        self._wb_run = run
+        self._wb_run_dir = os.path.dirname(run.dir) if getattr(run, "dir", None) else None
+        # Online, a continued run already has the steps below starting_step (a resumed run:
+        # the killed run's points after its checkpoint); the client would ignore each of them
+        # with a warning. Offline, starting_step is 0.
+        starting = int(getattr(run, "starting_step", 0) or 0)
+        if starting > 0:
+            if not self._resumed:
+                logger.warning(
+                    "%s: W&B run %s already has steps below %d; they are not logged again",
+                    self._name,
+                    self._wb_id,
+                    starting,
+                )
+            self._skip_through = max(self._skip_through, starting - 1)
+
+    def _send(self, rows: List[_Row]) -> None:
+        run = self._wb_run
+        for it, wall, values in rows:
+            # commit=True: the row goes to the run now, not when a later step comes (or never,
+            # if the process dies first).
+            run.log({**values, "_timestamp": wall}, step=it, commit=True)
+
+    def _finish(self) -> None:
+        if self._wb_run is not None:
+            self._wb_run.finish()

@@ -1,0 +1,277 @@
+"""MLflowWriter against the real mlflow client: a local tracking store read back with
+``MlflowClient``, an unreachable server, a server that never answers, and resume."""
+
+import json
+import logging
+import socket
+import sys
+
+import numpy as np
+import pytest
+from hookloop.engine import HookBase, PeriodicWriter, TrainerBase
+from hookloop.utils.events import EventStorage, JSONWriter, TensorboardXWriter
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+mlflow = pytest.importorskip("mlflow")
+from hookloop.utils.events import MLflowWriter  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+# mlflow's stores warn about their own dependencies (SQLAlchemy's deprecations, the file
+# store's future removal): not this project's to fix.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _file_store_allowed(monkeypatch):
+    # mlflow 3 refuses its file store unless asked; the tests use it beside sqlite.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+class Trainer(TrainerBase):
+    """Scalars that depend only on the iteration: a resumed run computes the same ones."""
+
+    def run_step(self):
+        i = self.iter
+        self.storage.put_scalars(loss=1.0 / (i + 1), acc=(i * 7 % 11) / 11.0)
+        self.storage.put_scalar("lr", 0.1 * 0.9**i, smoothing_hint=False)
+
+
+def _history(client, run_id, key):
+    points = client.get_metric_history(run_id, key)
+    return sorted(points, key=lambda p: (p.step, p.timestamp))
+
+
+def _quiet_http(monkeypatch):
+    # The client's own retries and timeout, kept short so its thread ends soon after a test.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["sqlite", "file"])
+def test_points_equal_metrics_json_and_tensorboard(tmp_path, store):
+    uri = f"sqlite:///{tmp_path}/mlflow.db" if store == "sqlite" else (tmp_path / "mlruns").as_uri()
+    writer = MLflowWriter(
+        uri,
+        experiment_name="hookloop-test",
+        run_name="tiny",
+        tags={"model": "mlp"},
+        params={"solver": {"base_lr": 0.1, "steps": (10, 20)}, "seed": 3},
+    )
+    json_path = tmp_path / "metrics.json"
+    trainer = Trainer()
+    writers = [JSONWriter(json_path), TensorboardXWriter(tmp_path / "tb"), writer]
+    trainer.register_hooks([PeriodicWriter(writers, period=7)])
+    trainer.train(0, 45)
+
+    rows = [json.loads(line) for line in json_path.read_text().splitlines()]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("hookloop-test").experiment_id])
+    assert run.info.run_name == "tiny"
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["model"] == "mlp"
+    assert run.data.params == {"solver.base_lr": "0.1", "solver.steps": "(10, 20)", "seed": "3"}
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    for key in ("loss", "acc", "lr"):
+        want = [(r["iteration"], r[key]) for r in rows if key in r]
+        points = _history(client, run.info.run_id, key)
+        assert [(p.step, p.value) for p in points] == want  # exact: both keep a double
+        stamps = [p.timestamp for p in points]
+        assert stamps == sorted(stamps)
+        tb = [(e.step, np.float32(e.value)) for e in acc.Scalars(key)]
+        assert tb == [(s, np.float32(v)) for s, v in want]
+    assert [r["iteration"] for r in rows] == [6, 13, 20, 27, 34, 41, 44]
+
+
+@pytest.mark.slow
+def test_resume_continues_the_run_with_one_point_per_step(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+
+    def run(start, stop, state=None, saved=None):
+        trainer = Trainer()
+        writer = MLflowWriter(uri, experiment_name="resume")
+        hooks = [PeriodicWriter([writer], period=1)]
+        if saved is not None:
+
+            class Save(HookBase):
+                def after_step(self):
+                    if self.trainer.iter == 19:
+                        saved.update(self.trainer.state_dict())
+
+            hooks.append(Save())
+        trainer.register_hooks(hooks)
+        if state is not None:
+            trainer.load_state_dict(state)
+        trainer.train(start, stop)
+
+    saved = {}
+    run(0, 30, saved=saved)  # the "killed" run: it went on past its checkpoint at 20
+    assert saved["iteration"] == 19  # a checkpoint after iteration 19: resume at 20
+    run(20, 40, state=saved)
+    run_uninterrupted = f"sqlite:///{tmp_path}/whole.db"
+    trainer = Trainer()
+    trainer.register_hooks([PeriodicWriter([MLflowWriter(run_uninterrupted)], period=1)])
+    trainer.train(0, 40)
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert len(runs) == 1  # the resumed run logged into the same run
+    whole = MlflowClient(run_uninterrupted)
+    (reference,) = whole.search_runs(["0"])
+    for key in ("loss", "acc", "lr"):
+        got = [(p.step, p.value) for p in _history(client, runs[0].info.run_id, key)]
+        want = [(p.step, p.value) for p in _history(whole, reference.info.run_id, key)]
+        assert got == want
+        assert [s for s, _ in got] == list(range(40))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_with(writer, iters=30):
+    trainer = Trainer()
+    trainer.register_hooks([PeriodicWriter([writer], period=1)])
+    trainer.train(0, iters)  # returns: the tracker never blocks training
+
+
+@pytest.mark.slow
+def test_unreachable_server_warns_once_and_at_close_never_raises(tmp_path, monkeypatch, caplog):
+    _quiet_http(monkeypatch)
+    uri = f"http://127.0.0.1:{_free_port()}"
+    writer = MLflowWriter(uri, close_timeout=1.0)
+    with caplog.at_level(logging.WARNING, logger="hookloop.utils.trackers"):
+        _train_with(writer)
+    failed = [r.getMessage() for r in caplog.records if "failed, retrying" in r.getMessage()]
+    assert len(failed) == 1 and uri in failed[0]
+    lost = [r.getMessage() for r in caplog.records if "were not logged" in r.getMessage()]
+    assert len(lost) == 1
+    assert uri in lost[0] and "90 of 90 points" in lost[0]
+
+
+@pytest.mark.slow
+def test_a_server_that_never_answers_does_not_stall_training(tmp_path, monkeypatch, caplog):
+    _quiet_http(monkeypatch)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)  # accepts connections (the kernel's backlog), never answers
+        uri = "http://127.0.0.1:%d" % server.getsockname()[1]
+        writer = MLflowWriter(uri, close_timeout=0.5)
+        with caplog.at_level(logging.WARNING, logger="hookloop.utils.trackers"):
+            _train_with(writer)
+    assert any(
+        "were not logged" in r.getMessage() and uri in r.getMessage() for r in caplog.records
+    )
+
+
+@pytest.mark.slow
+def test_strict_raises_what_was_not_logged(monkeypatch):
+    _quiet_http(monkeypatch)
+    writer = MLflowWriter(f"http://127.0.0.1:{_free_port()}", strict=True, close_timeout=0.5)
+    with pytest.raises(RuntimeError, match="points were not logged"):
+        _train_with(writer, iters=3)
+
+
+@pytest.mark.slow
+def test_a_full_buffer_drops_the_oldest_points_counted(monkeypatch, caplog):
+    _quiet_http(monkeypatch)
+    uri = f"http://127.0.0.1:{_free_port()}"
+    writer = MLflowWriter(uri, max_buffered=10, close_timeout=0.5)
+    with caplog.at_level(logging.WARNING, logger="hookloop.utils.trackers"):
+        _train_with(writer, iters=40)
+    dropped = [r.getMessage() for r in caplog.records if "dropped the oldest" in r.getMessage()]
+    assert dropped, "no drop was reported"
+    (lost,) = [r.getMessage() for r in caplog.records if "were not logged" in r.getMessage()]
+    assert "120 points" in lost and "dropped from a full buffer" in lost
+
+
+def test_bad_arguments_name_the_problem(tmp_path):
+    uri = (tmp_path / "mlruns").as_uri()
+    with pytest.raises(TypeError, match="window_size"):
+        MLflowWriter(uri, window_size=2.5)
+    with pytest.raises(ValueError, match="max_buffered"):
+        MLflowWriter(uri, max_buffered=0)
+    with pytest.raises(TypeError, match="strict"):
+        MLflowWriter(uri, strict="yes")
+    with pytest.raises(TypeError, match="config"):
+        MLflowWriter(uri, params=[1, 2])
+
+
+def test_without_the_client_it_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    with pytest.raises(ImportError, match=r"hookloop\[mlflow\]"):
+        MLflowWriter("file:///nowhere")
+
+
+def test_importing_hookloop_does_not_import_the_clients():
+    import subprocess
+
+    code = (
+        "import sys, hookloop, hookloop.engine, hookloop.utils.events;"
+        "print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_write_outside_a_storage_and_after_close(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(uri)
+    with EventStorage():
+        writer.write()  # nothing to write: no run is made
+    writer.close()
+    assert MlflowClient(uri).search_runs(["0"]) == []
+    with pytest.raises(ValueError, match="after close"):
+        writer.write()
+
+
+def test_default_writers_and_the_config_add_trackers(tmp_path, monkeypatch):
+    from hookloop.engine import TrainConfig, default_writers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    writers = default_writers(tmp_path, 10, trackers=("mlflow",))
+    (tracker,) = [w for w in writers if isinstance(w, MLflowWriter)]
+    assert tracker._where() == f"MLflow at sqlite:///{tmp_path}/mlflow.db"
+    assert [type(w).__name__ for w in writers[:3]] == [
+        "CommonMetricPrinter",
+        "JSONWriter",
+        "TensorboardXWriter",
+    ]
+    for w in writers:
+        w.close()
+    with pytest.raises(ValueError, match="'neptune'"):
+        default_writers(tmp_path, 10, trackers=("neptune",))
+    with pytest.raises(ValueError, match="trackers"):
+        TrainConfig(trackers=("neptune",))
+
+
+def _demo(out, *args, code=0):
+    import subprocess
+
+    command = [sys.executable, "-m", "hookloop", "demo", "--output", str(out), "--mlflow"]
+    command += ["--iters", "200", "--checkpoint-period", "50", "--eval-period", "1000", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    return client, client.search_runs(["0"])
+
+
+@pytest.mark.slow
+def test_the_demo_logs_to_mlflow_and_resumes_into_the_same_run(tmp_path):
+    _demo(tmp_path / "cut", "--interrupt-at", "120", code=130)  # as after Ctrl-C
+    client, runs = _demo(tmp_path / "cut", "--resume")
+    whole, (reference,) = _demo(tmp_path / "whole")
+    assert len(runs) == 1
+    rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.json").read_text().splitlines()]
+    for key in ("total_loss", "lr"):
+        got = [(p.step, p.value) for p in _history(client, runs[0].info.run_id, key)]
+        assert got == [(r["iteration"], r[key]) for r in rows if key in r]
+        want = [(p.step, p.value) for p in _history(whole, reference.info.run_id, key)]
+        assert got == want

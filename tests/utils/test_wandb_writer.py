@@ -1,0 +1,351 @@
+"""WandbWriter against the real wandb client, offline: what a run's ``.wandb`` file holds, read
+back with the client's own reader (``wandb-core leet inspect --json``: wandb 0.31 has no Python
+reader of the file any more), is what ``JSONWriter`` writes for the same training."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hookloop.engine import HookBase, PeriodicWriter, TrainerBase
+from hookloop.utils.events import JSONWriter
+
+wandb = pytest.importorskip("wandb")
+
+from hookloop.utils.wandb_writer import WandbWriter  # noqa: E402  (needs wandb)
+
+# Every wait on the client is bounded (its offline init takes about a second).
+CLOSE_TIMEOUT = 60.0
+READ_TIMEOUT = 60.0
+
+
+@pytest.fixture(autouse=True)
+def _isolated_wandb(tmp_path, monkeypatch):
+    """No network, no console capture, no settings or credentials of the machine's user."""
+    for name in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb_env_dir"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_X_DISABLE_META": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_wandb_service():
+    """The client's service process lives for the process; it goes with this module."""
+    yield
+    wandb.teardown()
+
+
+def _records(run_dir):
+    """The records of the run in ``run_dir`` (an ``offline-run-*`` folder), as the client's
+    reader prints them: one JSON object per record."""
+    (path,) = Path(run_dir).glob("run-*.wandb")
+    from wandb.util import get_core_path
+
+    out = subprocess.run(
+        [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
+        + ["--run-file", str(path), str(Path(run_dir).parent)],
+        capture_output=True,
+        text=True,
+        timeout=READ_TIMEOUT,
+        check=True,
+    )
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def _history(records):
+    """{step: {name: value}} of the run's history, without W&B's own ``_`` keys."""
+    rows = {}
+    for r in records:
+        if r["type"] == "history":
+            item = r["history"]["item"]
+            step = r["history"].get("step", {}).get("num", 0)
+            assert step not in rows, f"step {step} logged twice"
+            assert item["_step"] == step
+            rows[step] = {k: v for k, v in item.items() if not k.startswith("_")}
+    return rows
+
+
+def _run_record(records):
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    return run
+
+
+def _metrics_json(path):
+    rows = {}
+    for line in Path(path).read_text("utf-8").splitlines():
+        row = json.loads(line)
+        rows[row.pop("iteration")] = row
+    return rows
+
+
+class Scripted(TrainerBase):
+    """Puts scalars that depend on the iteration only (a resumed run puts the same ones):
+    smoothed and not, scoped, some every few iterations, one for an earlier iteration."""
+
+    def run_step(self):
+        i, s = self.iter, self.storage
+        r = random.Random(i)
+        s.put_scalar("total_loss", r.uniform(0.0, 3.0))
+        s.put_scalars(loss_cls=r.uniform(0, 1), loss_box_reg=r.expovariate(3.0))
+        s.put_scalar("lr", 0.02 * 0.97**i, smoothing_hint=False)
+        s.put_scalar("big", r.uniform(-1e16, 1e16), smoothing_hint=False)
+        if i % 3 == 0:
+            s.put_scalar("tiny", r.gauss(0.0, 1e-300), smoothing_hint=False)
+        with s.name_scope("scope"):
+            s.put_scalar("inner_loss", r.random())
+        if i % 4 == 1:
+            s.put_scalar("eval/AP", r.random() * 100, cur_iter=max(0, i - 2))
+
+
+def _writer(tmp_path, **kw):
+    kw.setdefault("project", "hookloop-test")
+    return WandbWriter(
+        mode="offline", dir=tmp_path, window_size=4, close_timeout=CLOSE_TIMEOUT, strict=True, **kw
+    )
+
+
+def test_logs_what_json_writer_writes(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    writer = _writer(tmp_path, name="parity")
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), writer], period=3)])
+    before = time.time()
+    trainer.train(0, 20)  # after_train closes the writers: strict, so nothing was lost
+    after = time.time()
+
+    assert writer._wb_run_dir is not None and writer._wb_run_dir.startswith(str(tmp_path))
+    records = _records(writer._wb_run_dir)
+    expected = _metrics_json(metrics)
+    assert len(expected) >= 7 and max(expected) == 19
+    logged = _history(records)
+    # Every step and value; floats exactly (both are the shortest repr of the same double).
+    assert logged == expected
+    for step, row in logged.items():
+        for name, value in row.items():
+            assert math.copysign(1, value) == math.copysign(1, expected[step][name])
+    # The points' time is the training thread's at write().
+    for r in records:
+        if r["type"] == "history":
+            assert before <= r["history"]["item"]["_timestamp"] <= after
+    run = _run_record(records)
+    assert run["run_id"] == writer._run_id()
+    assert run["project"] == "hookloop-test"
+    assert run["display_name"] == "parity"
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"
+    assert writer._state_dict() == {"run_id": writer._run_id(), "last_step": 19, "pending": []}
+
+
+def test_config_is_flattened_into_the_run_config(tmp_path):
+    class Opaque:
+        def __str__(self):
+            return "opaque!"
+
+    config = {
+        "solver": {"base_lr": 0.02, "steps": (3, 4), "amp": {"enabled": False}},
+        "model": {"name": "R50", "weights": None, "obj": Opaque()},
+        "seed": 7,
+    }
+    writer = _writer(tmp_path, id="cfg123", config=config)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([writer], period=5)])
+    trainer.train(0, 5)
+    run = _run_record(_records(writer._wb_run_dir))
+    assert run["run_id"] == "cfg123"
+    got = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
+    assert got == {
+        "solver.base_lr": 0.02,
+        "solver.steps": [3, 4],
+        "solver.amp.enabled": False,
+        "model.name": "R50",
+        "model.weights": None,
+        "model.obj": "opaque!",
+        "seed": 7,
+    }
+
+
+class _Checkpoint(HookBase):
+    """Saves the trainer's state at one iteration, as a checkpointer would (after the
+    writers: PeriodicWriter's state goes with it)."""
+
+    def __init__(self, at):
+        self.at = at
+        self.state = None
+
+    def after_step(self):
+        if self.trainer.iter == self.at:
+            self.state = self.trainer.state_dict()
+
+
+def test_resume_continues_the_run_id_offline(tmp_path):
+    """A run killed after its checkpoint (at 9) logged 10..14; the resumed run logs into the
+    same run id, offline into a new run folder that holds 10..14 again (the offline client
+    does not know the run's steps), after the rows the checkpoint held as not yet sent."""
+    metrics = tmp_path / "metrics.json"
+    first = _writer(tmp_path)
+    checkpoint = _Checkpoint(at=9)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), first], period=2), checkpoint])
+    trainer.train(0, 15)
+    state = checkpoint.state
+    assert state is not None
+    killed = _history(_records(first._wb_run_dir))
+    assert max(killed) == 14
+
+    second = _writer(tmp_path)  # a new id of its own, until the checkpoint's replaces it
+    assert second._run_id() != first._run_id()
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), second], period=2)])
+    trainer.load_state_dict(state)
+    assert second._run_id() == first._run_id() and second._resumed
+    trainer.train(state["iteration"] + 1, 15)
+
+    assert second._wb_run_dir != first._wb_run_dir
+    records = _records(second._wb_run_dir)
+    assert _run_record(records)["run_id"] == first._run_id()
+    resumed = _history(records)
+    expected = _metrics_json(metrics)  # the resumed JSONWriter rewrote 10..14
+    assert {it: row for it, row in resumed.items() if it >= 10} == {
+        it: row for it, row in expected.items() if it >= 10
+    }
+    # Rows still queued at the checkpoint (the run not yet open) go into it and are sent
+    # again by the resumed run: the same values.
+    assert all(resumed[it] == expected[it] for it in resumed if it < 10)
+    assert set(it for it in resumed if it < 10) == {
+        it
+        for it, *_ in state["hookloop_hooks"]["PeriodicWriter"]["writers"]["1:WandbWriter"][
+            "pending"
+        ]
+    }
+    assert {it: row for it, row in killed.items() if it < 10} == {
+        it: row for it, row in expected.items() if it < 10
+    }
+    # The killed run's own points after its checkpoint are the same values.
+    assert {it: row for it, row in killed.items() if it >= 10} == {
+        it: row for it, row in resumed.items() if it >= 10
+    }
+
+
+def test_given_id_is_not_replaced_by_a_checkpoint(tmp_path):
+    writer = _writer(tmp_path, id="mine42")
+    writer._load_state_dict({"run_id": "other1", "last_step": 3})
+    assert writer._run_id() == "mine42" and not writer._resumed
+    writer.close()  # never opened: no run, nothing lost
+
+
+def test_several_runs_in_one_process_log_to_their_own(tmp_path):
+    a = _writer(tmp_path / "a", id="runaaa")
+    b = _writer(tmp_path / "b", id="runbbb")
+    metrics = tmp_path / "metrics.json"
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([a, JSONWriter(metrics, 4), b], period=4)])
+    trainer.train(0, 8)
+    ha, hb = (_history(_records(w._wb_run_dir)) for w in (a, b))
+    assert ha == hb == _metrics_json(metrics) and max(ha) == 7
+    assert _run_record(_records(a._wb_run_dir))["run_id"] == "runaaa"
+    assert _run_record(_records(b._wb_run_dir))["run_id"] == "runbbb"
+
+
+def test_import_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r'pip install "hookloop\[wandb\]"'):
+        WandbWriter()
+
+
+def test_lazy_export():
+    from hookloop.utils import events
+
+    assert events.WandbWriter is WandbWriter
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"project": 3}, TypeError),
+        ({"entity": b"x"}, TypeError),
+        ({"name": 1.0}, TypeError),
+        ({"id": 12}, TypeError),
+        ({"dir": 5}, TypeError),
+        ({"mode": 1}, TypeError),
+        ({"mode": "bogus"}, ValueError),
+        ({"id": "a/b"}, ValueError),
+        ({"id": ""}, ValueError),
+        ({"project": "a#b"}, ValueError),
+        ({"config": 5}, TypeError),
+        ({"window_size": 0}, ValueError),
+        ({"window_size": 2.0}, TypeError),
+        ({"max_buffered": True}, TypeError),
+        ({"strict": 1}, TypeError),
+        ({"close_timeout": -1}, ValueError),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error, match="WandbWriter"):
+        WandbWriter(**kwargs)
+
+
+def test_where_names_the_project_mode_and_place(tmp_path):
+    w = WandbWriter(project="proj", dir=tmp_path)
+    assert w._where() == f"W&B project proj (offline, {tmp_path})"
+    w.close()
+
+
+def test_disabled_mode_logs_nothing_and_closes_cleanly(tmp_path):
+    writer = WandbWriter(mode="disabled", dir=tmp_path, strict=True, close_timeout=CLOSE_TIMEOUT)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([writer], period=2)])
+    trainer.train(0, 4)  # strict: raises if a point was not taken
+    assert not list(tmp_path.glob("wandb/*run-*/*.wandb"))
+
+
+class _FakeRun:
+    """What an online wandb.init returns for a run that has steps 0..11 (the server tells the
+    client its starting step; no server here, so the run is a stand-in)."""
+
+    id = "fake12"
+    dir = None
+    starting_step = 12
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, data, step=None, commit=None):
+        self.logged.append(step)
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("resumed", [True, False])
+def test_online_steps_below_the_run_step_are_not_sent(monkeypatch, caplog, resumed):
+    run = _FakeRun()
+    monkeypatch.setattr(wandb, "init", lambda **kw: run)
+    writer = WandbWriter(mode="online", strict=True, close_timeout=CLOSE_TIMEOUT)
+    if resumed:
+        writer._load_state_dict({"run_id": "fake12", "last_step": 9})
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([writer], period=3)])
+    with caplog.at_level("WARNING", logger="hookloop.utils.wandb_writer"):
+        trainer.train(0, 16)
+    assert run.logged and min(run.logged) >= 12 and max(run.logged) == 15
+    warned = [r for r in caplog.records if "already has steps below 12" in r.getMessage()]
+    assert len(warned) == (0 if resumed else 1)

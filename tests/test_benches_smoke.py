@@ -357,3 +357,15 @@ def test_compare_builds_timed_child_refuses_a_build_it_did_not_import(
 
     with pytest.raises(RuntimeError, match="imported hookloop from .*, not from"):
         paired.run([v], window=2, rounds=1, warmup=0, spawn=spawn)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_tracker_write_bench_times_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    trackers = _bench_module("bench_tracker_write")
+    for name, value in trackers.QUIET.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    res = trackers.main(["--iters", "40"])
+    assert "JSONWriter" in res
+    for row in res.values():
+        assert 0 < row["median_us"] <= row["p90_us"]

@@ -161,7 +161,7 @@ def test_a_server_that_never_answers_does_not_stall_training(tmp_path, monkeypat
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(16)  # accepts connections (the kernel's backlog), never answers
-        uri = "http://127.0.0.1:%d" % server.getsockname()[1]
+        uri = f"http://127.0.0.1:{server.getsockname()[1]}"
         writer = MLflowWriter(uri, close_timeout=0.5)
         with caplog.at_level(logging.WARNING, logger="hookloop.utils.trackers"):
             _train_with(writer)

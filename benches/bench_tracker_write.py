@@ -59,7 +59,16 @@ def main(argv: Any = None) -> Dict[str, Dict[str, float]]:
     args = parser.parse_args(argv)
     if hookloop.BUILD_PROFILE != "release":
         parser.error("hookloop._core is a debug build: pip install -e . first")
-    logging.getLogger("hookloop").setLevel(logging.ERROR)  # the unreachable row's warnings
+    quiet = logging.getLogger("hookloop")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the unreachable row's warnings
+    try:
+        return _rows(args)
+    finally:
+        quiet.setLevel(level)
+
+
+def _rows(args: Any) -> Dict[str, Dict[str, float]]:
     for name, value in QUIET.items():  # the clients' retries, short; their output, off
         os.environ.setdefault(name, value)
     rows: Dict[str, Callable[[str], Any]] = {"JSONWriter": lambda d: JSONWriter(f"{d}/m.json")}

@@ -1,7 +1,7 @@
 """A training run for the exact-resume tests, run as a child process:
 
     python resume_child.py OUT MAX_ITER [--kill-at N] [--kill-in-save N] [--async-save]
-                                        [--loader KIND] [--precise-bn]
+                                        [--loader KIND] [--precise-bn] [--mlflow] [--wandb]
 
 It trains a small model with dropout on a seeded random dataset drawn through
 ``hookloop.data.TrainingSampler``, with periodic and best checkpoints, an evaluation, an LR
@@ -13,7 +13,8 @@ written, before the rename). ``--async-save`` saves checkpoints on a background 
 ``shuffle`` (``DataLoader(shuffle=True)``, finite: the run goes over it in epochs),
 ``shuffle-workers`` (the same with two workers) or ``generator`` (a plain generator, which
 cannot be resumed). ``--precise-bn`` adds a BatchNorm layer and a ``PreciseBN`` hook over a
-shuffled loader of its own.
+shuffled loader of its own. ``--mlflow`` adds an ``MLflowWriter`` (a sqlite store in OUT),
+``--wandb`` a ``WandbWriter`` (offline, its runs under ``OUT/wandb/offline-run-*``).
 """
 
 import argparse
@@ -58,6 +59,7 @@ def main():
     p.add_argument("--loader", default="sampler")
     p.add_argument("--precise-bn", action="store_true")
     p.add_argument("--mlflow", action="store_true", help="also an MLflowWriter (sqlite in out)")
+    p.add_argument("--wandb", action="store_true", help="also a WandbWriter (offline, in out)")
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -98,10 +100,19 @@ def main():
         model.train()
         return {"val": {"mse": out}}
 
+    def kill():
+        # The W&B writer's thread first hands the client what it holds (its offline init takes
+        # a second or so, far longer than these iterations): the killed run's folder then has
+        # points, those after its checkpoint among them, as a longer run's would.
+        for writer in trackers:
+            if type(writer).__name__ == "WandbWriter" and not writer.flush(60):
+                raise SystemExit("the W&B writer did not flush within 60 s")
+        os.kill(os.getpid(), signal.SIGKILL)
+
     class Kill(HookBase):
         def after_step(self):
             if self.trainer.iter == args.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                kill()
 
     if args.kill_in_save >= 0:
         real_save = torch.save
@@ -109,7 +120,7 @@ def main():
         def save(obj, f, *a, **kw):
             real_save(obj, f, *a, **kw)
             if trainer.iter == args.kill_in_save:
-                os.kill(os.getpid(), signal.SIGKILL)
+                kill()
 
         torch.save = save
 
@@ -124,6 +135,29 @@ def main():
 
         db = os.path.join(os.path.abspath(args.out), "mlflow.db")
         trackers.append(MLflowWriter(f"sqlite:///{db}", experiment_name="resume"))
+    if args.wandb:
+        from hookloop.utils.events import WandbWriter
+
+        out = os.path.abspath(args.out)
+        # Offline, quiet, and nothing of the machine's user: no network, settings or keys.
+        for name in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID"):
+            os.environ.pop(name, None)
+        os.environ.pop("WANDB_RESUME", None)
+        os.environ.update(
+            WANDB_MODE="offline",
+            WANDB_DIR=out,
+            WANDB_CONFIG_DIR=os.path.join(out, "wandb_config"),
+            WANDB_CACHE_DIR=os.path.join(out, "wandb_cache"),
+            WANDB_DATA_DIR=os.path.join(out, "wandb_data"),
+            WANDB_SILENT="true",
+            WANDB_CONSOLE="off",
+            WANDB_DISABLE_GIT="true",
+            WANDB_DISABLE_CODE="true",
+            WANDB_ERROR_REPORTING="false",
+            WANDB_X_DISABLE_STATS="true",
+            WANDB_X_DISABLE_META="true",
+        )
+        trackers.append(WandbWriter(project="resume", mode="offline", dir=out))
     trainer.register_hooks(
         [
             hooks.IterationTimer(),

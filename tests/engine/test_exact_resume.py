@@ -123,13 +123,27 @@ def test_shuffled_loaders_and_precise_bn_resume_exactly(straight, tmp_path, conf
 
 
 @pytest.mark.slow
-@pytest.mark.slow
+# Reading the sqlite store back: mlflow's own deprecations (sqlalchemy's, as in
+# tests/utils/test_mlflow_writer.py) are not this test's.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize(
     "kill", [["--kill-at", "14"], ["--kill-at", "6"], ["--kill-in-save", "29"]]
 )
 def test_an_mlflow_run_resumes_with_one_point_per_step(straight, tmp_path, kill):
     pytest.importorskip("mlflow")
     assert_resumed_equals_straight(straight("--mlflow"), tmp_path, kill, ("--mlflow",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill", [["--kill-at", "14"], ["--kill-at", "6"], ["--kill-in-save", "29"]]
+)
+def test_a_wandb_run_resumes_with_one_point_per_step(straight, tmp_path, kill):
+    """Offline, the resumed run is a new run folder with the killed run's id (the one in the
+    checkpoint); the folders of that id hold, together, the uninterrupted run's points."""
+    pytest.importorskip("wandb")
+    assert_resumed_equals_straight(straight("--wandb"), tmp_path, kill, ("--wandb",))
 
 
 def test_a_generator_loader_resumes_with_one_warning_naming_it(tmp_path):
@@ -143,6 +157,9 @@ def test_a_generator_loader_resumes_with_one_warning_naming_it(tmp_path):
 
 def assert_resumed_equals_straight(straight_out, tmp_path, kill, config):
     assert run(tmp_path, *kill, *config).returncode == -signal.SIGKILL
+    if "--wandb" in config:
+        killed_folders = wandb_folders(tmp_path)
+        start = resume_point(tmp_path)
     resumed = run(tmp_path, *config)
     assert resumed.returncode == 0
     assert "cannot be resumed" not in resumed.stderr, resumed.stderr
@@ -175,6 +192,8 @@ def assert_resumed_equals_straight(straight_out, tmp_path, kill, config):
         assert points == scalars(straight_out, tag)
     if "--mlflow" in config:
         assert_mlflow_run_equals_straight(straight_out, tmp_path, tb)
+    if "--wandb" in config:
+        assert_wandb_runs_equal_straight(straight_out, tmp_path, tb, killed_folders, start)
 
 
 def mlflow_points(out: Path, run_id=None):
@@ -204,3 +223,88 @@ def assert_mlflow_run_equals_straight(straight_out, tmp_path, final_trainer_stat
         steps = [s for s, _ in points]
         assert len(steps) == len(set(steps)), f"{key}: a step was logged twice"
         assert points == want[key], key
+
+
+def resume_point(out: Path) -> int:
+    """The iteration a run restarted in ``out`` starts at: one past its last checkpoint's."""
+    last = out / "last_checkpoint"
+    if not last.exists():
+        return 0
+    return load(out / last.read_text().strip())["trainer"]["iteration"] + 1
+
+
+def wandb_folders(out: Path):
+    """The W&B offline run folders under ``out``, oldest first."""
+    return sorted((out / "wandb").glob("offline-run-*"))
+
+
+def wandb_run_id(folder: Path) -> str:
+    return folder.name.rsplit("-", 1)[1]  # offline-run-<date>_<time>-<run id>
+
+
+def wandb_history(folder: Path):
+    """{step: {name: value}} of the run in an offline run folder (W&B's own ``_`` keys and the
+    timing metrics left out), read with the client's own reader; each step at most once."""
+    from wandb.util import get_core_path
+
+    files = list(folder.glob("run-*.wandb"))
+    if not files:
+        return {}  # a run killed before its client made the file
+    (path,) = files
+    out = subprocess.run(
+        [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
+        + ["--run-file", str(path), str(folder.parent)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=True,
+    )
+    rows = {}
+    for line in out.stdout.splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("type") == "history":
+            step = record["history"].get("step", {}).get("num", 0)
+            assert step not in rows, f"{folder.name}: step {step} logged twice"
+            item = record["history"]["item"]
+            rows[step] = {
+                k: v for k, v in item.items() if not k.startswith("_") and k not in TIMING
+            }
+    return rows
+
+
+def assert_wandb_runs_equal_straight(straight_out, tmp_path, final_trainer_state, killed, start):
+    (want_folder,) = wandb_folders(straight_out)
+    want = wandb_history(want_folder)
+    # The uninterrupted run's points are JSONWriter's rows.
+    assert want == {
+        r["iteration"]: {k: v for k, v in r.items() if k != "iteration"}
+        for r in metrics(straight_out)
+    }
+    (state,) = [
+        s
+        for key, s in final_trainer_state["hookloop_hooks"]["PeriodicWriter"]["writers"].items()
+        if key.endswith(":WandbWriter")
+    ]
+    run_id = state["run_id"]
+    # The killed run made its folder (its kill waited for the writer to hand its points to the
+    # client); the resumed run made one more, with the id in the final checkpoint.
+    (killed_folder,) = killed
+    (resumed_folder,) = [f for f in wandb_folders(tmp_path) if f not in killed]
+    assert wandb_run_id(resumed_folder) == run_id
+    if start > 0:  # resumed from a checkpoint: the killed run's id, continued
+        assert wandb_run_id(killed_folder) == run_id
+    else:  # killed before its first checkpoint: the restart is a new run
+        assert wandb_run_id(killed_folder) != run_id
+    union = {}
+    for folder in wandb_folders(tmp_path):
+        if wandb_run_id(folder) != run_id:
+            continue
+        for step, values in wandb_history(folder).items():
+            if step in union:
+                assert values == union[step], f"step {step}: two folders differ"
+            union[step] = values
+    assert union == want
+    resumed = wandb_history(resumed_folder)
+    assert {s: v for s, v in resumed.items() if s >= start} == {
+        s: v for s, v in want.items() if s >= start
+    }

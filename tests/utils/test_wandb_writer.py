@@ -349,3 +349,220 @@ def test_online_steps_below_the_run_step_are_not_sent(monkeypatch, caplog, resum
     assert run.logged and min(run.logged) >= 12 and max(run.logged) == 15
     warned = [r for r in caplog.records if "already has steps below 12" in r.getMessage()]
     assert len(warned) == (0 if resumed else 1)
+
+
+# -- a client that fails -----------------------------------------------------------------------
+
+# Retry waits short enough that a test's outage of a few calls clears in well under a second
+# (the writer's own start at 0.5 s and double to 30 s).
+FAST_BACKOFF = (0.01, 0.05)
+RETRYING = "failed, retrying with backoff"
+
+
+class _FailingLog:
+    """Wraps ``wandb.init``: the real client opens the run, and the run's ``log`` raises
+    ``wandb.Error`` on the calls that ``fails(n)`` (n counts the calls from 1) says; the other
+    calls are the real ``Run.log``."""
+
+    def __init__(self, monkeypatch, fails):
+        self.fails = fails
+        self.calls = 0
+        self.failed = 0
+        self.run = None
+        real_init = wandb.init
+
+        def init(**kwargs):
+            run = real_init(**kwargs)
+            real_log = run.log
+
+            def log(*args, **kw):
+                self.calls += 1
+                if self.fails(self.calls):
+                    self.failed += 1
+                    raise wandb.Error(f"log refused (call {self.calls})")
+                return real_log(*args, **kw)
+
+            run.log = log
+            self.run = run
+            return run
+
+        monkeypatch.setattr(wandb, "init", init)
+
+
+class _FlushAt(HookBase):
+    """At one iteration, waits (bounded) until the writer has sent everything queued: the
+    outage clears while training goes on."""
+
+    def __init__(self, writer, at):
+        self.writer, self.at = writer, at
+        self.flushed = None
+        self.sent = None
+
+    def after_step(self):
+        if self.trainer.iter == self.at:
+            self.flushed = self.writer.flush(CLOSE_TIMEOUT)
+            self.sent = self.writer._sent
+
+
+def _warnings(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def _points(rows):
+    return sum(len(row) for row in rows.values())
+
+
+@pytest.mark.parametrize(
+    "fails",
+    [lambda n: n <= 3, lambda n: n == 2],
+    ids=["first-three-calls", "mid-batch"],
+)
+def test_a_client_error_is_retried_and_every_point_logged_once(
+    tmp_path, monkeypatch, caplog, fails
+):
+    """``run.log`` raises (the first three calls; or the second, after the first row of the
+    first batch went in, so the batch is sent again from its first row): training goes on,
+    one warning names the project and the error, and once the error clears every step is in
+    the run once, with JSONWriter's values."""
+    failing = _FailingLog(monkeypatch, fails)
+    metrics = tmp_path / "metrics.json"
+    writer = _writer(tmp_path)  # strict: close() raises if a point was not logged
+    writer._BACKOFF = FAST_BACKOFF
+    flush = _FlushAt(writer, at=10)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), writer], period=3), flush])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        trainer.train(0, 20)
+
+    assert trainer.iter == 20  # every iteration ran
+    assert failing.failed == (3 if failing.fails(3) else 1)
+    assert flush.flushed is True
+    (retrying,) = _warnings(caplog, RETRYING)
+    assert "WandbWriter: logging to W&B project hookloop-test (offline, " in retrying
+    first = 1 if failing.fails(1) else 2
+    assert retrying.endswith(f"Error: log refused (call {first})")
+    assert len(_warnings(caplog, "works again")) == 1
+    assert not _warnings(caplog, "were not logged")
+    records = _records(writer._wb_run_dir)
+    expected = _metrics_json(metrics)
+    assert _history(records) == expected  # every step once, JSONWriter's values
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_permanent_client_error_is_named_at_close(tmp_path, monkeypatch, caplog, strict):
+    """``run.log`` works to iteration 10, then raises for good: training completes, and
+    close() (bounded by a small ``close_timeout``) says how many points did not go in, of how
+    many, and the error; ``strict=True`` raises that as a RuntimeError."""
+    broken = {"now": False}
+    failing = _FailingLog(monkeypatch, lambda n: broken["now"])
+    metrics = tmp_path / "metrics.json"
+    writer = WandbWriter(
+        project="hookloop-test",
+        mode="offline",
+        dir=tmp_path,
+        window_size=4,
+        close_timeout=1.0,
+        strict=strict,
+    )
+    writer._BACKOFF = FAST_BACKOFF
+
+    class Break(_FlushAt):
+        def after_step(self):
+            super().after_step()
+            if self.trainer.iter == self.at:
+                broken["now"] = True
+
+    flush = Break(writer, at=10)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), writer], period=3), flush])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        if strict:
+            with pytest.raises(RuntimeError, match="points were not logged") as raised:
+                trainer.train(0, 20)
+            messages = [str(raised.value)]
+        else:
+            trainer.train(0, 20)
+            messages = _warnings(caplog, "were not logged")
+
+    assert trainer.iter == 20  # every iteration ran
+    assert flush.flushed is True and 0 < flush.sent
+    assert failing.failed >= 1
+    total = _points(_metrics_json(metrics))  # JSONWriter wrote them all
+    assert flush.sent < total
+    (message,) = messages
+    assert message.startswith(
+        f"WandbWriter: {total - flush.sent} of {total} points were not logged to "
+        "W&B project hookloop-test (offline, "
+    ), message
+    assert message.endswith(f"; last error: Error: log refused (call {failing.calls})")
+    assert len(_warnings(caplog, RETRYING)) == 1
+    # The writer leaves a run it could not log to open (its client does not answer); the
+    # test ends it, not the client's teardown at the module's end.
+    failing.run.finish()
+
+
+def test_a_failing_wandb_init_never_stops_training(tmp_path, monkeypatch, caplog):
+    """``wandb.init`` raises on every try: training completes, one warning names the project
+    and the error, close() says every point was not logged, and a checkpoint still holds the
+    run id chosen at construction (with the rows not yet sent), for a resumed run."""
+    tries = []
+
+    def init(**kwargs):
+        tries.append(kwargs)
+        raise wandb.Error("init refused")
+
+    monkeypatch.setattr(wandb, "init", init)
+    metrics = tmp_path / "metrics.json"
+    writer = WandbWriter(
+        project="hookloop-test", mode="offline", dir=tmp_path, window_size=4, close_timeout=1.0
+    )
+    writer._BACKOFF = FAST_BACKOFF
+    checkpoint = _Checkpoint(at=9)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), writer], period=3), checkpoint])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        trainer.train(0, 20)
+
+    assert trainer.iter == 20  # every iteration ran
+    assert tries and all(t["id"] == writer._run_id() for t in tries)
+    (retrying,) = _warnings(caplog, RETRYING)
+    assert "WandbWriter: logging to W&B project hookloop-test (offline, " in retrying
+    assert retrying.endswith("Error: init refused")
+    total = _points(_metrics_json(metrics))
+    (message,) = _warnings(caplog, "were not logged")
+    assert message.startswith(f"WandbWriter: {total} of {total} points were not logged to ")
+    assert message.endswith("; last error: Error: init refused")
+    assert writer._wb_run is None and not list(tmp_path.glob("wandb/*run-*"))
+    state = checkpoint.state["hookloop_hooks"]["PeriodicWriter"]["writers"]["1:WandbWriter"]
+    assert state["run_id"] == writer._run_id() and state["last_step"] == -1
+    # Every row written before the checkpoint, none sent: JSONWriter's rows, for the resumed
+    # run to send first.
+    pending = {it: values for it, _, values in state["pending"]}
+    assert pending and max(pending) <= 9
+    assert pending == {it: row for it, row in _metrics_json(metrics).items() if it in pending}
+
+
+def test_an_error_that_clears_while_closing_loses_nothing(tmp_path, monkeypatch):
+    """``run.log`` fails all through training and on the first try after close() began, then
+    works: close() (60 s to drain) retries, and every step goes into the run."""
+    writer = _writer(tmp_path)  # strict: close() raises if a point was not logged
+    writer._BACKOFF = FAST_BACKOFF
+    closing_calls = []
+
+    def fails(n):
+        if not writer._closing:
+            return True
+        closing_calls.append(n)
+        return len(closing_calls) == 1
+
+    failing = _FailingLog(monkeypatch, fails)
+    metrics = tmp_path / "metrics.json"
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), writer], period=3)])
+    try:
+        trainer.train(0, 20)
+    finally:
+        if failing.run is not None and writer._error is not None:
+            failing.run.finish()  # the writer leaves a run it could not log to open
+    assert _history(_records(writer._wb_run_dir)) == _metrics_json(metrics)

@@ -122,6 +122,7 @@ class TrackerWriter(EventWriter):
         self._sent = 0
         self._error: Optional[BaseException] = None
         self._closing = False
+        self._close_deadline = 0.0  # close() waits for the queue until then
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         # Steps at or below this one are already in the run (a resumed run's replay).
@@ -231,8 +232,13 @@ class TrackerWriter(EventWriter):
                         )
                     self._error = e
                     if self._closing:
-                        return
-                    self._lock.wait(wait)
+                        # close() waits up to close_timeout: retry until then.
+                        left = self._close_deadline - time.monotonic()
+                        if left <= 0:
+                            return
+                        self._lock.wait(min(wait, left))
+                    else:
+                        self._lock.wait(wait)
                     wait = min(wait * 2, self._BACKOFF[1])
                 continue
             with self._lock:
@@ -268,6 +274,7 @@ class TrackerWriter(EventWriter):
         self._closed = True
         thread = self._thread
         with self._lock:
+            self._close_deadline = time.monotonic() + self._close_timeout
             self._closing = True
             self._lock.notify_all()
         with self._lock:

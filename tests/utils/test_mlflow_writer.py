@@ -275,3 +275,33 @@ def test_the_demo_logs_to_mlflow_and_resumes_into_the_same_run(tmp_path):
         assert got == [(r["iteration"], r[key]) for r in rows if key in r]
         want = [(p.step, p.value) for p in _history(whole, reference.info.run_id, key)]
         assert got == want
+
+
+@pytest.mark.slow
+def test_a_batch_that_fails_part_way_is_not_logged_twice(tmp_path):
+    # One write of 1500 scalars is two log_batch calls; the second fails once.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(uri, close_timeout=30)
+    writer._BACKOFF = (0.01, 0.05)
+    real = writer._client.log_batch
+    calls = []
+
+    def log_batch(run_id, metrics=(), **kw):
+        calls.append(len(metrics))
+        if metrics and len(calls) == 3:  # after the params call and the first half
+            raise ConnectionError("dropped")
+        return real(run_id, metrics=metrics, **kw)
+
+    writer._client.log_batch = log_batch
+    writer.log_params({"a": 1})
+    with EventStorage() as storage:
+        storage.put_scalars(**{f"m{i:04d}": float(i) for i in range(1500)}, smoothing_hint=False)
+        writer.write()
+    writer.close()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs(["0"])
+    for key in ("m0000", "m0999", "m1000", "m1499"):
+        assert [(p.step, p.value) for p in client.get_metric_history(run.info.run_id, key)] == [
+            (0, float(key[1:]))
+        ]
+    assert calls == [0, 1000, 500, 500]

@@ -424,6 +424,8 @@ class MLflowWriter(TrackerWriter):
         self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self._params: Dict[str, Any] = {}
         self._mlflow_run_id: Optional[str] = run_id
+        # (first row, metrics sent) of a batch whose send failed part-way.
+        self._partial: Optional[Tuple[Any, int]] = None
         if params is not None:
             self.log_params(params)
 
@@ -480,8 +482,14 @@ class MLflowWriter(TrackerWriter):
             for name, value in values.items()
         ]
         run_id = self._mlflow_run_id or ""  # _open made it
-        for at in range(0, len(metrics), self._BATCH_POINTS):
+        # After a failure part-way, the same rows come again: the calls that went through
+        # are not repeated (MLflow would keep both copies).
+        first = rows[0] if rows else None
+        start = self._partial[1] if self._partial and self._partial[0] is first else 0
+        for at in range(start, len(metrics), self._BATCH_POINTS):
             self._client.log_batch(run_id, metrics=metrics[at : at + self._BATCH_POINTS])
+            self._partial = (first, at + self._BATCH_POINTS)
+        self._partial = None
 
     def _finish(self) -> None:
         if self._mlflow_run_id is not None:

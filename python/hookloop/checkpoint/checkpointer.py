@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
+from hookloop import _core
 from hookloop.checkpoint._fileio import LocalPathManager, _io_error, atomic_write
 
 __all__ = [
@@ -196,6 +197,11 @@ class Checkpointer:
         if os.path.basename(basename) != basename or name in (".", ".."):
             raise ValueError(f"checkpoint name must be a file name, not a path: {name!r}")
         self.wait()
+        # Every metric line and event written so far reaches its file (the page cache) before
+        # the checkpoint can: a run killed after this checkpoint resumes after its iteration
+        # and does not write those again. A writer's I/O error is raised here, as its next
+        # write would.
+        _core.flush_writers()
 
         data: Dict[str, Any] = {"model": self.model.state_dict()}
         for key, obj in self.checkpointables.items():

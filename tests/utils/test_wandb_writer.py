@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 import time
@@ -495,7 +496,8 @@ def test_a_permanent_client_error_is_named_at_close(tmp_path, monkeypatch, caplo
         f"WandbWriter: {total - flush.sent} of {total} points were not logged to "
         "W&B project hookloop-test (offline, "
     ), message
-    assert message.endswith(f"; last error: Error: log refused (call {failing.calls})")
+    # The thread may still be retrying (until close_timeout), so the call named is any one.
+    assert re.search(r"; last error: Error: log refused \(call \d+\)$", message), message
     assert len(_warnings(caplog, RETRYING)) == 1
     # The writer leaves a run it could not log to open (its client does not answer); the
     # test ends it, not the client's teardown at the module's end.

@@ -239,6 +239,8 @@ def test_default_writers_and_the_config_add_trackers(tmp_path, monkeypatch):
     writers = default_writers(tmp_path, 10, trackers=("mlflow",))
     (tracker,) = [w for w in writers if isinstance(w, MLflowWriter)]
     assert tracker._where() == f"MLflow at sqlite:///{tmp_path}/mlflow.db"
+    assert tracker._experiment_name == "hookloop"
+    assert tracker._artifact_location == str(tmp_path / "mlartifacts")
     assert [type(w).__name__ for w in writers[:3]] == [
         "CommonMetricPrinter",
         "JSONWriter",
@@ -257,10 +259,14 @@ def _demo(out, *args, code=0):
 
     command = [sys.executable, "-m", "hookloop", "demo", "--output", str(out), "--mlflow"]
     command += ["--iters", "200", "--checkpoint-period", "50", "--eval-period", "1000", *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    # Run in out's parent: nothing may land in the working directory (a database store's
+    # default experiment would put its artifacts in ./mlruns).
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=out.parent)
     assert proc.returncode == code, proc.stderr
+    assert not (out.parent / "mlruns").exists()
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
-    return client, client.search_runs(["0"])
+    experiment = client.get_experiment_by_name("hookloop")
+    return client, client.search_runs([experiment.experiment_id])
 
 
 @pytest.mark.slow
@@ -275,6 +281,18 @@ def test_the_demo_logs_to_mlflow_and_resumes_into_the_same_run(tmp_path):
         assert got == [(r["iteration"], r[key]) for r in rows if key in r]
         want = [(p.step, p.value) for p in _history(whole, reference.info.run_id, key)]
         assert got == want
+    # The images and histograms: beside the store, one per step put, as TensorBoard has them.
+    acc = EventAccumulator(str(tmp_path / "whole"), size_guidance={"images": 0})
+    acc.Reload()
+    tb_steps = sorted(e.step for e in acc.Images("weights/body"))
+    assert tb_steps, "the demo puts images"
+    for c, run in ((client, runs[0]), (whole, reference)):
+        paths = [a.path for a in c.list_artifacts(run.info.run_id, "images")]
+        steps = sorted(int(p.split("+")[2]) for p in paths if p.endswith(".png"))
+        assert steps == tb_steps
+        hists = c.list_artifacts(run.info.run_id, "histograms/weights/body")
+        assert len(hists) == len(tb_steps)
+    assert list((tmp_path / "whole" / "mlartifacts").iterdir())
 
 
 @pytest.mark.slow

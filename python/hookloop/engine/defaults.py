@@ -409,8 +409,9 @@ def default_writers(
         max_iter: the total number of iterations
         window_size: the writers' smoothing window
         trackers: experiment trackers to add (hookloop's addition): ``"mlflow"`` (an
-            :class:`MLflowWriter` to ``MLFLOW_TRACKING_URI``, else
-            ``sqlite:///<output_dir>/mlflow.db``), ``"wandb"`` (a :class:`WandbWriter`,
+            :class:`MLflowWriter` to ``MLFLOW_TRACKING_URI``, else to the experiment
+            ``hookloop`` of ``sqlite:///<output_dir>/mlflow.db``, its artifacts in
+            ``<output_dir>/mlartifacts``), ``"wandb"`` (a :class:`WandbWriter`,
             ``WANDB_MODE`` or offline, its files under ``output_dir``), or writers
 
     Returns:
@@ -426,10 +427,21 @@ def default_writers(
         elif tracker == "mlflow":
             from hookloop.utils.trackers import MLflowWriter
 
-            uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + os.path.abspath(
-                os.path.join(output_dir, "mlflow.db")
-            )
-            extra.append(MLflowWriter(uri, window_size=window_size))
+            uri = os.environ.get("MLFLOW_TRACKING_URI")
+            if uri:
+                extra.append(MLflowWriter(uri, window_size=window_size))
+            else:
+                # A store of its own, whose images stay beside it (a database store's default
+                # experiment keeps artifacts in ./mlruns of the working directory).
+                root = os.path.abspath(output_dir)
+                extra.append(
+                    MLflowWriter(
+                        "sqlite:///" + os.path.join(root, "mlflow.db"),
+                        experiment_name="hookloop",
+                        artifact_location=os.path.join(root, "mlartifacts"),
+                        window_size=window_size,
+                    )
+                )
         elif tracker == "wandb":
             from hookloop.utils.wandb_writer import WandbWriter
 

@@ -237,6 +237,15 @@ class PeriodicWriter(HookBase):
             resume = getattr(writer, "_resume_from", None)
             if resume is not None:
                 resume(start_iter)
+        # Writers that take the storage's images and histograms (TensorBoard, the trackers)
+        # each get every one, also with a period longer than another writer's.
+        storage = getattr(self.trainer, "storage", None)
+        subscribe = getattr(storage, "_subscribe", None)
+        if subscribe is not None:
+            for writer in self._writers:
+                reader = getattr(writer, "_media_reader", None)
+                if reader is not None:
+                    subscribe(reader)
 
     # Writers with a resume state (the trackers' run ids) save it in the trainer state's
     # "hookloop_hooks": detectron2's PeriodicWriter has no load_state_dict.

@@ -2,7 +2,7 @@
 writers in :mod:`hookloop.utils.events` and :mod:`hookloop.utils.trackers` share, in a module
 of its own so that neither imports the other."""
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 __all__ = [
     "EventWriter",
@@ -45,6 +45,11 @@ class EventWriter:
 
     Subclass it in Python with ``write()`` and ``close()``; native writers subclass it too.
     """
+
+    # A writer that takes the storage's images and histograms sets its reader id here
+    # (``_core._new_reader_id()``) and reads with ``storage._take_images(reader)``: every such
+    # writer gets each one (``PeriodicWriter`` subscribes it before training).
+    _media_reader: Optional[int] = None
 
     def write(self) -> None:
         raise NotImplementedError

@@ -32,6 +32,7 @@ from hookloop.utils._base import (
 from hookloop.utils._base import (
     NoEventStorageError as NoEventStorageError,
 )
+from hookloop.utils._media import image_point as _image_point
 
 __all__ = [
     "get_event_storage",
@@ -73,8 +74,9 @@ class EventStorage(_core.EventStorage):
     Use it as a context manager: ``with EventStorage(start_iter) as storage: ...``; code inside
     reaches it with :func:`get_event_storage`. Scalars (``put_scalar``/``put_scalars``), their
     histories and smoothing live in Rust and are safe to put from several threads. Images and
-    histograms wait for a TensorBoard writer, at most ``max_images``/``max_histograms`` of them
-    (older ones are dropped first, with one warning in the log).
+    histograms wait for the writers that take them (TensorBoard, MLflow, W&B): each such writer
+    gets every one, and one stays until all have it, at most ``max_images``/``max_histograms``
+    waiting (older ones are dropped first, with one warning in the log).
 
     Args:
         start_iter (int): the iteration number to start with.
@@ -144,8 +146,9 @@ class EventStorage(_core.EventStorage):
         # The shape rule is the core's (checked again on the pixels when encoded).
         if self._put_image(img_name, img_tensor):
             logger.warning(
-                "EventStorage holds more than %d images that no writer took; dropping the "
-                "oldest. Add a TensorboardXWriter or stop calling put_image.",
+                "EventStorage holds more than %d images that not every writer took; dropping "
+                "the oldest. Add a TensorboardXWriter (and write it as often as the others), "
+                "or stop calling put_image.",
                 len(self._vis_data),
             )
 
@@ -202,8 +205,9 @@ class EventStorage(_core.EventStorage):
         )
         if dropped:
             logger.warning(
-                "EventStorage holds more histograms than its bound that no writer took; "
-                "dropping the oldest. Add a TensorboardXWriter or stop calling put_histogram."
+                "EventStorage holds more histograms than its bound that not every writer took; "
+                "dropping the oldest. Add a TensorboardXWriter (and write it as often as the "
+                "others), or stop calling put_histogram."
             )
 
 
@@ -456,6 +460,7 @@ class TensorboardXWriter(_NativeFileWriter):
             kwargs.get("fsync", _core.EVENTS_FSYNC_DEFAULT),
         )
         self._writer = _SummaryWriter(self._native, os.fspath(log_dir))
+        self._media_reader = self._native._reader
         if purge_step is not None:
             self._resume_from(purge_step)
 
@@ -482,7 +487,7 @@ class TensorboardXWriter(_NativeFileWriter):
             # Images are the caller's tensors until now: convert them here, in one batch. One
             # that fails is skipped (the others are written) and named in the error.
             points, failed = [], []
-            for name, img, step in storage._take_images():
+            for name, img, step in storage._take_images(self._media_reader):
                 try:
                     points.append(_image_point(name, img, step))
                 except Exception as e:
@@ -789,36 +794,6 @@ def _check_image_data(tag: str, img: Any) -> None:
             f"put_image('{tag}') image must be a tensor or array of numbers "
             f"(uint8 in [0, 255] or float in [0, 1]), got dtype {dtype}"
         )
-
-
-def _image_point(
-    tag: str, img: Any, step: int, dataformats: str = "CHW"
-) -> Tuple[str, int, int, int, int, bytes]:
-    """An image as (tag, step, height, width, channels, HWC uint8 bytes), converted the way
-    torch's SummaryWriter converts: uint8 as is, anything else (bfloat16 and float16 read as
-    float32) scaled by 255 and clipped."""
-    import numpy as np
-
-    if hasattr(img, "detach"):
-        img = img.detach()
-        if str(img.dtype) in ("torch.bfloat16", "torch.float16"):
-            img = img.float()
-        img = img.cpu().numpy()
-    arr = np.asarray(img)
-    if dataformats == "HW" and arr.ndim == 2:
-        arr = arr[None]
-    elif dataformats == "HWC" and arr.ndim == 3:
-        arr = arr.transpose(2, 0, 1)
-    elif dataformats != "CHW":
-        raise ValueError(
-            f"image '{tag}': dataformats must be 'CHW', 'HWC' or 'HW', got {dataformats!r}"
-        )
-    _core.check_chw(tag, arr.shape)  # the core's one image rule
-    if arr.dtype != np.uint8:
-        arr = (arr.astype(np.float32) * 255.0).clip(0, 255).astype(np.uint8)
-    c, h, w = arr.shape
-    hwc = np.ascontiguousarray(arr.transpose(1, 2, 0))
-    return (tag, int(step), int(h), int(w), int(c), hwc.tobytes())
 
 
 def _flush_at_exit() -> None:

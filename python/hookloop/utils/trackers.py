@@ -21,20 +21,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
+from hookloop import _core
 from hookloop.utils import comm
 from hookloop.utils._base import EventWriter, get_event_storage
+from hookloop.utils._media import image_array, safe_key, take_media
 
 __all__ = ["MLflowWriter", "TrackerWriter", "flatten_config"]
 
 logger = logging.getLogger(__name__)
 
-# One queued write: (iteration, wall time in seconds, {name: smoothed value}).
-_Row = Tuple[int, float, Dict[str, float]]
+# One queued write: (iteration, wall time in seconds, {name: smoothed value, and
+# (kind, name): a queued image or histogram, see hookloop.utils._media}).
+_Row = Tuple[int, float, Dict[Any, Any]]
 
 
 def flatten_config(config: Any, prefix: str = "") -> Dict[str, Any]:
@@ -131,25 +135,38 @@ class TrackerWriter(EventWriter):
         self._resumed = False  # the run id came from a checkpoint
         self._opened = threading.Event()  # the run exists (its id is known)
         self._gave_up = False  # a checkpoint stopped waiting for the run
+        # It takes the storage's images and histograms (each writer that does gets them all).
+        self._media_reader = _core._new_reader_id()
 
     # -- the training thread ---------------------------------------------------------------
 
     def write(self) -> None:
         """Queues the scalars that changed since the last write, smoothed as ``JSONWriter``
-        smooths them, for the sender thread."""
+        smooths them, and the images and histograms put since, for the sender thread."""
         if self._closed:
             raise ValueError(f"{self._name}: write() after close()")
         storage = get_event_storage()
-        rows: Dict[int, Dict[str, float]] = {}
+        rows: Dict[int, Dict[Any, Any]] = {}
         last = self._last_write
         for name, (value, it) in storage.latest_with_smoothing_hint(self._window_size).items():
             if it > last:
                 rows.setdefault(it, {})[name] = value
+        if rows:
+            self._last_write = max(rows)
+        # Images are the caller's tensors until now: converted here, on the training thread
+        # (as TensorboardXWriter converts them), sent by the sender thread.
+        media, failed = take_media(storage, self._media_reader)
+        if failed:
+            logger.warning(
+                "%s skipped %d images that could not be converted: %s",
+                self._name,
+                len(failed),
+                "; ".join(failed),
+            )
+        for it, items in media.items():
+            rows.setdefault(it, {}).update(items)
         if not rows or not self._active:
-            if rows:
-                self._last_write = max(rows)
             return
-        self._last_write = max(rows)
         now = time.time()
         with self._lock:
             for it in sorted(rows):
@@ -390,6 +407,7 @@ class MLflowWriter(TrackerWriter):
         tags: Optional[Mapping[str, Any]] = None,
         window_size: int = 20,
         *,
+        artifact_location: Optional[str] = None,
         params: Any = None,
         max_buffered: int = 100_000,
         strict: bool = False,
@@ -401,6 +419,9 @@ class MLflowWriter(TrackerWriter):
                 tracking URI defaults to ``MLFLOW_TRACKING_URI`` or ``./mlruns``; a given
                 ``run_id`` is continued)
             window_size (int): the scalars' smoothing window, as ``JSONWriter``'s
+            artifact_location (str): where an experiment this writer creates keeps its
+                artifacts (the images and histograms), as ``create_experiment``'s; by default
+                MLflow's, which for a database store is ``./mlruns`` in the working directory
             params: a nested config logged once as the run's params (see
                 :func:`flatten_config`); more with :meth:`log_params`
             max_buffered (int): points kept while the tracker does not take them
@@ -421,6 +442,12 @@ class MLflowWriter(TrackerWriter):
         self._experiment_name = experiment_name
         self._run_name = run_name
         self._given_run_id = run_id
+        if artifact_location is not None and not isinstance(artifact_location, str):
+            raise TypeError(
+                "MLflowWriter artifact_location must be a str or None, "
+                f"got {type(artifact_location).__name__}"
+            )
+        self._artifact_location = artifact_location
         self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self._params: Dict[str, Any] = {}
         self._mlflow_run_id: Optional[str] = run_id
@@ -454,7 +481,9 @@ class MLflowWriter(TrackerWriter):
                 experiment_id = (
                     found.experiment_id
                     if found is not None
-                    else client.create_experiment(self._experiment_name)
+                    else client.create_experiment(
+                        self._experiment_name, artifact_location=self._artifact_location
+                    )
                 )
             run = client.create_run(experiment_id, tags=self._tags, run_name=self._run_name)
             self._mlflow_run_id = run.info.run_id
@@ -476,20 +505,50 @@ class MLflowWriter(TrackerWriter):
     def _send(self, rows: List[_Row]) -> None:
         from mlflow.entities import Metric
 
-        metrics = [
-            Metric(name, value, int(wall * 1000), it)
-            for it, wall, values in rows
-            for name, value in values.items()
-        ]
         run_id = self._mlflow_run_id or ""  # _open made it
+        client = self._client
+        metrics = []
+        calls: List[Callable[[], Any]] = []
+        for it, wall, values in rows:
+            for name, value in values.items():
+                if isinstance(name, tuple):  # an image or a histogram
+                    calls.append(functools.partial(self._log_media, run_id, name, it, wall, value))
+                else:
+                    metrics.append(Metric(name, value, int(wall * 1000), it))
+        step = self._BATCH_POINTS
+        calls[:0] = [
+            functools.partial(client.log_batch, run_id, metrics=metrics[at : at + step])
+            for at in range(0, len(metrics), step)
+        ]
         # After a failure part-way, the same rows come again: the calls that went through
         # are not repeated (MLflow would keep both copies).
         first = rows[0] if rows else None
         start = self._partial[1] if self._partial and self._partial[0] is first else 0
-        for at in range(start, len(metrics), self._BATCH_POINTS):
-            self._client.log_batch(run_id, metrics=metrics[at : at + self._BATCH_POINTS])
-            self._partial = (first, at + self._BATCH_POINTS)
+        for done, call in enumerate(calls[start:], start + 1):
+            call()
+            self._partial = (first, done)
         self._partial = None
+
+    def _log_media(
+        self, run_id: str, key: Tuple[str, str], it: int, wall: float, item: Any
+    ) -> None:
+        """An image as MLflow's image artifact at its step (``log_image(key=, step=)``, which
+        the UI shows over steps); a histogram, which MLflow has no kind of metric for, as a
+        JSON artifact ``histograms/<name>/step_<iteration>.json`` of detectron2's fields."""
+        kind, name = key
+        if kind == "image":
+            self._client.log_image(
+                run_id,
+                image_array(item),
+                key=safe_key(name),
+                step=it,
+                timestamp=int(wall * 1000),
+                synchronous=True,  # a failure raises here, and the call is retried
+            )
+        else:
+            record = {"name": name, "step": it, **item}
+            path = f"histograms/{safe_key(name)}/step_{it:010d}.json"
+            self._client.log_dict(run_id, record, path)
 
     def _finish(self) -> None:
         if self._mlflow_run_id is not None:

@@ -14,6 +14,7 @@ import secrets
 import string
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+from hookloop.utils._media import histogram_edges, image_array, rebinned
 from hookloop.utils.trackers import TrackerWriter, _Row, flatten_config
 
 __all__ = ["WandbWriter"]
@@ -39,6 +40,31 @@ def _config_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_config_value(v) for v in value]
     return str(value)
+
+
+def _wandb_values(values: Dict[Any, Any]) -> Dict[str, Any]:
+    """A row's values as ``run.log`` takes them: images as ``wandb.Image``, histograms as
+    ``wandb.Histogram`` (merged to W&B's 512 buckets at most, see ``_media.rebinned``). W&B
+    has one value per key and step: a histogram whose name an image or a scalar of the same
+    step has is logged as ``<name>/histogram`` (an image, as ``<name>/image``, beside a
+    scalar)."""
+    if not any(isinstance(k, tuple) for k in values):
+        return values
+    import numpy as np
+    import wandb
+
+    out: Dict[str, Any] = {k: v for k, v in values.items() if not isinstance(k, tuple)}
+    for kind in ("image", "histogram"):
+        for key, value in values.items():
+            if not isinstance(key, tuple) or key[0] != kind:
+                continue
+            name = key[1] if key[1] not in out else f"{key[1]}/{kind}"
+            if kind == "image":
+                out[name] = wandb.Image(image_array(value))
+            else:
+                counts, edges = rebinned(*histogram_edges(value), wandb.Histogram.MAX_LENGTH)
+                out[name] = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+    return out
 
 
 class WandbWriter(TrackerWriter):
@@ -216,7 +242,7 @@ class WandbWriter(TrackerWriter):
         for it, wall, values in rows:
             # commit=True: the row goes to the run now, not when a later step comes (or never,
             # if the process dies first).
-            run.log({**values, "_timestamp": wall}, step=it, commit=True)
+            run.log({**_wandb_values(values), "_timestamp": wall}, step=it, commit=True)
 
     def _finish(self) -> None:
         if self._wb_run is not None:

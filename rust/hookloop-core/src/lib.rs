@@ -8,6 +8,7 @@ pub mod history;
 pub mod hooks;
 pub mod iter;
 pub mod jsonl;
+pub mod media;
 pub mod metrics;
 pub mod printer;
 pub mod pyexact;

@@ -4,7 +4,6 @@
 //!
 //! Not synchronised itself: the binding wraps it in one `Mutex`, taken once per Python call.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use indexmap::IndexMap;
@@ -12,6 +11,7 @@ use rustc_hash::FxBuildHasher;
 
 use crate::history::{History, HistoryState};
 use crate::iter::Iter;
+use crate::media::MediaQueue;
 use crate::record::HistogramPoint;
 use crate::{Error, Result};
 
@@ -43,68 +43,11 @@ pub struct Storage {
     /// another thread puts meanwhile. Empty outside any scope (the common, fast case).
     prefixes: Vec<(std::thread::ThreadId, String)>,
     max_length: usize,
-    histograms: Bounded<HistogramPoint>,
+    histograms: MediaQueue<HistogramPoint>,
     /// Where the names of deferred puts belong: the number of names the storage held when
     /// the first put still waiting was made ([`Storage::mark_deferred`]). detectron2 keeps a
     /// name where it was first put, so reading a value later must not move its name later.
     deferred_at: Option<usize>,
-}
-
-/// A queue that keeps the newest `max` items, dropping the oldest: images and histograms
-/// waiting for a writer. The caller logs the first drop (`push` says when).
-#[derive(Debug)]
-pub struct Bounded<T> {
-    items: VecDeque<T>,
-    max: usize,
-    dropped: u64,
-}
-
-impl<T> Bounded<T> {
-    /// An empty queue holding at most `max` items (`max` is at least 1).
-    pub fn new(max: usize) -> Self {
-        Bounded {
-            items: VecDeque::new(),
-            max: max.max(1),
-            dropped: 0,
-        }
-    }
-
-    /// Appends `item`. Returns the item dropped to make room, if any, and whether it was the
-    /// first ever dropped (the caller warns once). The dropped item is returned, not dropped
-    /// here: for Python objects it must be released after the storage's lock.
-    pub fn push(&mut self, item: T) -> (Option<T>, bool) {
-        self.items.push_back(item);
-        if self.items.len() > self.max {
-            self.dropped += 1;
-            return (self.items.pop_front(), self.dropped == 1);
-        }
-        (None, false)
-    }
-
-    /// The items, oldest first.
-    pub fn iter(&self) -> impl ExactSizeIterator<Item = &T> {
-        self.items.iter()
-    }
-
-    /// Takes every item out.
-    pub fn take(&mut self) -> Vec<T> {
-        self.items.drain(..).collect()
-    }
-
-    /// The bound.
-    pub fn max(&self) -> usize {
-        self.max
-    }
-
-    /// Number of items waiting.
-    pub fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    /// True when nothing waits.
-    pub fn is_empty(&self) -> bool {
-        self.items.is_empty()
-    }
 }
 
 impl Storage {
@@ -121,7 +64,7 @@ impl Storage {
             iter: start_iter,
             prefixes: Vec::new(),
             max_length,
-            histograms: Bounded::new(max_histograms),
+            histograms: MediaQueue::new(max_histograms),
             deferred_at: None,
         })
     }
@@ -396,7 +339,8 @@ impl Storage {
     /// Queues a histogram for the TensorBoard writer, dropping the oldest past the bound.
     /// Returns true the first time one was dropped, so the caller can log it once.
     pub fn put_histogram(&mut self, hist: HistogramPoint) -> bool {
-        self.histograms.push(hist).1
+        let iter = self.iter;
+        self.histograms.push(hist, iter).1
     }
 
     /// The queued histograms, oldest first.
@@ -404,9 +348,23 @@ impl Storage {
         self.histograms.iter()
     }
 
-    /// Takes every queued histogram out of the storage.
+    /// Takes every queued histogram out of the storage, for every writer (detectron2's
+    /// `clear_histograms`).
     pub fn take_histograms(&mut self) -> Vec<HistogramPoint> {
-        self.histograms.take()
+        self.histograms.take_waiting()
+    }
+
+    /// The histograms `reader` has not read yet (see [`MediaQueue`]: each stays queued until
+    /// every writer reading histograms has it).
+    pub fn read_histograms(&mut self, reader: u64) -> Vec<HistogramPoint> {
+        let iter = self.iter;
+        self.histograms.read(reader, iter, Clone::clone).0
+    }
+
+    /// Registers a writer that will read the histograms (see [`MediaQueue::subscribe`]).
+    pub fn subscribe_histograms(&mut self, reader: u64) {
+        let iter = self.iter;
+        self.histograms.subscribe(reader, iter);
     }
 
     /// Heap bytes held by all histories (for the memory benchmark and `__sizeof__`).

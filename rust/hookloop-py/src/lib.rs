@@ -65,6 +65,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(writers::_take_writer_errors, m)?)?;
     m.add_function(wrap_pyfunction!(writers::_set_writer_timeout, m)?)?;
     m.add_function(wrap_pyfunction!(writers::_histogram_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(writers::_new_reader_id, m)?)?;
     m.add_function(wrap_pyfunction!(periodic_due, m)?)?;
     m.add_function(wrap_pyfunction!(check_chw, m)?)?;
     m.add(

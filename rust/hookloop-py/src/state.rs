@@ -8,7 +8,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use hookloop_core::storage::{Bounded, Storage};
+use hookloop_core::media::MediaQueue;
+use hookloop_core::storage::Storage;
 use pyo3::prelude::*;
 
 /// A value behind a mutex that no Python code can run under.
@@ -52,7 +53,7 @@ pub struct PendingImage {
 /// Everything behind an `EventStorage`'s lock.
 pub struct State {
     pub core: Storage,
-    pub images: Bounded<PendingImage>,
+    pub images: MediaQueue<PendingImage>,
 }
 
 /// A storage's state, shared by the storage and the `HistoryBuffer` views of it.

@@ -7,9 +7,10 @@
 use std::sync::Arc;
 
 use hookloop_core::iter::Iter;
+use hookloop_core::media::MediaQueue;
 use hookloop_core::metrics::{write_metrics, Reduced};
 use hookloop_core::record::HistogramPoint;
-use hookloop_core::storage::{Bounded, ScalarState, Storage, StorageState};
+use hookloop_core::storage::{ScalarState, Storage, StorageState};
 use hookloop_core::tfevents::check_chw;
 use hookloop_core::{error::positive, Error, History};
 use pyo3::prelude::*;
@@ -78,7 +79,7 @@ impl PyEventStorage {
         let core = Storage::new(start_iter, max_length, max_histograms).py_err()?;
         let state = State {
             core,
-            images: Bounded::new(max_images),
+            images: MediaQueue::new(max_images),
         };
         Ok(PyEventStorage {
             deferred: Arc::new(Deferred::new(Arc::new(Shared::new(state)))),
@@ -291,11 +292,12 @@ impl PyEventStorage {
         let image = Arc::new(img_tensor.clone().unbind());
         let (dropped, first) = self.state().with(move |s| {
             let iter = s.core.iter();
-            s.images.push(PendingImage {
+            let image = PendingImage {
                 name: img_name,
                 image,
                 iter,
-            })
+            };
+            s.images.push(image, iter)
         });
         // Released after unlocking: the object's __del__ may call back into this storage.
         drop(dropped);
@@ -524,14 +526,36 @@ impl PyEventStorage {
         Ok(out)
     }
 
-    /// Removes and returns the queued images as (name, image, iteration) tuples.
-    fn _take_images<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let taken = self.state().with(|s| s.images.take());
+    /// The queued images as (name, image, iteration) tuples: with `reader`, those that writer
+    /// has not read yet (each stays queued until every writer reading images has it, see
+    /// `hookloop_core::media`); without, every queued one, taken out for everyone.
+    #[pyo3(signature = (reader = None))]
+    fn _take_images<'py>(
+        &self,
+        py: Python<'py>,
+        reader: Option<u64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let (taken, released) = self.state().with(|s| match reader {
+            Some(reader) => {
+                let iter = s.core.iter();
+                s.images
+                    .read(reader, iter, |p| (p.name.clone(), p.image.clone(), p.iter))
+            }
+            None => {
+                let (waiting, all) = s.images.take();
+                let taken = all[..waiting]
+                    .iter()
+                    .map(|p| (p.name.clone(), p.image.clone(), p.iter))
+                    .collect();
+                (taken, all)
+            }
+        });
+        drop(released); // after unlocking, see the module comment
         PyList::new(
             py,
             taken
                 .into_iter()
-                .map(|p| (p.name, p.image.clone_ref(py), p.iter)),
+                .map(|(name, image, iter)| (name, image.clone_ref(py), iter)),
         )
     }
 
@@ -540,14 +564,35 @@ impl PyEventStorage {
         self.state().with(|s| s.images.len())
     }
 
-    /// Removes and returns the queued histograms as keyword dicts.
-    fn _take_histograms<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let taken = self.with(Storage::take_histograms);
+    /// The queued histograms as keyword dicts: with `reader`, those that writer has not read
+    /// yet (as `_take_images`); without, every queued one, taken out for everyone.
+    #[pyo3(signature = (reader = None))]
+    fn _take_histograms<'py>(
+        &self,
+        py: Python<'py>,
+        reader: Option<u64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let taken = match reader {
+            Some(reader) => self.with(|s| s.read_histograms(reader)),
+            None => self.with(Storage::take_histograms),
+        };
         let out = PyList::empty(py);
         for h in taken {
             out.append(histogram_dict(py, h)?)?;
         }
         Ok(out)
+    }
+
+    /// Registers a writer (its `reader` id) that will read the images and histograms: from
+    /// now on each one put stays queued until that writer has it too (bounded by
+    /// `max_images`/`max_histograms`). `PeriodicWriter` subscribes its writers before
+    /// training; a writer is also registered by its first read.
+    fn _subscribe(&self, reader: u64) {
+        self.state().with(|s| {
+            let iter = s.core.iter();
+            s.images.subscribe(reader, iter);
+            s.core.subscribe_histograms(reader);
+        });
     }
 
     /// Drops the queued images (the TensorBoard writer calls this after writing them).
@@ -599,7 +644,12 @@ impl PyEventStorage {
         // another thread is inside a Rust call, and then the images are reachable next time.
         let images = self
             .state()
-            .try_with(|s| s.images.iter().map(|p| p.image.clone()).collect::<Vec<_>>())
+            .try_with(|s| {
+                s.images
+                    .iter_all()
+                    .map(|p| p.image.clone())
+                    .collect::<Vec<_>>()
+            })
             .unwrap_or_default();
         for image in &images {
             visit.call(&**image)?;

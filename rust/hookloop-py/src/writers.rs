@@ -10,6 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use hookloop_core::error::positive;
 use hookloop_core::jsonl::{group_by_iteration, JsonSink};
+use hookloop_core::media::new_reader_id;
 use hookloop_core::printer::Printer;
 use hookloop_core::record::{HistogramPoint, ImagePoint, ScalarPoint, TensorPoint};
 use hookloop_core::storage::SmoothedScalar;
@@ -255,7 +256,10 @@ impl PyJsonWriter {
 
 /// TensorBoard event-file writer (`hookloop.utils.events.TensorboardXWriter` wraps it).
 #[pyclass(name = "TensorboardXWriter", module = "hookloop._core", frozen, extends = PyNativeWriter)]
-pub struct PyTensorboardWriter;
+pub struct PyTensorboardWriter {
+    /// Its id as a reader of the storage's images and histograms (`hookloop_core::media`).
+    reader: u64,
+}
 
 type ImageArg<'py> = (String, i64, u32, u32, u8, Bound<'py, PyBytes>);
 type HistArg = (String, i64, f64, f64, f64, f64, f64, Vec<f64>, Vec<f64>);
@@ -275,15 +279,25 @@ impl PyTensorboardWriter {
         let sink = EventSink::new(log_dir, hostname, filename_suffix, fsync);
         let path = sink.path();
         let base = PyNativeWriter::open(Box::new(sink), "TensorboardXWriter", path, window_size)?;
-        Ok(PyClassInitializer::from(base).add_subclass(PyTensorboardWriter))
+        Ok(
+            PyClassInitializer::from(base).add_subclass(PyTensorboardWriter {
+                reader: new_reader_id(),
+            }),
+        )
     }
 
-    /// Queues new smoothed scalars and the storage's histograms; returns how many images wait
-    /// in the storage (the Python layer converts those tensors and calls `add_points`).
+    /// Queues new smoothed scalars and the storage's histograms this writer has not read;
+    /// returns how many images it has not read (the Python layer takes those with
+    /// `storage._take_images(self._reader)`, converts the tensors and calls `add_points`).
     fn write(slf: &Bound<'_, Self>, storage: &Bound<'_, PyEventStorage>) -> PyResult<usize> {
+        let reader = slf.get().reader;
         let (handle, smoothed, (histograms, n_images)) =
             slf.as_super().get().take_new(storage, |state| {
-                (state.core.take_histograms(), state.images.len())
+                let iter = state.core.iter();
+                (
+                    state.core.read_histograms(reader),
+                    state.images.unread(reader, iter),
+                )
             })?;
         let scalars: Vec<ScalarPoint> = smoothed
             .into_iter()
@@ -304,6 +318,12 @@ impl PyTensorboardWriter {
             handle.send(payload).py_err()?;
         }
         Ok(n_images)
+    }
+
+    /// Its id as a reader of the storage's images and histograms.
+    #[getter]
+    fn _reader(&self) -> u64 {
+        self.reader
     }
 
     /// Queues raw points: scalars `(tag, value, step)`, images `(tag, step, height, width,
@@ -555,4 +575,11 @@ impl Drop for PyNativeWriter {
             }
         }
     }
+}
+
+/// A new id for a writer that reads the storage's images and histograms
+/// (`EventStorage._take_images(reader)`): each reader gets every one.
+#[pyfunction]
+pub fn _new_reader_id() -> u64 {
+    new_reader_id()
 }

@@ -4,10 +4,13 @@ per step, free of the machine's noise.
     python benches/bench_mlp_instructions.py               # ~9 min (torch's import under valgrind)
     python benches/bench_mlp_instructions.py --cache-sim   # with simulated cache misses, ~15 min
     python benches/bench_mlp_instructions.py --branch-sim  # with simulated branch mispredictions
+    python benches/bench_mlp_instructions.py --loops hand,stack,seeds   # some loops, ~1-2 min each
 
 Each loop (the hand-written loops and hookloop's trainer with no hooks, the default stack, the
-stack on the native schedule, the default stack at period 1 with all three writers and with each
-alone) runs twice, for ``--short`` and ``--long`` steps, under
+stack on the native schedule, the seeds' stack (the default stack and cvpods' and xmodaler's
+every-step writers: ``PeriodicWriter([JSONWriter, TensorboardXWriter], 1)`` with
+``window_size=1``), the default stack at period 1 with all three writers and with each alone;
+``--loops`` picks some) runs twice, for ``--short`` and ``--long`` steps, under
 valgrind's callgrind, which counts only inside those runs; the difference of the two counts over
 the difference of their steps is the loop's instructions per step, with the fixed costs
 (building the trainer, before_train, the last write) cancelled out. Only the training thread
@@ -49,6 +52,7 @@ LOOPS = {
     "none": "SimpleTrainer, no hooks",
     "stack": "default stack (MultiStepLR)",
     "native": "default stack, native schedule",
+    "seeds": "the seeds' stack: default stack + every-step JSON and TensorBoard (window 1)",
     "stack1": "default stack at period 1 (MultiStepLR)",
     "printer1": "… at period 1, CommonMetricPrinter only",
     "json1": "… at period 1, JSONWriter only",
@@ -61,6 +65,7 @@ TRAINERS: Dict[str, Tuple[str, int, Optional[Tuple[str, ...]]]] = {
     "none": ("none", 20, None),
     "stack": ("stack", 20, None),
     "native": ("native", 20, None),
+    "seeds": ("seeds", 20, None),
     "stack1": ("stack", 1, None),
     "printer1": ("stack", 1, ("printer",)),
     "json1": ("stack", 1, ("json",)),

@@ -1,14 +1,16 @@
 """The tiny MLP of issue 11 in paired turns (:mod:`lab.paired`), with each ratio's
 95% confidence interval: the tiny-MLP figures of docs/performance.md.
 
-    python benches/bench_mlp_paired.py                 # 400 rounds, 4 processes a loop: ~3 min
+    python benches/bench_mlp_paired.py                 # 400 rounds, 4 processes a loop: ~4 min
     python benches/bench_mlp_paired.py --rounds 50     # a quick look
     python benches/bench_mlp_paired.py --period-1      # the period-1 stack, each writer alone
 
 Every loop trains in ``--replicas`` processes of its own and the processes take turns of
 ``--window`` steps, in a new random order each round; each ratio of steps/s is formed within a
 round (a loop's time there is the mean over its processes), and the table gives the median
-over the rounds with a bootstrap interval that resamples the processes and the rounds.
+over the rounds with a bootstrap interval that resamples the processes and the rounds. The
+default loops end with the seeds' stack (the default stack and cvpods' and xmodaler's
+every-step writers), whose ratio to the default stack is printed below the table.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ VARIANTS = {
     "SimpleTrainer, no hooks": paired.Variant("hl", "none"),
     "default stack (MultiStepLR)": paired.Variant("hl", "stack"),
     "default stack, native schedule": paired.Variant("hl", "native"),
+    # cvpods' and xmodaler's hooks: the default stack and PeriodicWriter([JSON, TB], 1) with
+    # window_size=1 (tiny_mlp.make_trainer's "seeds")
+    "the seeds' stack: default stack + every-step JSON and TensorBoard (window 1)": (
+        paired.Variant("hl", "seeds")
+    ),
 }
+
+#: What every-step writing costs in time: the seeds' stack over the default stack, formed
+#: within each round like the ratios over the hand loops.
+STACK, SEEDS = paired.Variant("hl", "stack"), paired.Variant("hl", "seeds")
 
 #: ``--period-1``: the default stack writing every iteration, and each writer alone, in time
 #: (what bench_mlp_instructions.py counts in instructions).
@@ -69,6 +80,9 @@ def run(
             row[key] = {"median": statistics.median(r), "ci95": paired.ratio_ci(res, floor, v),
                         "goal": goal}  # fmt: skip
         out["variants"][name] = row
+    if STACK in res and SEEDS in res:
+        out["seeds_x_stack"] = {"median": statistics.median(paired.ratios(res, STACK, SEEDS)),
+                                "ci95": paired.ratio_ci(res, STACK, SEEDS)}  # fmt: skip
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -108,6 +122,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lines.append(f"| {name} | {row['us_per_step']:.1f} ({each}) | {_cell(row['x_hand'])} | "
                      f"{_cell(row['x_bookkeeping'])} |")  # fmt: skip
     print("\n".join(lines))
+    if "seeds_x_stack" in out:
+        fig = out["seeds_x_stack"]
+        lo, hi = fig["ci95"]
+        print(f"\nthe seeds' stack × the default stack's steps/s: {fig['median']:.3f} "
+              f"({lo:.3f}–{hi:.3f})")  # fmt: skip
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\n{args.rounds} rounds of {args.window} steps, {args.replicas} processes per loop, "
           f"{out['seconds']} s; "

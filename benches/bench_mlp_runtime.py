@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mlp_instructions import LOOPS, TRAINERS, chosen_loops, trainer_args  # noqa: E402
 
-DEFAULT_LOOPS = ("hand", "book", "none", "stack", "native", "stack1")
+DEFAULT_LOOPS = ("hand", "book", "none", "stack", "native", "seeds", "stack1")
 WARMUP = 200
 
 

@@ -98,18 +98,23 @@ def test_bench_quick_prints_a_table_and_json_and_measures_a_hook(
         assert line in stdout
     rows = _table(stdout)
     assert all(r[4] == "—" and r[6] == "—" for r in rows)
+    stack = "tiny MLP: SimpleTrainer + IterationTimer + LRScheduler + PeriodicWriter(printer"
     assert [r[0].split(",")[0] for r in rows] == [
-        "TrainerBase.train", "TrainerBase.train", "tiny MLP: SimpleTrainer",
-        "tiny MLP: SimpleTrainer + IterationTimer + LRScheduler + PeriodicWriter(printer",
+        "TrainerBase.train", "TrainerBase.train", "tiny MLP: SimpleTrainer", stack, stack,
         "tiny MLP: SimpleTrainer + user_hooks:CountSteps",
     ]  # fmt: skip
-    assert [r[1] for r in rows] == ["ns/iter"] * 2 + ["µs/step"] * 3
+    # the seeds' stack: the default stack, then the every-step writers at window_size 1
+    assert rows[4][0] == rows[3][0].replace(
+        ", over", " + PeriodicWriter(JSON, TensorBoard; window_size 1, period 1), over"
+    )
+    assert [r[1] for r in rows] == ["ns/iter"] * 2 + ["µs/step"] * 4
 
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["machine"]["build_profile"] == "release"
     assert data["machine"]["command"].startswith("hookloop bench --quick --json ")
     assert data["engines"] == ["hookloop"]
     sizes = data["sizes"]
+    assert sizes["everystep_writers"] == [w for w in sizes["writers"] if w != "printer"]
     assert len(data["rows"]) == len(rows)
     for row, cells in zip(data["rows"], rows):
         assert cells[0] == row["what"] and cells[-1] == row["n"]
@@ -220,10 +225,12 @@ def test_detectron2_gets_a_column_and_tensorboard_is_optional(
     stdout = capsys.readouterr().out
     assert "detectron2: fake" in stdout and "detectron2 is not importable" not in stdout
     assert "PeriodicWriter(printer, JSON; period 20)" in stdout
+    assert "+ PeriodicWriter(JSON; window_size 1, period 1), over" in stdout
     assert "tensorboard is not installed" in stdout
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["engines"] == ["hookloop", "detectron2"]
     assert data["sizes"]["writers"] == ["printer", "json"]
+    assert data["sizes"]["everystep_writers"] == ["json"]
     for row in data["rows"]:
         assert _finite(row["detectron2"]), row
         ratio = row["detectron2_over_hookloop"]

@@ -121,6 +121,38 @@ def test_native_schedule_gives_multistep_lrs(tmp_path: Path) -> None:
     assert [v for v, _ in t.storage.history("lr").values()] == expected
 
 
+def test_seeds_stack_writes_every_step_to_files_of_its_own(tmp_path: Path) -> None:
+    """The seeds' loop (cvpods' and xmodaler's hooks): the default stack's files at period 20,
+    and beside them a metrics file and an event directory of the every-step writers with a
+    line and an event per iteration, unsmoothed (window_size=1), for hookloop and for the
+    reference."""
+    import torch
+    from lab import overhead, tiny_mlp
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    n = 45
+    for impl in ("hl", "ref"):
+        out = tmp_path / impl
+        out.mkdir()
+        t = tiny_mlp.make_trainer(impl, torch.device("cpu"), tiny_mlp.make_batches(count=4), n,
+                                  str(out), "seeds")  # fmt: skip
+        with overhead.printer_logging():
+            t.train(0, n)
+        (d,) = out.iterdir()
+        assert [line["iteration"] for line in _lines(d / "metrics.json")] == [19, 39, 44], impl
+        assert len(list(d.glob("events.out.tfevents.*"))) == 1, impl
+        every = _lines(d / overhead.EVERYSTEP_JSON)
+        assert [line["iteration"] for line in every] == list(range(n)), impl
+        # window_size 1: each line holds its own iteration's losses
+        totals = [v for v, _ in t.storage.history("total_loss").values()]
+        assert [line["total_loss"] for line in every] == totals, impl
+        acc = EventAccumulator(str(d / overhead.EVERYSTEP_TB_DIR), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("total_loss")] == list(range(n)), impl
+    with pytest.raises(ValueError, match="hooks must be"):
+        tiny_mlp.make_trainer("hl", torch.device("cpu"), [], 1, str(tmp_path), "seed")
+
+
 def test_bookkeeping_loop_reads_and_logs_every_20_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     import logging
 
@@ -160,6 +192,11 @@ def test_mlp_paired_runs_every_variant_and_names_the_goals(tmp_path: Path) -> No
     assert hand["x_hand"]["median"] == 1.0 and hand["x_hand"]["ci95"] == [1.0, 1.0]
     stack = res["variants"]["default stack (MultiStepLR)"]
     assert stack["x_hand"]["goal"] == 0.97 and stack["x_bookkeeping"]["goal"] == 0.99
+    seeds = res["variants"][next(k for k, v in bench_mlp_paired.VARIANTS.items()
+                                 if v.hooks == "seeds")]  # fmt: skip
+    assert seeds["x_hand"]["goal"] is None  # issue 11's goals are for its loops only
+    lo, hi = res["seeds_x_stack"]["ci95"]
+    assert res["seeds_x_stack"]["median"] > 0 and lo <= hi
     assert res["replicas"] == 2
     for row in res["variants"].values():
         assert row["us_per_step"] > 0 and len(row["us_per_step_by_process"]) == 2

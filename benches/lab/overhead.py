@@ -887,6 +887,14 @@ def engine(impl: str) -> Any:
 
 ALL_WRITERS = ("printer", "json", "tb")
 
+#: The every-step writers of the seeds (cvpods' and xmodaler's ``build_everystep_writers``):
+#: JSON and TensorBoard with ``window_size=1``, in a second PeriodicWriter at period 1.
+EVERYSTEP_WRITERS = ("json", "tb")
+
+#: Where the every-step writers write, inside the stack's directory: a metrics file and an
+#: event directory of their own (two writers never share a file).
+EVERYSTEP_JSON, EVERYSTEP_TB_DIR = "metrics_everystep.json", "everystep"
+
 
 def stack_hooks(
     e: Any,
@@ -897,24 +905,38 @@ def stack_hooks(
     d: str,
     writers: Sequence[str] = ALL_WRITERS,
     json_fsync: Optional[str] = None,
+    everystep: Sequence[str] = (),
 ) -> List[Any]:
     """IterationTimer, LRScheduler, PeriodicWriter([printer, JSON, TB], period) of engine ``e``
     (see :func:`engine`), as detectron2's DefaultTrainer orders them, writing into ``d``.
     ``writers`` picks a subset (none: no PeriodicWriter); ``json_fsync`` is hookloop's
-    JSONWriter option (None: its default, what a user gets)."""
-    json_path = os.path.join(d, "metrics.json")
+    JSONWriter option (None: its default, what a user gets). ``everystep`` (a subset of
+    :data:`EVERYSTEP_WRITERS`) adds ``PeriodicWriter([JSON, TB], 1)`` with ``window_size=1``
+    after it, writing :data:`EVERYSTEP_JSON` and into :data:`EVERYSTEP_TB_DIR` of ``d``: the
+    seeds' configuration."""
+    bad = set(everystep) - set(EVERYSTEP_WRITERS)
+    if bad:
+        raise ValueError(f"every-step writers are {EVERYSTEP_WRITERS}, got {sorted(bad)}")
+
+    def json_writer(path: str, window_size: int) -> Any:
+        if e.name == "hl" and json_fsync is not None:
+            return e.JSONWriter(path, window_size, fsync=json_fsync)
+        return e.JSONWriter(path, window_size)
+
     make: Dict[str, Callable[[], Any]] = {
         "printer": lambda: e.CommonMetricPrinter(n),
-        "json": (
-            (lambda: e.JSONWriter(json_path, fsync=json_fsync))
-            if e.name == "hl" and json_fsync is not None
-            else (lambda: e.JSONWriter(json_path))
-        ),
+        "json": lambda: json_writer(os.path.join(d, "metrics.json"), 20),
         "tb": lambda: e.TensorboardXWriter(d),
+    }
+    make_everystep: Dict[str, Callable[[], Any]] = {
+        "json": lambda: json_writer(os.path.join(d, EVERYSTEP_JSON), 1),
+        "tb": lambda: e.TensorboardXWriter(os.path.join(d, EVERYSTEP_TB_DIR), window_size=1),
     }
     hooks: List[Any] = [e.IterationTimer(), e.LRScheduler(opt, sched)]
     if writers:
         hooks.append(e.PeriodicWriter([make[w]() for w in writers], period))
+    if everystep:
+        hooks.append(e.PeriodicWriter([make_everystep[w]() for w in everystep], 1))
     return hooks
 
 

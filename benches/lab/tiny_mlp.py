@@ -300,11 +300,13 @@ def make_trainer(
     ``data`` when given). ``hooks``: ``"stack"`` for
     IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard],
     ``period``) in detectron2's order (``writers`` picks a subset), ``"native"`` for the same
-    with :func:`native_scheduler` in place of MultiStepLR, ``"none"`` for none; ``extra``
-    makes more hooks (registered after those); ``json_fsync``: hookloop's JSONWriter option
-    (None: its default)."""
-    if hooks not in ("none", "stack", "native"):
-        raise ValueError(f"hooks must be 'none', 'stack' or 'native', got {hooks!r}")
+    with :func:`native_scheduler` in place of MultiStepLR, ``"seeds"`` for the stack plus
+    cvpods' and xmodaler's every-step writers, ``PeriodicWriter([JSON, TensorBoard], 1)``
+    with ``window_size=1`` in files of their own (``overhead.stack_hooks``' ``everystep``),
+    ``"none"`` for none; ``extra`` makes more hooks (registered after those); ``json_fsync``:
+    hookloop's JSONWriter option (None: its default), for every JSONWriter."""
+    if hooks not in ("none", "stack", "native", "seeds"):
+        raise ValueError(f"hooks must be 'none', 'stack', 'native' or 'seeds', got {hooks!r}")
     model, opt, sched = build(device)
     if hooks == "native":
         sched = native_scheduler(impl, opt, n)
@@ -314,7 +316,8 @@ def make_trainer(
     if hooks != "none":
         e = overhead.engine(impl)
         d = tempfile.mkdtemp(prefix=f"mlp-{impl}-", dir=tmpdir)
-        hs = overhead.stack_hooks(e, opt, sched, period, n, d, writers, json_fsync)
+        everystep = overhead.EVERYSTEP_WRITERS if hooks == "seeds" else ()
+        hs = overhead.stack_hooks(e, opt, sched, period, n, d, writers, json_fsync, everystep)
     hs += [make() for make in extra]
     t.register_hooks(hs)
     return t

@@ -5,8 +5,9 @@ repetition runs every variant once (the order rotates, the garbage collector is 
 table gives medians of costs and ratios formed within one repetition. The floors: a bare ``for``
 loop calling a no-op ``run_step`` (for ``TrainerBase.train`` with no hooks, and with 16 that
 override ``before_step`` and ``after_step``); a hand-written loop making the tiny MLP's model
-calls (for ``SimpleTrainer`` with no hooks, and with the default stack); ``SimpleTrainer`` alone
-(for it with ``--hook``). The repository's ``benches/`` has the full benchmarks.
+calls (for ``SimpleTrainer`` with no hooks, the default stack, and the seeds' stack: it and
+cvpods'/xmodaler's every-step JSON and TensorBoard, ``window_size=1``, period 1); ``SimpleTrainer``
+alone (for it with ``--hook``). The repository's ``benches/`` has the full benchmarks.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ Variants = Dict[str, Callable[[], float]]
 ENGINES, RATIOS = ("hookloop", "detectron2"), ("hookloop_over_floor", "detectron2_over_hookloop")
 STEPS = ("before_step", "after_step")
 HOOKS, PERIOD = 16, 20  # the dispatch rows' hook count, the default stack's write period
+EVERYSTEP = ("json", "tb")  # the seeds' (cvpods', xmodaler's) every-step writers, window_size 1
 CLASSES = ("HookBase", "TrainerBase", "SimpleTrainer", "IterationTimer", "LRScheduler",
            "PeriodicWriter", "CommonMetricPrinter", "JSONWriter", "TensorboardXWriter")  # fmt: skip
 
@@ -155,7 +157,9 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
         model, opt, _ = build()
         return _per_step(lambda: hand_loop(model, opt, itertools.cycle(batches), n), n, 1e-6)
 
-    def trainer(e: Any, stack: bool, extra: Sequence[Callable[[], Any]] = ()) -> Any:
+    everystep = [w for w in writers if w in EVERYSTEP]
+
+    def trainer(e: Any, hooks: str = "none", extra: Sequence[Callable[[], Any]] = ()) -> Any:
         def timed() -> float:
             model, opt, sched = build()
             t = e.SimpleTrainer(model, itertools.cycle(batches), opt)
@@ -163,25 +167,37 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
             make = {"printer": lambda: e.CommonMetricPrinter(n),
                     "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json")),
                     "tb": lambda: e.TensorboardXWriter(d)}  # fmt: skip
-            pw = e.PeriodicWriter([make[w]() for w in writers], PERIOD) if stack else None
-            hooks = [e.IterationTimer(), e.LRScheduler(opt, sched), pw] if stack else []
-            t.register_hooks(hooks + [m() for m in extra])
+            every = {
+                "json": lambda: e.JSONWriter(os.path.join(d, "metrics_everystep.json"), 1),
+                "tb": lambda: e.TensorboardXWriter(os.path.join(d, "everystep"), 1),
+            }
+            hs: List[Any] = []
+            if hooks != "none":
+                hs += [e.IterationTimer(), e.LRScheduler(opt, sched),
+                       e.PeriodicWriter([make[w]() for w in writers], PERIOD)]  # fmt: skip
+            if hooks == "seeds":
+                hs.append(e.PeriodicWriter([every[w]() for w in everystep], 1))
+            t.register_hooks(hs + [m() for m in extra])
             return _per_step(functools.partial(t.train, 0, n), n, 1e-6)  # to the writers' close
 
         return timed
 
     variants: Variants = {"floor": hand}
     for name, e in engines.items():
-        variants.update({name: trainer(e, False), name + "+stack": trainer(e, True)})
+        variants.update({name: trainer(e), name + "+stack": trainer(e, "stack"),
+                         name + "+seeds": trainer(e, "seeds")})  # fmt: skip
     if hook is not None:
-        variants["hook"] = trainer(engines["hookloop"], False, [hook[1]])
+        variants["hook"] = trainer(engines["hookloop"], extra=[hook[1]])
     res = _measure(variants, reps)
     names = {"printer": "printer", "json": "JSON", "tb": "TensorBoard"}
-    stack = f"PeriodicWriter({', '.join(names[w] for w in writers)}; period {PERIOD})"
+    stack = (f" + IterationTimer + LRScheduler + PeriodicWriter("
+             f"{', '.join(names[w] for w in writers)}; period {PERIOD})")  # fmt: skip
+    seeds = f"PeriodicWriter({', '.join(names[w] for w in everystep)}; window_size 1, period 1)"
     what, size = "tiny MLP: SimpleTrainer{}, over the hand-written loop", f"{n:,} × {reps}"
     rows = [_row(what.format(", no hooks"), "µs/step", size, res, {e: e for e in engines}),
-            _row(what.format(f" + IterationTimer + LRScheduler + {stack}"), "µs/step", size, res,
-                 {e: e + "+stack" for e in engines})]  # fmt: skip
+            _row(what.format(stack), "µs/step", size, res, {e: e + "+stack" for e in engines}),
+            _row(what.format(f"{stack} + {seeds}"), "µs/step", size, res,
+                 {e: e + "+seeds" for e in engines})]  # fmt: skip
     if hook is not None:
         what = f"tiny MLP: SimpleTrainer + {hook[0]}, over SimpleTrainer alone"
         rows.append(_row(what, "µs/step", size, res, {"hookloop": "hook"}, floor="hookloop"))
@@ -289,12 +305,14 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     print(f"total: {info['seconds']} s. Medians over {reps} interleaved repetitions; each cost "
           "over the floor and each ratio is formed within one repetition. A busy machine makes "
           "them noisy: rerun before quoting one.")  # fmt: skip
-    if d2 is None:
-        print("detectron2 is not importable here: its column is left out.")
-    if "tb" not in writers:
-        print("tensorboard is not installed: the default stack runs without TensorBoard.")
+    for missing, say in ((d2 is None, "detectron2 is not importable here: its column is left out."),
+                         ("tb" not in writers, "tensorboard is not installed: the stacks run "
+                          "without TensorBoard.")):  # fmt: skip
+        if missing:
+            print(say)
     if args.json:
-        sizes = {"dispatch_n": n, "mlp_n": m, "repeats": reps, "writers": list(writers)}
+        sizes = {"dispatch_n": n, "mlp_n": m, "repeats": reps, "writers": list(writers),
+                 "everystep_writers": [w for w in writers if w in EVERYSTEP]}  # fmt: skip
         out = {"machine": info, "sizes": sizes, "engines": list(engines), "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0

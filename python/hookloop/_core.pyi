@@ -49,7 +49,10 @@ EVENTS_FSYNC_DEFAULT: str
 #   hookloop.utils._tensors.read_scalars (which reads those at the next read of the
 #   scalars); image .shape (EventStorage._put_image);
 #   param_groups[i]["lr"], written (NativeSchedule.step_lrs); a Python schedule's __call__
-#   (warmup_parts).
+#   (warmup_parts); sys.modules["torch.optim.lr_scheduler"].MultiStepLR and .StepLR, and of
+#   an instance of exactly one of them its __dict__'s step, get_lr, _update_lr, _step_count,
+#   last_epoch, milestones, step_size, optimizer.param_groups[i]["lr"], with _step_count,
+#   last_epoch and _last_lr written (torch_step.rs: a step between milestones, as torch's).
 
 _Iter = Union[int, float]
 

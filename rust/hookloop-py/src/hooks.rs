@@ -269,8 +269,8 @@ impl PyLRSchedulerBase {
             .get_item(intern!(py, "lr"))?;
         let lr = scalar_value("lr", &lr)?;
         storage.get().with(|core| put_lr(core, lr)).py_err()?;
-        scheduler.bind(py).call_method0(intern!(py, "step"))?;
-        Ok(())
+        // torch's MultiStepLR/StepLR between their milestones without their Python.
+        crate::torch_step::step(scheduler.bind(py))
     }
 
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {

@@ -162,3 +162,41 @@ def test_metrics_of_finds_a_simple_trainers_own_and_none_elsewhere():
     assert isinstance(metrics_of(t), LossMetrics)
     assert metrics_of(types.SimpleNamespace(_trainer=t)) is metrics_of(t)  # DefaultTrainer's
     assert metrics_of(TrainerBase()) is None and metrics_of(object()) is None
+
+
+def test_with_a_reader_at_every_step_cpu_losses_are_put_at_once():
+    m = LossMetrics()
+    m.configure(trainer(None))
+    m.read_every_step()
+    with EventStorage(0) as storage:
+        t = trainer(storage)
+        for i in range(3):
+            storage.iter = i
+            m.write(t, losses(i), 0.01, "", i)
+            assert m._pending == []  # nothing kept: put now
+            assert storage.latest()["total_loss"] == (0.5 * i + 1.0, i)
+    assert m._direct is True
+
+
+def test_with_a_reader_at_every_step_device_losses_stay_deferred():
+    m = LossMetrics()
+    m.configure(trainer(None))
+    m.read_every_step()
+    with EventStorage(0) as storage:
+        meta = {"loss_a": torch.tensor(1.0, device="meta")}  # not on the CPU, never read here
+        m.write(trainer(storage), meta, 0.0, "", 0)
+        assert m._direct is False and len(m._pending) == 1
+        m._pending.clear()
+
+
+def test_a_non_finite_loss_names_its_iteration_on_the_direct_path():
+    m = LossMetrics()
+    m.configure(trainer(None))
+    m.read_every_step()
+    with EventStorage(0) as storage:
+        t = trainer(storage)
+        with pytest.raises(FloatingPointError, match="iteration=4"):
+            for i in range(6):
+                storage.iter = i
+                m.write(t, {"loss_a": torch.tensor(math.inf if i == 4 else 1.0)}, 0.0, "", i)
+        assert iters(storage) == [0, 1, 2, 3]

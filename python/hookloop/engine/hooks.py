@@ -224,6 +224,9 @@ class PeriodicWriter(HookBase):
     def before_train(self) -> None:
         self._stats_seen = {}  # hook_stats() counts from each train()'s start
         self._metrics = metrics_of(self.trainer)
+        if self._period == 1 and self._writers and self._metrics is not None:
+            # Every iteration is read: the trainer's losses take the direct path.
+            self._metrics.read_every_step()
         for writer in self._writers:
             # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
             bind = getattr(writer, "_bind_trainer", None)

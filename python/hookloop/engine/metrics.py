@@ -53,6 +53,8 @@ class LossMetrics:
         # Losses of earlier iterations on their way to the host (a CUDA copy not waited for).
         self._in_flight: List[Tuple[List[_Entry], _HostCopy]] = []
         self._storage: Any = None
+        self._every_step = False  # see read_every_step
+        self._direct: Optional[bool] = None
         this = weakref.ref(self)  # the storage holds this function: no cycle through it
 
         def settle() -> None:
@@ -70,6 +72,19 @@ class LossMetrics:
             or trainer.async_write_metrics
             or (comm._initialized() and comm.get_world_size() > 1)
         )
+        # Whether a reader comes at every step (read_every_step), and, decided at the first
+        # write then, whether the losses are on the CPU (read at once) or not (deferred).
+        self._every_step = False
+        self._direct: Optional[bool] = None
+
+    def read_every_step(self) -> None:
+        """Something reads the storage at every iteration (a ``PeriodicWriter`` of period 1
+        says so at its ``before_train``). Losses on the CPU are then put at once, in one call
+        into the core, instead of kept for a read that comes at the same step anyway: no
+        pending list, no copy of the loss dict, no settle. Losses on a device stay deferred:
+        their one batched copy to the host then waits until the writer reads, after the
+        optimizer's step was queued."""
+        self._every_step = True
 
     def write(
         self, trainer: Any, loss_dict: Mapping[str, Any], data_time: float, prefix: str, it: int
@@ -78,6 +93,17 @@ class LossMetrics:
         if (it + 1) % trainer.gather_metric_period:
             return
         if self.deferring:
+            if self._every_step and not self._pending:
+                direct = self._direct
+                if direct is None:
+                    direct = self._direct = not any(_off_cpu(v) for v in loss_dict.values())
+                if direct:
+                    try:
+                        trainer.storage._write_metrics_batch([(it, data_time, loss_dict, prefix)])
+                    except Exception:
+                        logger.exception("Exception in writing metrics: ")
+                        raise
+                    return
             # Kept as tensors: no device synchronization, no torch call, this step. The dict
             # is copied: a model may return the same dict every step, refilled.
             pending = self._pending

@@ -75,7 +75,7 @@ class LossMetrics:
         # Whether a reader comes at every step (read_every_step), and, decided at the first
         # write then, whether the losses are on the CPU (read at once) or not (deferred).
         self._every_step = False
-        self._direct: Optional[bool] = None
+        self._direct = None
 
     def read_every_step(self) -> None:
         """Something reads the storage at every iteration (a ``PeriodicWriter`` of period 1

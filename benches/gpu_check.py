@@ -18,7 +18,13 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    iteration and place are reported). The hand-written loop is counted the same way, for
    comparison: torch's GradScaler synchronizes in ``step()`` by itself, so synchronizations
    made in ``torch/amp/grad_scaler.py`` are listed but not counted against hookloop.
-2. **Speed.** steps/s of hookloop's trainer, the pure-Python detectron2-semantics reference's
+2. **One transfer per read iteration.** The seeds' stack (the default stack plus
+   ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) reads the losses at every
+   iteration. On CUDA they stay deferred (the direct path of ``LossMetrics.read_every_step`` is
+   for CPU losses) and are read in one batched copy per read: with the sync debug mode in
+   ``"warn"`` from ``before_train`` to ``after_train``, exactly one synchronization per
+   iteration must be counted (each is the loss copy; where they come from is listed).
+3. **Speed.** steps/s of hookloop's trainer, the pure-Python detectron2-semantics reference's
    and a hand-written loop making the same model calls, with and without AMP (float16 with a
    GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of the ratio to
    the hand-written loop, formed within each repetition. The default stack is also given as a
@@ -26,8 +32,9 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    (``tiny_mlp.hand_loop_bookkeeping``: ``scheduler.step()`` every step, the losses read with
    one ``.item()`` and one line logged every 20 steps), as ``bench_mlp_paired.py`` does.
 
-Exit status: 0 when hookloop's non-write iterations made no synchronization, 1 when they made
-some (the report says where), 2 for a debug build. Under a minute on one GPU.
+Exit status: 0 when hookloop's non-write iterations made no synchronization and the seeds'
+stack made one per iteration, 1 otherwise (the report says where), 2 for a debug build.
+Under a minute on one GPU.
 """
 
 from __future__ import annotations
@@ -212,6 +219,29 @@ def _sync_checks(
     return clean, results
 
 
+def _seeds_transfers(iters: int, tmpdir: str, device: torch.device) -> Dict[str, Any]:
+    """The seeds' stack on ``device`` with the sync debug mode in "warn" over the whole loop:
+    the synchronizations it made, per iteration (one each: the losses' one copy)."""
+    from hookloop.engine.train_loop import HookBase
+    from lab import tiny_mlp
+
+    class Warn(HookBase):  # registered last: from before_train to the last iteration's end
+        def before_train(self) -> None:
+            set_mode("warn")
+
+        def after_step(self) -> None:
+            if self.trainer.iter == self.trainer.max_iter - 1:
+                set_mode("default")  # after_train's closes are not counted
+
+    batches = tiny_mlp.make_batches(device)
+    t = tiny_mlp.make_trainer("hl", device, batches, iters, tmpdir, "seeds", extra=[Warn])
+    count, where = _count_syncs(lambda: t.train(0, iters))
+    counted = sum(v for k, v in where.items() if not _inherent(k))
+    return {"what": "hookloop SimpleTrainer + the seeds' stack (every iteration read)",
+            "iterations": iters, "syncs": count, "syncs_counted": counted,
+            "per_iteration": counted / iters, "where": dict(where)}  # fmt: skip
+
+
 @dataclass
 class Figure:
     """The median over the repetitions and the best one (the highest steps/s or ratio)."""
@@ -235,7 +265,7 @@ def _speed(n: int, repeats: int, tmpdir: str, device: torch.device) -> List[Dict
             "hand-bk": lambda amp=amp: tiny_mlp.time_hand(device, batches, n, amp, True),
         }
         for impl in ("hl", "ref"):
-            for hooks in ("none", "stack"):
+            for hooks in ("none", "stack", "seeds"):
 
                 def f(impl: str = impl, hooks: str = hooks, amp: bool = amp) -> float:
                     t = tiny_mlp.make_trainer(impl, device, batches, n, tmpdir, hooks, amp)
@@ -263,6 +293,7 @@ def _print_report(
     speed: Sequence[Dict[str, Any]],
     n: int,
     device: torch.device,
+    seeds: Optional[Dict[str, Any]] = None,
 ) -> None:
     print("## Synchronizations on iterations where nothing is written")
     print()
@@ -283,16 +314,23 @@ def _print_report(
     }[clean]
     print(f"hookloop's non-write iterations synchronized with the device: {verdict}")
     print()
+    if seeds is not None:
+        where = "; ".join(f"{k} ({v})" for k, v in sorted(seeds["where"].items()))
+        print(f"## {seeds['what']}: {seeds['syncs_counted']} synchronizations in "
+              f"{seeds['iterations']} iterations ({seeds['per_iteration']:.3f} per iteration, "
+              f"1 expected); where: {where or '—'}")  # fmt: skip
+        print()
     print(
         f"## steps/s on {device}, as a fraction of the hand-written loop's (median (best), n={n})"
     )
     print()
     print("| AMP | hand loop steps/s | bookkeeping hand loop | hookloop, no hooks "
           "| hookloop + stack | hookloop + stack, × the bookkeeping loop | reference, no hooks "
-          "| reference + stack | reference + stack, × the bookkeeping loop |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| reference + stack | reference + stack, × the bookkeeping loop "
+          "| hookloop + seeds' stack | reference + seeds' stack |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     keys = ("hand_steps_per_s", "hand-bk", "hl-none", "hl-stack", "hl-stack-over-bk",
-            "ref-none", "ref-stack", "ref-stack-over-bk")  # fmt: skip
+            "ref-none", "ref-stack", "ref-stack-over-bk", "hl-seeds", "ref-seeds")  # fmt: skip
     for r in speed:
         cells = [r[k] for k in keys]
         text = " | ".join(f"{c.median:,.3f} ({c.best:,.3f})" for c in cells)
@@ -339,12 +377,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tmpdir = tempfile.mkdtemp(prefix="hookloop-gpu-check-")
     with overhead.printer_logging():
         clean, syncs = _sync_checks(args.iters, tmpdir, device)
+        seeds = _seeds_transfers(args.iters, tmpdir, device)
         speed = _speed(args.n, args.repeats, tmpdir, device)
-    _print_report(None if args.cpu_dry_run else clean, syncs, speed, args.n, device)
+    if not args.cpu_dry_run:  # (the stand-in counts no synchronization)
+        clean = clean and seeds["syncs_counted"] == args.iters
+    _print_report(None if args.cpu_dry_run else clean, syncs, speed, args.n, device, seeds)
     print(f"\ntotal: {time.perf_counter() - t0:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "clean": clean, "syncs": syncs, "speed": speed}, f,
+            json.dump({"machine": info, "clean": clean, "syncs": syncs, "seeds": seeds,
+                       "speed": speed}, f,
                       indent=1, default=lambda o: getattr(o, "__dict__", str(o)))  # fmt: skip
     return 0 if clean else 1
 

@@ -9,6 +9,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 python3 -m pytest -q -m cuda
 hookloop demo --device cuda --iters 3000 --output "${OUT:-/tmp}/demo_cuda"
 hookloop demo --device cuda --amp --iters 3000 --output "${OUT:-/tmp}/demo_cuda_amp"
-# the sync check and steps/s (issue 11); it exits 1 when a non-write iteration synchronized,
-# after printing its whole report
+# the sync checks and steps/s (issues 11, 26); it exits 1 when a non-write iteration
+# synchronized or the seeds' stack (every iteration read) made other than one transfer per
+# iteration, after printing its whole report
 python3 benches/gpu_check.py --json "${OUT:-/tmp}/gpu_check.json"

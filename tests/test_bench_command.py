@@ -266,9 +266,12 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     assert "| bookkeeping hand loop |" in out and "hookloop + stack, × the bookkeeping loop" in out
     # armed on the 42 iterations of 45 where PeriodicWriter(period 20) writes nothing, in
     # each trainer's "warn" and "error" runs (the hand-written loops arm "warn" once each)
+    # the seeds' stack: read every iteration, in "warn" from before_train to the last one
+    assert "## hookloop SimpleTrainer + the seeds' stack (every iteration read): 0" in out
+    assert "| hookloop + seeds' stack |" in out
     modes = gpu_check.dry_run_modes
     assert modes.count("error") == 2 * 42
-    assert modes.count("warn") == 2 * 42 + 2
+    assert modes.count("warn") == 2 * 42 + 2 + 1
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:

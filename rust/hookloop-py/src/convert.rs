@@ -179,10 +179,17 @@ pub fn iteration(what: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
     if value.is_none() {
         return Ok(None);
     }
-    if let Ok(f) = value.cast::<PyFloat>() {
+    // A plain int, the common case, first: exact type checks cost no subtype walk.
+    let i = if value.is_exact_instance_of::<PyInt>() {
+        match value.extract::<i64>() {
+            Ok(i) => i,
+            Err(_) => int64(what, value)?, // beyond int64: its error
+        }
+    } else if let Ok(f) = value.cast::<PyFloat>() {
         return Ok(Some(Iter::Float(f.value())));
-    }
-    let i = int64(what, value)?;
+    } else {
+        int64(what, value)?
+    };
     let i = hookloop_core::iter::exact_iter(what, i).map_err(|e| to_py(e.into()))?;
     Ok(Some(Iter::Int(i)))
 }

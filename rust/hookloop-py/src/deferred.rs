@@ -209,10 +209,15 @@ impl Deferred {
 
     /// Before a plain value is put under `name`: the device tensors deferred under the same
     /// full name are read first, so its history keeps the order of the puts.
+    #[inline]
     pub fn settle_device_of(&self, py: Python<'_>, names: &[&str]) -> PyResult<()> {
         if !self.device_pending.load(Ordering::Acquire) {
-            return Ok(());
+            return Ok(()); // every put of a plain number (no device tensor waits)
         }
+        self.settle_waiting_device_of(py, names)
+    }
+
+    fn settle_waiting_device_of(&self, py: Python<'_>, names: &[&str]) -> PyResult<()> {
         let full: Vec<String> = self.with(|s| names.iter().map(|n| s.full_name(n)).collect());
         let waiting = {
             let q = self.device.lock().unwrap_or_else(|e| e.into_inner());

@@ -71,7 +71,12 @@ impl PyDispatcher {
     /// The table for the hook list as it is now, rebuilt if the list changed.
     fn current(&self, py: Python<'_>) -> PyResult<Arc<Built>> {
         let built = Self::lock(&self.built).clone();
-        if built.hooks.bind(py).eq(built.copy.bind(py))? {
+        // The list is read at each stage, as detectron2's `for h in self._hooks` reads it: an
+        // edit in the middle of a run shows at the next stage. Lists of different lengths
+        // differ, two empty ones do not (no comparison); else list `==`, which is identity per
+        // hook for unchanged items.
+        let (hooks, copy) = (built.hooks.bind(py), built.copy.bind(py));
+        if hooks.len() == copy.len() && (hooks.is_empty() || hooks.eq(copy)?) {
             return Ok(built);
         }
         let hooks = built.hooks.clone_ref(py);
@@ -130,7 +135,18 @@ impl PyDispatcher {
     }
 
     fn call(&self, py: Python<'_>, stage: Stage, iter: i64) -> PyResult<()> {
+        {
+            // No hooks, and none added since (a trainer without hooks): nothing to take out of
+            // the lock (len() runs no Python code).
+            let built = Self::lock(&self.built);
+            if built.hooks.bind(py).is_empty() && built.copy.bind(py).is_empty() {
+                return Ok(());
+            }
+        }
         let built = self.current(py)?;
+        if built.table.entries(stage).is_empty() {
+            return Ok(()); // no hook overrides it: no clock to read
+        }
         let max_iter = self.max_iter.load(Ordering::Relaxed);
         if !self.timing.load(Ordering::Relaxed) {
             for entry in built.table.due(stage, iter, max_iter) {
@@ -306,13 +322,22 @@ impl PyDispatcher {
         after_step: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let iter_name = intern!(py, "iter");
+        // The run's storage, looked up once (begin set it): do_before_step's work without
+        // its lock per iteration.
+        let storage = Self::lock(&self.storage).as_ref().map(|s| s.clone_ref(py));
         for i in start_iter..max_iter {
             trainer.setattr(iter_name, i)?;
             match before_step {
                 Some(f) => {
                     f.call0()?;
                 }
-                None => self.do_before_step(py, i)?,
+                None => {
+                    self.iter.store(i, Ordering::Relaxed);
+                    if let Some(storage) = &storage {
+                        storage.get().set_iter(i)?;
+                    }
+                    self.call(py, Stage::BeforeStep, i)?;
+                }
             }
             run_step.call0()?;
             match after_step {

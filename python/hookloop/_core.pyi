@@ -24,6 +24,7 @@ __all__ = [
     "_NativeWriter",
     "__version__",
     "_histogram_buckets",
+    "_new_reader_id",
     "_set_writer_timeout",
     "_take_writer_errors",
     "check_chw",

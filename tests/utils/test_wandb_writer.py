@@ -57,20 +57,28 @@ def _stop_wandb_service():
 
 
 def _records(run_dir):
-    """The records of the run in ``run_dir`` (an ``offline-run-*`` folder), as the client's
-    reader prints them: one JSON object per record."""
+    """The records of the finished run in ``run_dir`` (an ``offline-run-*`` folder), as the
+    client's reader prints them: one JSON object per record. The file is written by the
+    client's own process (``wandb-core``), which may still be writing it when ``finish()`` has
+    returned: it is read again, for at most ``READ_TIMEOUT`` seconds, until it holds the run's
+    exit record (what it holds then is returned either way, for the caller's assertions)."""
     (path,) = Path(run_dir).glob("run-*.wandb")
     from wandb.util import get_core_path
 
-    out = subprocess.run(
-        [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
-        + ["--run-file", str(path), str(Path(run_dir).parent)],
-        capture_output=True,
-        text=True,
-        timeout=READ_TIMEOUT,
-        check=True,
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    deadline = time.monotonic() + READ_TIMEOUT
+    while True:
+        out = subprocess.run(
+            [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
+            + ["--run-file", str(path), str(Path(run_dir).parent)],
+            capture_output=True,
+            text=True,
+            timeout=READ_TIMEOUT,
+            check=True,
+        )
+        records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        if any(r["type"] == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
 
 
 def _history(records):

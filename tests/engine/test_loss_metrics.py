@@ -164,10 +164,16 @@ def test_metrics_of_finds_a_simple_trainers_own_and_none_elsewhere():
     assert metrics_of(TrainerBase()) is None and metrics_of(object()) is None
 
 
-def test_with_a_reader_at_every_step_cpu_losses_are_put_at_once():
+def _read_every_step():
+    """LossMetrics configured for one process, told that a reader comes at every step."""
     m = LossMetrics()
     m.configure(trainer(None))
     m.read_every_step()
+    return m
+
+
+def test_with_a_reader_at_every_step_cpu_losses_are_put_at_once():
+    m = _read_every_step()
     with EventStorage(0) as storage:
         t = trainer(storage)
         for i in range(3):
@@ -179,9 +185,7 @@ def test_with_a_reader_at_every_step_cpu_losses_are_put_at_once():
 
 
 def test_with_a_reader_at_every_step_device_losses_stay_deferred():
-    m = LossMetrics()
-    m.configure(trainer(None))
-    m.read_every_step()
+    m = _read_every_step()
     with EventStorage(0) as storage:
         meta = {"loss_a": torch.tensor(1.0, device="meta")}  # not on the CPU, never read here
         m.write(trainer(storage), meta, 0.0, "", 0)
@@ -190,9 +194,7 @@ def test_with_a_reader_at_every_step_device_losses_stay_deferred():
 
 
 def test_a_non_finite_loss_names_its_iteration_on_the_direct_path():
-    m = LossMetrics()
-    m.configure(trainer(None))
-    m.read_every_step()
+    m = _read_every_step()
     with EventStorage(0) as storage:
         t = trainer(storage)
         with pytest.raises(FloatingPointError, match="iteration=4"):

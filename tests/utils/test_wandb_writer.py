@@ -8,12 +8,12 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import wandb_env
 from hookloop.engine import HookBase, PeriodicWriter, TrainerBase
 from hookloop.utils.events import JSONWriter
 
@@ -23,30 +23,12 @@ from hookloop.utils.wandb_writer import WandbWriter  # noqa: E402  (needs wandb)
 
 # Every wait on the client is bounded (its offline init takes about a second).
 CLOSE_TIMEOUT = 60.0
-READ_TIMEOUT = 60.0
+READ_TIMEOUT = wandb_env.READ_TIMEOUT
 
 
 @pytest.fixture(autouse=True)
 def _isolated_wandb(tmp_path, monkeypatch):
-    """No network, no console capture, no settings or credentials of the machine's user."""
-    for name in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
-        monkeypatch.delenv(name, raising=False)
-    env = {
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path / "wandb_env_dir"),
-        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
-        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
-        "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
-        "WANDB_SILENT": "true",
-        "WANDB_CONSOLE": "off",
-        "WANDB_DISABLE_GIT": "true",
-        "WANDB_DISABLE_CODE": "true",
-        "WANDB_ERROR_REPORTING": "false",
-        "WANDB_X_DISABLE_STATS": "true",
-        "WANDB_X_DISABLE_META": "true",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    wandb_env.isolate(tmp_path, monkeypatch)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,29 +38,7 @@ def _stop_wandb_service():
     wandb.teardown()
 
 
-def _records(run_dir):
-    """The records of the finished run in ``run_dir`` (an ``offline-run-*`` folder), as the
-    client's reader prints them: one JSON object per record. The file is written by the
-    client's own process (``wandb-core``), which may still be writing it when ``finish()`` has
-    returned: it is read again, for at most ``READ_TIMEOUT`` seconds, until it holds the run's
-    exit record (what it holds then is returned either way, for the caller's assertions)."""
-    (path,) = Path(run_dir).glob("run-*.wandb")
-    from wandb.util import get_core_path
-
-    deadline = time.monotonic() + READ_TIMEOUT
-    while True:
-        out = subprocess.run(
-            [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
-            + ["--run-file", str(path), str(Path(run_dir).parent)],
-            capture_output=True,
-            text=True,
-            timeout=READ_TIMEOUT,
-            check=True,
-        )
-        records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-        if any(r["type"] == "exit" for r in records) or time.monotonic() > deadline:
-            return records
-        time.sleep(0.1)
+_records = wandb_env.records
 
 
 def _history(records):

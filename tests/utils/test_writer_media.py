@@ -9,12 +9,12 @@ import io
 import json
 import logging
 import socket
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import wandb_env
 from hookloop.engine import PeriodicWriter, TrainerBase
 from hookloop.utils.events import EventStorage, JSONWriter, TensorboardXWriter
 from PIL import Image
@@ -137,42 +137,14 @@ def test_detectron2s_vis_data_and_clear_images_empty_the_queue_for_everyone(tmp_
 @pytest.fixture
 def _isolated_clients(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    for name in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
-        monkeypatch.delenv(name, raising=False)
-    env = {
-        "WANDB_MODE": "offline",
-        "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
-        "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
-        "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
-        "WANDB_SILENT": "true",
-        "WANDB_CONSOLE": "off",
-        "WANDB_DISABLE_GIT": "true",
-        "WANDB_DISABLE_CODE": "true",
-        "WANDB_ERROR_REPORTING": "false",
-        "WANDB_X_DISABLE_STATS": "true",
-        "WANDB_X_DISABLE_META": "true",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    wandb_env.isolate(tmp_path, monkeypatch)
 
 
 def _wandb_history(run_dir):
     """{step: {key: value}} of an offline run, read with the client's own reader (values of
     media keys as it prints them: dotted sub-keys, JSON-encoded)."""
-    from wandb.util import get_core_path
-
-    (path,) = Path(run_dir).glob("run-*.wandb")
-    out = subprocess.run(
-        [get_core_path(), "leet", "inspect", "--no-observability", "--json"]
-        + ["--run-file", str(path), str(Path(run_dir).parent)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
     rows = {}
-    for line in out.stdout.splitlines():
-        record = json.loads(line) if line.strip() else {}
+    for record in wandb_env.records(run_dir):
         if record.get("type") == "history":
             item = record["history"]["item"]
             rows[int(item["_step"])] = item

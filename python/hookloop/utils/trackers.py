@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import importlib
 import logging
 import threading
 import time
@@ -378,6 +379,17 @@ class TrackerWriter(EventWriter):
     def _where(self) -> str:
         raise NotImplementedError
 
+    @classmethod
+    def _import_client(cls, module: str, extra: str) -> Any:
+        """The tracker's client module; without it, an ImportError naming the extra that
+        installs it (importing hookloop never imports a client)."""
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(
+                f'{cls._name} needs the {extra} client: pip install "hookloop[{extra}]"'
+            ) from e
+
     def _run_id(self) -> Optional[str]:
         raise NotImplementedError
 
@@ -428,12 +440,7 @@ class MLflowWriter(TrackerWriter):
             strict (bool): raise at ``close()`` what was not logged, instead of a warning
             close_timeout (float): seconds ``close()`` waits for the queue to drain
         """
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as e:
-            raise ImportError(
-                'MLflowWriter needs the mlflow client: pip install "hookloop[mlflow]"'
-            ) from e
+        MlflowClient = self._import_client("mlflow.tracking", "mlflow").MlflowClient
         super().__init__(
             window_size, max_buffered=max_buffered, strict=strict, close_timeout=close_timeout
         )

@@ -131,12 +131,7 @@ class WandbWriter(TrackerWriter):
             strict (bool): raise at ``close()`` what was not logged, instead of a warning
             close_timeout (float): seconds ``close()`` waits for the queue to drain
         """
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError(
-                'WandbWriter needs the wandb client: pip install "hookloop[wandb]"'
-            ) from e
+        wandb = self._import_client("wandb", "wandb")
         for arg, value in (("project", project), ("entity", entity), ("name", name), ("id", id)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(

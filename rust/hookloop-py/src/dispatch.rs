@@ -71,6 +71,25 @@ impl PyDispatcher {
     /// The table for the hook list as it is now, rebuilt if the list changed.
     fn current(&self, py: Python<'_>) -> PyResult<Arc<Built>> {
         let built = Self::lock(&self.built).clone();
+        self.checked(py, built)
+    }
+
+    /// The table unless there are no hooks at all (none listed, none in the table): what a
+    /// stage call needs, under one lock and without taking the table out when it is empty
+    /// (len() runs no Python code).
+    fn current_hooks(&self, py: Python<'_>) -> PyResult<Option<Arc<Built>>> {
+        let built = {
+            let built = Self::lock(&self.built);
+            if built.hooks.bind(py).is_empty() && built.copy.bind(py).is_empty() {
+                return Ok(None);
+            }
+            built.clone()
+        };
+        self.checked(py, built).map(Some)
+    }
+
+    /// `built`, or a table rebuilt for the list if it changed since `built` was made.
+    fn checked(&self, py: Python<'_>, built: Arc<Built>) -> PyResult<Arc<Built>> {
         // The list is read at each stage, as detectron2's `for h in self._hooks` reads it: an
         // edit in the middle of a run shows at the next stage. Lists of different lengths
         // differ, two empty ones do not (no comparison); else list `==`, which is identity per
@@ -135,15 +154,9 @@ impl PyDispatcher {
     }
 
     fn call(&self, py: Python<'_>, stage: Stage, iter: i64) -> PyResult<()> {
-        {
-            // No hooks, and none added since (a trainer without hooks): nothing to take out of
-            // the lock (len() runs no Python code).
-            let built = Self::lock(&self.built);
-            if built.hooks.bind(py).is_empty() && built.copy.bind(py).is_empty() {
-                return Ok(());
-            }
-        }
-        let built = self.current(py)?;
+        let Some(built) = self.current_hooks(py)? else {
+            return Ok(()); // a trainer without hooks
+        };
         if built.table.entries(stage).is_empty() {
             return Ok(()); // no hook overrides it: no clock to read
         }

@@ -225,8 +225,10 @@ class _HistoryMap(dict):  # type: ignore[type-arg]
         try:
             buffer = self._storage.history(name)
         except KeyError:
-            # Never put: an empty buffer kept in this dict only, which no writer sees.
-            buffer = HistoryBuffer()
+            # Never put: as detectron2's defaultdict, the read creates the storage's own empty
+            # history, listed at this place by every later histories() (writers see the name
+            # only once it is put).
+            buffer = self._storage._read_history(name)
         dict.__setitem__(self, name, buffer)
         return buffer
 

@@ -48,6 +48,14 @@ pub struct Storage {
     /// the first put still waiting was made ([`Storage::mark_deferred`]). detectron2 keeps a
     /// name where it was first put, so reading a value later must not move its name later.
     deferred_at: Option<usize>,
+    /// Names whose history was read (`histories()[name]`) before any value was put: detectron2's
+    /// `histories()` is its `defaultdict`, so such a read creates the (empty) history there and
+    /// `histories()` lists it at that place from then on. Each entry is the number of scalars
+    /// the storage held at the read (where the name goes in [`Storage::history_names`]).
+    read_first: Vec<(usize, Arc<str>)>,
+    /// The histories of names read but not put yet (empty unless a view was updated): the first
+    /// put of the name continues this history.
+    unput: IndexMap<Arc<str>, History, FxBuildHasher>,
 }
 
 impl Storage {
@@ -66,6 +74,8 @@ impl Storage {
             max_length,
             histograms: MediaQueue::new(max_histograms),
             deferred_at: None,
+            read_first: Vec::new(),
+            unput: IndexMap::default(),
         })
     }
 
@@ -208,7 +218,10 @@ impl Storage {
             scalar.latest = (value, iter);
             return Ok(());
         }
-        let mut history = History::new(self.max_length)?;
+        let mut history = match self.unput.swap_remove(name) {
+            Some(read_first) => read_first,
+            None => History::new(self.max_length)?,
+        };
         history.update(value, Some(iter));
         self.scalars.insert(
             Arc::from(name),
@@ -255,12 +268,56 @@ impl Storage {
             .ok_or_else(|| Error::UnknownMetric(name.to_owned()))
     }
 
-    /// Mutable access to the history of `name`, for `HistoryBuffer.update` on a storage view.
+    /// Mutable access to the history of `name`, for `HistoryBuffer.update` on a storage view:
+    /// a scalar's, or the history of a name read before it was put.
     pub fn history_mut(&mut self, name: &str) -> Result<&mut History> {
-        self.scalars
-            .get_mut(name)
-            .map(|s| &mut s.history)
-            .ok_or_else(|| Error::UnknownMetric(name.to_owned()))
+        match self.scalars.get_mut(name) {
+            Some(s) => Ok(&mut s.history),
+            None => self
+                .unput
+                .get_mut(name)
+                .ok_or_else(|| Error::UnknownMetric(name.to_owned())),
+        }
+    }
+
+    /// Whether `name` has a history: it was put, or read with [`Storage::read_history`].
+    pub fn has_history(&self, name: &str) -> bool {
+        self.scalars.contains_key(name) || self.unput.contains_key(name)
+    }
+
+    /// detectron2's `histories()[name]` for a name never put: the name gets an empty history
+    /// now, listed at this place by [`Storage::history_names`] (also after its first put,
+    /// which continues that history). Writers and `latest()` see the name only once it is put.
+    /// Known names are left as they are.
+    pub fn read_history(&mut self, name: &str) -> Result<()> {
+        if self.has_history(name) {
+            return Ok(());
+        }
+        let name: Arc<str> = Arc::from(name);
+        self.unput
+            .insert(name.clone(), History::new(self.max_length)?);
+        self.read_first.push((self.scalars.len(), name));
+        Ok(())
+    }
+
+    /// The names with a history, in detectron2's `histories()` order: where each was first put
+    /// or, for a name read before its first put, first read.
+    pub fn history_names(&self) -> Vec<Arc<str>> {
+        if self.read_first.is_empty() {
+            return self.scalars.keys().cloned().collect();
+        }
+        let mut out = Vec::with_capacity(self.scalars.len() + self.unput.len());
+        let mut slots = self.read_first.iter().peekable();
+        for (k, name) in self.scalars.keys().enumerate() {
+            while let Some((_, slot)) = slots.next_if(|(at, _)| *at <= k) {
+                out.push(slot.clone());
+            }
+            if !self.read_first.iter().any(|(_, n)| n == name) {
+                out.push(name.clone());
+            }
+        }
+        out.extend(slots.map(|(_, n)| n.clone()));
+        out
     }
 
     /// All scalars in the order they were first put.
@@ -438,6 +495,8 @@ impl Storage {
         self.iter = iter;
         self.max_length = state.max_length;
         self.deferred_at = None;
+        self.read_first.clear();
+        self.unput.clear();
         Ok(())
     }
 }
@@ -452,6 +511,37 @@ mod tests {
 
     fn names(s: &Storage) -> Vec<&str> {
         s.scalars().map(|(n, _)| n).collect()
+    }
+
+    #[test]
+    fn a_name_read_before_its_put_keeps_the_place_of_the_read() {
+        let mut s = storage();
+        s.put_scalar("loss", 1.0, true, None).unwrap();
+        s.read_history("val_loss").unwrap();
+        s.put_scalar("lr", 0.1, false, None).unwrap();
+        // Listed where it was read; invisible to writers until put.
+        let listed = |s: &Storage| -> Vec<String> {
+            s.history_names().iter().map(|n| n.to_string()).collect()
+        };
+        assert_eq!(listed(&s), ["loss", "val_loss", "lr"]);
+        assert_eq!(names(&s), ["loss", "lr"]);
+        assert!(s.scalar("val_loss").is_err());
+        assert!(s.has_history("val_loss"));
+        assert_eq!(s.history_mut("val_loss").unwrap().len(), 0);
+        // A value added through the read history is kept by the first put.
+        s.history_mut("val_loss")
+            .unwrap()
+            .update(7.0, Some(Iter::Int(0)));
+        s.set_iter(3).unwrap();
+        s.put_scalar("val_loss", 2.0, false, None).unwrap();
+        assert_eq!(listed(&s), ["loss", "val_loss", "lr"]);
+        // The latest values keep detectron2's first-put order.
+        assert_eq!(names(&s), ["loss", "lr", "val_loss"]);
+        assert_eq!(s.scalar("val_loss").unwrap().history.len(), 2);
+        // A name read first and at the end, before anything was put after it.
+        s.read_history("test").unwrap();
+        s.read_history("loss").unwrap(); // known: unchanged
+        assert_eq!(listed(&s), ["loss", "val_loss", "lr", "test"]);
     }
 
     #[test]

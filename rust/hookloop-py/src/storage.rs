@@ -338,24 +338,37 @@ impl PyEventStorage {
         }))
     }
 
-    /// The `HistoryBuffer` of `name` (a live view). `KeyError` if never put.
+    /// The `HistoryBuffer` of `name` (a live view). `KeyError` if never put (nor read with
+    /// `_read_history`).
     fn history(&self, py: Python<'_>, name: &str) -> PyResult<PyHistoryBuffer> {
         self.settle(py)?;
-        self.with(|s| s.scalar(name).map(|_| ())).py_err()?;
+        if !self.with(|s| s.has_history(name)) {
+            return Err(to_py(Error::UnknownMetric(name.to_owned())));
+        }
         Ok(PyHistoryBuffer::view(
             self.deferred.clone(),
             name.to_owned(),
         ))
     }
 
-    /// `{name: HistoryBuffer}` for every scalar, in first-put order.
+    /// `histories()[name]` of a name never put: an empty history of the storage's own, listed
+    /// at this place from now on (detectron2's `defaultdict`); a live view of it.
+    fn _read_history(&self, name: &str) -> PyResult<PyHistoryBuffer> {
+        self.with(|s| s.read_history(name)).py_err()?;
+        Ok(PyHistoryBuffer::view(
+            self.deferred.clone(),
+            name.to_owned(),
+        ))
+    }
+
+    /// `{name: HistoryBuffer}` for every history, in detectron2's `histories()` order.
     fn histories<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.settle(py)?;
-        let names: Vec<String> = self.with(|s| s.scalars().map(|(k, _)| k.to_owned()).collect());
+        let names = self.with(|s| s.history_names());
         let out = PyDict::new(py);
         for name in names {
-            let view = PyHistoryBuffer::view(self.deferred.clone(), name.clone());
-            out.set_item(name, Py::new(py, view)?)?;
+            let view = PyHistoryBuffer::view(self.deferred.clone(), name.to_string());
+            out.set_item(&*name, Py::new(py, view)?)?;
         }
         Ok(out)
     }

@@ -807,3 +807,62 @@ def ws_detic_do_train_short_runs(E, R):
     do_train(os.path.join(R.out, "short"), 5)
     do_train(os.path.join(R.out, "long"), 8)
     R.rec("files", sorted(os.listdir(os.path.join(R.out, "short"))) != [])
+
+
+@pattern(
+    "ortegatron/c0dad15e49c2b74de8bb09a5615d9f6b (gist)",
+    "LossEvalHook with an early-stopping trainer reading histories()['validation_total_loss']",
+)
+def ws_validation_history_read_before_put(E, R):
+    """The widely copied ``LossEvalHook`` (validation losses put as ``validation_<loss>`` every
+    ``eval_period``) with a trainer whose ``after_step`` runs the hooks, then an early-stopping
+    check that reads ``storage.histories()['validation_total_loss'].values()`` at every
+    iteration, from the first one, before any validation loss was put. detectron2's
+    ``histories()`` is its ``defaultdict``: the read creates the empty history there, so a
+    writer listing ``histories()`` (the repository's ``TrainValJSONWriter``) sees the name at
+    that place, empty at first, then filling."""
+
+    class LossEvalHook(E.HookBase):
+        def __init__(self, eval_period, model, data):
+            self._model = model
+            self._period = eval_period
+            self._data = data
+
+        def _do_loss_eval(self):
+            with torch.no_grad():
+                losses = [
+                    {k: v.item() for k, v in self._model(b).items()} for b in self._data
+                ]
+            means = {k: float(np.mean([d[k] for d in losses])) for k in losses[0]}
+            means["total_loss"] = sum(means.values())
+            for name, value in means.items():
+                self.trainer.storage.put_scalar(f"validation_{name}", value)
+
+        def after_step(self):
+            next_iter = self.trainer.iter + 1
+            if next_iter == self.trainer.max_iter or next_iter % self._period == 0:
+                self._do_loss_eval()
+
+    class HistoriesWriter(E.EventWriter):
+        def write(self):
+            storage = E.get_event_storage()
+            R.rec(
+                "histories",
+                storage.iter,
+                [(k, len(v.values())) for k, v in storage.histories().items()],
+            )
+
+    class EarlyStoppingTrainer(E.SimpleTrainer):
+        def after_step(self):
+            super().after_step()
+            values = self.storage.histories()["validation_total_loss"].values()
+            R.rec("val_values", self.iter, [round(v, 6) for v, _ in values])
+
+    model = TinyDetector()
+    t = EarlyStoppingTrainer(model, batches(5), sgd(model))
+    val = [torch.randn(3, 4, generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
+    t.register_hooks(
+        [LossEvalHook(3, model, val), E.hooks.PeriodicWriter([HistoriesWriter()], period=2)]
+    )
+    t.train(0, 7)
+    R.storage(t.storage)

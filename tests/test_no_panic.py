@@ -128,15 +128,17 @@ def test_writer_and_printer_calls(tmp_path, storage):
 def test_dispatch_and_hook_calls(storage):
     drive(lambda a, b: _core.periodic_due(a, b, 10), 2)
     drive(lambda a, b: _core.check_chw(a, b), 2)
-    d = _core.Dispatcher([], lambda hooks: [])
-    drive(lambda a, b: d.begin([], storage, a), 1)
+    d = _core.Dispatcher()
+    drive(lambda a: d.begin(storage, a), 1)
     drive(lambda a: d.before_step(a), 1)
     drive(lambda a: d.after_train(a), 1)
     drive(lambda a: d.hooks_for(a), 1)
     drive(lambda a: setattr(d, "timing", a), 1)
-    bad_build = _core.Dispatcher([object()], lambda hooks: [(0, 99, print, None, 0)])
+    drive(lambda a, b: d.set_table(a, b), 2)
     with pytest.raises(ValueError, match="stage"):
-        bad_build.begin([object()], storage, 10)
+        d.set_table([object()], [(0, 99, print, None, 0)])
+    with pytest.raises(IndexError):
+        d.set_table([], [(3, 0, print, None, 0)])
     t = _core._IterationTimerBase()
     drive(lambda a: t._configure(a), 1)
     drive(lambda a, b: t._start(a, b), 2)

@@ -194,8 +194,8 @@ def test_hooks_for_lists_only_overriding_hooks():
     a = Counting()
     t = NoopTrainer()
     t.register_hooks([a, HookBase()])
-    assert t._hookloop.dispatcher.hooks_for("after_step") == [a]
-    assert t._hookloop.dispatcher.hooks_for("after_train") == []
+    assert t.hooks_table()["after_step"] == [a]
+    assert t.hooks_table()["after_train"] == []
     with pytest.raises(ValueError, match="stage 'nope'"):
         t._hookloop.dispatcher.hooks_for("nope")
 

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from hookloop import _core
 from hookloop.engine.metrics import LossMetrics, metrics_of
 from hookloop.engine.stop import StopController
 from hookloop.engine.train_loop import SimpleTrainer, TrainerBase
@@ -22,11 +23,9 @@ def trainer(storage, **kw):
     t = types.SimpleNamespace(
         storage=storage,
         gather_metric_period=1,
-        METRICS_READ_EVERY=20,
-        MAX_IN_FLIGHT=50,
         check_finite_every_step=False,
         async_write_metrics=False,
-        _hookloop=types.SimpleNamespace(stop=StopController(object)),
+        _hookloop=types.SimpleNamespace(stop=StopController(_core.Dispatcher())),
         iter=0,
     )
     t.__dict__.update(kw)
@@ -82,7 +81,8 @@ def test_at_the_bound_the_pending_losses_are_read_without_a_storage_read():
     m = LossMetrics()
     m.deferring = True
     with EventStorage(0) as storage:
-        t = trainer(storage, METRICS_READ_EVERY=4)
+        t = trainer(storage)
+        m.READ_EVERY = 4
         for i in range(6):
             m.write(t, losses(i), 0.0, "", i)
             assert len(m._pending) == (i + 1) % 4

@@ -237,10 +237,13 @@ def test_hooks_overriding_some_stages():
 
 
 def test_hookbase_stage_not_overridden_is_never_called(monkeypatch):
-    """Documented improvement: the dispatcher skips a stage left as HookBase's own."""
+    """Documented improvement: the dispatcher skips a stage left as HookBase's own (marked
+    with ``dispatch.base_stage``), whatever it would do."""
+    from hookloop.engine.dispatch import base_stage
+
     called = []
     for stage in STAGES:
-        monkeypatch.setattr(HookBase, stage, lambda self, s=stage: called.append(s))
+        monkeypatch.setattr(HookBase, stage, base_stage(lambda self, s=stage: called.append(s)))
 
     class StepOnly(HookBase):
         def after_step(self):
@@ -946,7 +949,7 @@ def test_non_finite_loss_deferred_names_its_iteration(caplog, bad):
 
 
 def test_non_finite_loss_deferred_surfaces_within_one_read_period():
-    n = SimpleTrainer.METRICS_READ_EVERY
+    n = LossMetrics.READ_EVERY
     trainer = scalar_trainer([1.0] * 3 + [float("nan")] + [1.0] * (3 * n))
     with pytest.raises(FloatingPointError, match=r"iteration=3!"):
         trainer.train(0, 3 * n)
@@ -1121,7 +1124,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
 
     monkeypatch.setattr(engine_metrics, "read_scalars", read_all)
     _Trainer = functools.partial(
-        types.SimpleNamespace, gather_metric_period=1, METRICS_READ_EVERY=20, MAX_IN_FLIGHT=50
+        types.SimpleNamespace, gather_metric_period=1
     )
     metrics = LossMetrics()
     metrics.deferring = True

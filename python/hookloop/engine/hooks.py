@@ -25,11 +25,8 @@ from hookloop.engine._args import _callable_arg, _int_arg, _path_arg
 from hookloop.engine.extra_hooks import EarlyStopping, OptimizationHook, PreemptionHandler
 from hookloop.engine.metrics import metrics_of
 from hookloop.engine.stop import Preempted
-from hookloop.engine.train_loop import (
-    HookBase,
-    _hook_keys,
-    _report_secondary,
-)
+from hookloop.engine.parts import hook_keys, report_secondary
+from hookloop.engine.train_loop import HookBase
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm
 from hookloop.utils.events import EventStorage, EventWriter
@@ -314,7 +311,7 @@ class PeriodicWriter(HookBase):
         per-step stage since the previous write (those called since)."""
         rows = [r for r in self.trainer.hook_stats() if r.stage in _PER_STEP_STAGES]
         hooks = list({id(r.hook): r.hook for r in rows}.values())  # in order, once each
-        names = {id(h): key for key, h in _hook_keys(hooks, qualified=False)}
+        names = {id(h): key for key, h in hook_keys(hooks, qualified=False)}
         seen = self._stats_seen
         values = {}
         for row in rows:
@@ -341,7 +338,7 @@ class PeriodicWriter(HookBase):
                     if first is None:
                         first = e
                     else:
-                        _report_secondary(first, e, f"{type(writer).__name__}.{step.__name__}")
+                        report_secondary(first, e, f"{type(writer).__name__}.{step.__name__}")
         if first is not None:
             raise first
 

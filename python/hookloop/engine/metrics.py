@@ -3,7 +3,7 @@
 detectron2 reads every loss at every step (``v.detach().cpu().item()``, a device
 synchronization each). :class:`LossMetrics`, ``SimpleTrainer``'s collaborator, keeps them as
 tensors instead and reads them in one batch, before anything reads the storage (a writer, a
-hook's ``latest()``) and at least every ``METRICS_READ_EVERY`` recorded iterations. The
+hook's ``latest()``) and at least every ``LossMetrics.READ_EVERY`` recorded iterations. The
 values, iterations and key order stored are those of the per-step path, which runs when asked
 for (``check_finite_every_step``), for asynchronous writes and across processes. Across
 processes every loss of every rank travels in one packed collective, which also carries the
@@ -38,6 +38,12 @@ _Entry = Tuple[int, float, Mapping[str, Any], str]
 
 class LossMetrics:
     """The losses a trainer recorded but has not read yet, and its asynchronous writes."""
+
+    #: At most this many recorded iterations of losses wait, as tensors, for one batched read.
+    READ_EVERY = 20
+    #: At most this many batches of CUDA losses are copied to the host without being waited
+    #: for (until something reads the storage); then they are read.
+    MAX_IN_FLIGHT = 50
 
     def __init__(self) -> None:
         #: Read the losses in batches (set at ``before_train``).
@@ -111,8 +117,8 @@ class LossMetrics:
             if len(pending) == 1:
                 self._storage = storage = trainer.storage
                 storage._defer(self._settler)
-            elif len(pending) >= trainer.METRICS_READ_EVERY:
-                self._read_pending(trainer.MAX_IN_FLIGHT)
+            elif len(pending) >= self.READ_EVERY:
+                self._read_pending(self.MAX_IN_FLIGHT)
             return
         stop = trainer._hookloop.stop
         try:
@@ -123,7 +129,7 @@ class LossMetrics:
         stop.agreed(agreed)
 
     def _read_pending(self, max_in_flight: int) -> None:
-        """The pending losses are METRICS_READ_EVERY iterations long. CUDA losses start their
+        """The pending losses are READ_EVERY iterations long. CUDA losses start their
         copy to the host (one stack, one non-blocking copy into pinned memory, an event after
         it) without waiting for it, so no iteration synchronizes until something reads the
         storage; other losses are put now."""

@@ -1,9 +1,9 @@
 """Stopping a running ``train()`` cleanly: :meth:`TrainerBase.request_stop`'s machinery.
 
-A trainer holds one :class:`StopController`. A stop request costs nothing per iteration until
-it is made: it appends the trainer's stop hook to the running loop's hook list, which the
-dispatcher sees at its next stage, and that hook's ``before_step`` raises
-:class:`StopTraining` before any other hook of the next iteration. Across ranks a request does
+A trainer holds one :class:`StopController`. A stop request sets the dispatcher's stop flag,
+which the loop reads at the start of each iteration: the next iteration raises
+:class:`StopTraining` before any of its hooks, and ``train()`` ends there. The trainer's hook
+list is never touched. Across ranks a request does
 not stop one rank alone: it rides on the next packed metric collective
 (:mod:`hookloop.engine.metrics`) as a stop code, and every rank applies the largest code any
 rank sent after the same iteration. ``DefaultTrainer`` shares its
@@ -12,8 +12,9 @@ controller with the trainer it wraps, whose collective carries the code.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Type
+from typing import Any, Optional
 
+from hookloop import _core
 from hookloop.utils import comm
 
 __all__ = ["Preempted", "StopController", "StopTraining"]
@@ -35,10 +36,10 @@ class Preempted(SystemExit):
         return (type(self), (self.signum,))
 
 
-class StopTraining(BaseException):
-    """Control flow of a stop, raised before the first hook of the iteration after it and
-    caught in ``train()``. A ``BaseException``, so that a hook's ``except Exception`` does
-    not swallow it."""
+#: Control flow of a stop, raised before the first hook of the iteration after it and caught
+#: in ``train()``. A ``BaseException``, so that a hook's ``except Exception`` does not swallow
+#: it. Defined by the dispatcher, which raises it.
+StopTraining = _core.StopTraining
 
 
 class StopController:
@@ -55,11 +56,10 @@ class StopController:
             the next period boundary on the training thread.
     """
 
-    def __init__(self, stop_hook: Type[Any]) -> None:
-        # The class of the hook a stop appends to the loop's hooks: its before_step raises
-        # StopTraining, and it runs before every other hook.
-        self._stop_hook = stop_hook
-        self._hooks: Optional[List[Any]] = None
+    def __init__(self, dispatcher: Any) -> None:
+        # The dispatcher whose loop a stop ends (its stop flag).
+        self._dispatcher = dispatcher
+        self._running = False
         self.requested = False
         self._applied = False
         self.collective = False
@@ -69,21 +69,19 @@ class StopController:
     @property
     def running(self) -> bool:
         """Whether a ``train()`` loop is running (a stop can be requested)."""
-        return self._hooks is not None
+        return self._running
 
-    def begin(self, hooks: List[Any]) -> None:
-        """A ``train()`` starts its loop over ``hooks`` (the list a stop appends to)."""
-        self._hooks = hooks
+    def begin(self) -> None:
+        """A ``train()`` starts its loop."""
+        self._running = True
         self.requested = False
         self._applied = False
         self.raise_after_train = None
         self.agreed_async = 0
 
     def end(self) -> None:
-        """The loop ended: no stop can be requested any more, and a stop's hook is removed."""
-        hooks, self._hooks = self._hooks, None
-        if self._applied and hooks is not None:
-            hooks[:] = [h for h in hooks if not isinstance(h, self._stop_hook)]
+        """The loop ended: no stop can be requested any more."""
+        self._running = False
 
     def take_raise_after_train(self) -> Optional[BaseException]:
         """The exception a stop asked ``train()`` to raise, cleared for the next run."""
@@ -97,7 +95,7 @@ class StopController:
 
     def request(self, raise_after_train: Optional[BaseException] = None) -> None:
         """:meth:`TrainerBase.request_stop`."""
-        if self._hooks is None:
+        if not self._running:
             raise RuntimeError(
                 "request_stop() stops a running train() (call it from a hook or run_step); "
                 "no training is running"
@@ -118,11 +116,10 @@ class StopController:
         # every rank at the same iteration.
 
     def _apply(self) -> None:
-        hooks = self._hooks
-        if self._applied or hooks is None:
+        if self._applied or not self._running:
             return
         self._applied = True
-        hooks.append(self._stop_hook())
+        self._dispatcher.request_stop()
 
     def outgoing(self) -> int:
         """What this rank puts in the next collective's stop slot: 0 (no stop pending), 1 (a
@@ -137,7 +134,7 @@ class StopController:
     def agreed(self, code: int) -> None:
         """The largest stop code any rank sent in this iteration's collective: every rank
         stops after this iteration; a preemption anywhere is raised everywhere."""
-        if not code or self._hooks is None:
+        if not code or not self._running:
             return
         self.requested = True
         if code > 1 and self.raise_after_train is None:

@@ -3,49 +3,47 @@
 ``HookBase``, ``TrainerBase``, ``SimpleTrainer`` and ``AMPTrainer`` keep detectron2's API and
 call order. The per-iteration loop and the hook dispatch run in Rust (``hookloop._core``):
 ``TrainerBase.train`` makes one call into Rust for the whole loop, and each stage calls only
-the hooks that override it. Everything that touches torch stays here.
+the hooks that override it (:mod:`hookloop.engine.dispatch` builds that table). hookloop's own
+state of a trainer lives in one slot, ``_hookloop`` (:mod:`hookloop.engine.parts`), made on
+first use. Everything that touches torch stays here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import operator
 import time
-import types
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from hookloop import _core
 from hookloop.checkpoint.rng import get_rng_state, set_rng_state
-from hookloop.data.cursor import DataCursor, iters_per_epoch
-from hookloop.engine.metrics import LossMetrics, write_metrics_across
-from hookloop.engine.stop import StopController, StopTraining
+from hookloop.data.cursor import iters_per_epoch
+from hookloop.engine import dispatch
+from hookloop.engine.dispatch import base_stage
+from hookloop.engine.losses import losses_of
+from hookloop.engine.metrics import write_metrics_across
+from hookloop.engine.parts import (
+    NO_MAX_ITER,
+    OWN_HOOK_STATE,
+    RESUME_HISTORY,
+    PartsSlot,
+    SimpleTrainerParts,
+    TrainerParts,
+    check_iters,
+    elapsed,
+    hook_keys,
+    report_secondary,
+)
+from hookloop.engine.stop import StopTraining
 from hookloop.utils import comm
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
 __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer", "HookStat"]
 
 logger = logging.getLogger(__name__)
-
-
-def _report_secondary(primary: BaseException, secondary: BaseException, where: str) -> None:
-    """An error raised while `primary` propagates: logged at ERROR, and attached to `primary`
-    as a note (Python 3.11+), so the first error stays the one raised."""
-    logger.error(
-        "%s failed while handling %s: %s: %s",
-        where,
-        type(primary).__name__,
-        type(secondary).__name__,
-        secondary,
-        exc_info=secondary,
-    )
-    add_note = getattr(primary, "add_note", None)
-    if add_note is not None:
-        add_note(f"{where} then failed with {type(secondary).__name__}: {secondary}")
 
 
 class HookBase:
@@ -82,21 +80,27 @@ class HookBase:
 
     trainer: "TrainerBase" = None  # type: ignore[assignment]
 
+    @base_stage
     def before_train(self) -> None:
         """Called before the first iteration."""
 
+    @base_stage
     def after_train(self) -> None:
         """Called after the last iteration."""
 
+    @base_stage
     def before_step(self) -> None:
         """Called before each iteration."""
 
+    @base_stage
     def after_backward(self) -> None:
         """Called after the backward pass of each iteration."""
 
+    @base_stage
     def after_step(self) -> None:
         """Called after each iteration."""
 
+    @base_stage
     def on_exception(self, exc: BaseException) -> None:
         """Called once, before :meth:`after_train`, when ``before_train`` or a step raised
         ``exc`` (any exception, ``KeyboardInterrupt`` included), for example to save a crash
@@ -151,146 +155,6 @@ class HookStat(NamedTuple):
     share: float
 
 
-_STAGES = ("before_train", "after_train", "before_step", "after_step", "after_backward")
-
-
-def _dispatch_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
-    """The dispatcher's table for ``hooks``: ``(hook_index, stage_index, function, self,
-    period)`` for each stage a hook overrides (a stage left as ``HookBase``'s own is never
-    called) or sets on the instance. Methods are resolved here, once per rebuild; a Python
-    method is passed as its function and the hook, which the dispatcher calls as
-    ``function(hook)`` (one vectorcall, no bound-method object)."""
-    entries = []
-    orders = []
-    for index, hook in enumerate(hooks):
-        cls = type(hook)
-        own = getattr(hook, "__dict__", {})
-        for stage_index, stage in enumerate(_STAGES):
-            if stage not in own and getattr(cls, stage, None) is getattr(HookBase, stage):
-                continue
-            method = getattr(hook, stage, None)
-            if method is None:
-                # Not a hook at all: fail at the call, as detectron2's loop would.
-                method = _missing_stage(hook, stage)
-            period_of = getattr(hook, "_dispatch_period", None)
-            period = int((period_of(stage) if period_of is not None else None) or 0)
-            order_of = getattr(hook, "_dispatch_order", None)
-            order = int(order_of(stage)) if order_of is not None else 0
-            orders.append((_priority(hook), order))
-            if isinstance(method, types.MethodType) and method.__self__ is hook:
-                entries.append((index, stage_index, method.__func__, hook, period))
-            else:
-                entries.append((index, stage_index, method, None, period))
-    # By priority, then the hook's order within a stage; stable: registration order otherwise.
-    ranked = sorted(range(len(entries)), key=orders.__getitem__)
-    return [entries[k] for k in ranked]
-
-
-#: mmengine's priority names; a hook's ``priority`` may be one of them or an int (lower first).
-PRIORITIES = {
-    "HIGHEST": 0,
-    "VERY_HIGH": 10,
-    "HIGH": 30,
-    "ABOVE_NORMAL": 40,
-    "NORMAL": 50,
-    "BELOW_NORMAL": 60,
-    "LOW": 70,
-    "VERY_LOW": 90,
-    "LOWEST": 100,
-}
-
-
-def _priority(hook: Any) -> int:
-    """A hook's ``priority`` attribute as an int: NORMAL (50) when it has none, so that
-    without priorities hooks run in registration order, as detectron2's do. detectron2 has
-    no such notion: a ``priority`` that is neither an int nor one of :data:`PRIORITIES`'
-    names (a float, another string, an object) is the hook's own data, and counts as
-    NORMAL."""
-    p = getattr(hook, "priority", None)
-    if isinstance(p, str):
-        return PRIORITIES.get(p.upper(), PRIORITIES["NORMAL"])
-    if isinstance(p, int) and not isinstance(p, bool):
-        return p
-    return PRIORITIES["NORMAL"]
-
-
-def _missing_stage(hook: Any, stage: str) -> Any:
-    def call() -> None:
-        getattr(hook, stage)()
-
-    return call
-
-
-def _check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
-    """Both as ints (numpy ints accepted, as range() accepts them), or a clear error."""
-    out = []
-    for name, value in (("start_iter", start_iter), ("max_iter", max_iter)):
-        if isinstance(value, bool):
-            raise TypeError(f"train() {name} must be an int, got bool")
-        try:
-            out.append(operator.index(value))
-        except TypeError:
-            raise TypeError(f"train() {name} must be an int, got {type(value).__name__}") from None
-    start_iter, max_iter = out
-    if max_iter < start_iter:
-        raise ValueError(f"train() max_iter ({max_iter}) must be >= start_iter ({start_iter})")
-    return start_iter, max_iter
-
-
-class _StopBeforeNextStep(HookBase):
-    """The hook a stop appends to the loop's hook list (:mod:`hookloop.engine.stop`): the
-    list edit rebuilds the dispatcher's table at its next stage, and this hook's
-    ``before_step`` runs first in the next iteration, before any other hook's. Until then the
-    loop has no stop check at all."""
-
-    priority = -(2**62)  # before every other hook, whatever its priority
-
-    def before_step(self) -> None:
-        raise StopTraining
-
-
-def _overrides(hook: Any, stage: str) -> bool:
-    return stage in getattr(hook, "__dict__", {}) or getattr(type(hook), stage, None) is not (
-        getattr(HookBase, stage)
-    )
-
-
-class _Parts:
-    """hookloop's own state of one trainer, in its one slot ``_hookloop`` (detectron2's
-    trainers have none of it; a subclass's attributes cannot collide with it):
-
-    - ``dispatcher``: the Rust hook dispatcher over the trainer's ``_hooks``;
-    - ``stop``: the :class:`~hookloop.engine.stop.StopController` (a ``DefaultTrainer`` shares
-      its own with the trainer it wraps);
-    - ``data`` and ``metrics``: ``SimpleTrainer``'s collaborators, the
-      :class:`~hookloop.data.cursor.DataCursor` and the
-      :class:`~hookloop.engine.metrics.LossMetrics` (None on other trainers);
-    - the state of the current ``train()``: whether it stopped early, its wall-clock span, the
-      storage history of a resumed checkpoint, AMP's device type.
-    """
-
-    def __init__(self, hooks: List[Any]) -> None:
-        self.dispatcher = _core.Dispatcher(hooks, _dispatch_entries)
-        self.stop = StopController(_StopBeforeNextStep)
-        self.data: Optional[DataCursor] = None
-        self.metrics: Optional[LossMetrics] = None
-        self.stopped_early = False
-        self.train_time: List[Any] = [0.0, None]
-        self.resume_storage: Optional[Mapping[str, Any]] = None
-        self.device_type = "cpu"
-
-
-def _simple_parts(trainer: Any) -> _Parts:
-    """The trainer's parts with ``SimpleTrainer``'s collaborators, made here for a subclass
-    that skipped ``SimpleTrainer.__init__``."""
-    parts: _Parts = trainer._hookloop
-    if parts.metrics is None:
-        parts.data = DataCursor()
-        parts.metrics = LossMetrics()
-        parts.stop.collective = True
-    return parts
-
-
 class TrainerBase:
     """Base class for iterative trainer with hooks.
 
@@ -311,16 +175,13 @@ class TrainerBase:
 
     max_iter: int
     storage: EventStorage
+    #: hookloop's own state (:class:`~hookloop.engine.parts.TrainerParts`), made on first use.
+    _hookloop = PartsSlot(TrainerParts)
 
     def __init__(self) -> None:
         self._hooks: List[HookBase] = []
         self.iter: int = 0
         self.start_iter: int = 0
-        self._hookloop = _Parts(self._hooks)
-        if type(self).after_backward is TrainerBase.after_backward:
-            # run_step calls self.after_backward() every iteration: bind it straight to the
-            # dispatcher, which saves a Python frame. A subclass's own after_backward is kept.
-            self.after_backward = self._hookloop.dispatcher.after_backward  # type: ignore[method-assign]
 
     def register_hooks(self, hooks: Iterable[Optional[HookBase]]) -> None:
         """Register hooks to the trainer. The hooks are executed in the order they are
@@ -349,7 +210,7 @@ class TrainerBase:
         Args:
             start_iter, max_iter (int): See docs above
         """
-        start_iter, max_iter = _check_iters(start_iter, max_iter)
+        start_iter, max_iter = check_iters(start_iter, max_iter)
         logger.info("Starting training from iteration {}".format(start_iter))
 
         self.iter = self.start_iter = start_iter
@@ -364,21 +225,12 @@ class TrainerBase:
                 self.storage._load_state(dict(parts.resume_storage))
                 self.storage.iter = start_iter
                 parts.resume_storage = None
-            # The hook list is re-read (it may have been rebound) and the table rebuilt.
-            hooks = self._hooks
-            parts.stop.begin(hooks)
-            parts.dispatcher.begin(hooks, self.storage, max_iter)
+            parts.begin(self, self.storage, max_iter)
+            parts.stop.begin()
             try:
                 self.before_train()
                 try:
-                    parts.dispatcher.run_loop(
-                        self,
-                        start_iter,
-                        max_iter,
-                        self.run_step,
-                        _overridden(self, "before_step"),
-                        _overridden(self, "after_step"),
-                    )
+                    dispatch.run_loop(self, start_iter, max_iter)
                 except StopTraining:
                     # Raised before any hook of the iteration after the stop: the last one
                     # that completed (every after_step of it ran) is the one before.
@@ -392,7 +244,7 @@ class TrainerBase:
             except BaseException as exc:
                 if isinstance(exc, Exception):
                     logger.exception("Exception during training:")
-                _on_exception(self._hooks, exc)
+                dispatch.run_on_exception(self._hooks, exc)
                 parts.stop.end()
                 # The training error is what propagates: an error of after_train (a writer
                 # whose close() meets a full disk) is logged and attached to it as a note,
@@ -400,7 +252,7 @@ class TrainerBase:
                 try:
                     self.after_train()
                 except Exception as after:
-                    _report_secondary(exc, after, "after_train")
+                    report_secondary(exc, after, "after_train")
                 finally:
                     parts.train_time[1] = time.perf_counter()
                 raise
@@ -445,8 +297,8 @@ class TrainerBase:
         iteration in progress runs, then ``after_train``, with ``iter`` at that iteration
         and :attr:`stopped_early` set (``PeriodicCheckpointer`` then saves a checkpoint of
         it, from which a resume continues at the next iteration). Called before the first
-        step (in ``before_train``), no step runs. Costs nothing per iteration until called:
-        the stop is a hook added to the list, which the dispatcher sees at its next stage.
+        step (in ``before_train``), no step runs. The stop is a flag the loop reads between
+        iterations; the trainer's hook list is not touched.
 
         Across processes (``SimpleTrainer``/``AMPTrainer``, also inside ``DefaultTrainer``, with
         more than one rank) the stop is not taken alone: the request rides on the next packed
@@ -475,32 +327,35 @@ class TrainerBase:
             storage = getattr(self, "storage", None)
             if isinstance(storage, EventStorage):
                 max_iter = getattr(self, "max_iter", None)
-                parts.dispatcher.begin(
-                    self._hooks, storage, max_iter if isinstance(max_iter, int) else _NO_MAX_ITER
-                )
-        parts.dispatcher.before_train()
+                parts.begin(self, storage, max_iter if isinstance(max_iter, int) else NO_MAX_ITER)
+        dispatch.run_stage(self, "before_train")
 
     def after_train(self) -> None:
         self.storage.iter = self.iter
-        self._hookloop.dispatcher.after_train(self.iter)
+        dispatch.run_stage(self, "after_train", self.iter)
 
+    @base_stage  # the loop runs it in Rust (see dispatch.run_loop)
     def before_step(self) -> None:
         # Maintain the invariant that storage.iter == trainer.iter for the entire execution
         # of each step
         self.storage.iter = self.iter
-        self._hookloop.dispatcher.before_step(self.iter)
+        dispatch.run_stage(self, "before_step", self.iter)
 
     def after_backward(self) -> None:
-        self._hookloop.dispatcher.after_backward()
+        # run_stage, inlined: run_step calls this at every iteration.
+        if not self._hookloop.dispatcher.after_backward():
+            dispatch.run_stage(self, "after_backward")
 
+    @base_stage  # the loop runs it in Rust
     def after_step(self) -> None:
-        self._hookloop.dispatcher.after_step(self.iter)
+        dispatch.run_stage(self, "after_step", self.iter)
 
     def hooks_table(self) -> Dict[str, List[Any]]:
         """The hooks each stage calls, in call order (registration order, unless hooks declare
         a ``priority``): what the dispatcher runs, for checking where a hook lands."""
+        dispatch.set_table(self)  # for the list as it is now
         dispatcher = self._hookloop.dispatcher
-        return {stage: list(dispatcher.hooks_for(stage)) for stage in _STAGES}
+        return {stage: list(dispatcher.hooks_for(stage)) for stage in dispatch.STAGES}
 
     def hook_stats(self) -> List[HookStat]:
         """Per hook and stage, the time spent in it since ``train()`` started: a
@@ -508,17 +363,10 @@ class TrainerBase:
         dispatch table, in call order. Every hook call is timed (one clock read per call, a
         few nanoseconds; ``trainer._hookloop.dispatcher.timing = False`` turns it off, and the
         counts then stay zero). ``share`` is ``total_s`` over the training time so far."""
-        parts = self._hookloop
-        # The dispatcher's counts carry over edits of the hook list (a stop adds and removes
-        # one hook of its own, left out here).
-        rows = [
-            r for r in parts.dispatcher.hook_stats() if not isinstance(r[0], _StopBeforeNextStep)
-        ]
-        start, end = parts.train_time
-        elapsed = (time.perf_counter() if end is None else end) - start
+        total = elapsed(self._hookloop)
         return [
-            HookStat(h, stage, calls, total, longest, total / elapsed if elapsed > 0 else 0.0)
-            for h, stage, calls, total, longest in rows
+            HookStat(h, stage, calls, t, longest, t / total if total > 0 else 0.0)
+            for h, stage, calls, t, longest in self._hookloop.dispatcher.hook_stats()
         ]
 
     def run_step(self) -> None:
@@ -534,7 +382,7 @@ class TrainerBase:
         ret: Dict[str, Any] = {"iteration": self.iter}
         hooks_state: Dict[str, Any] = {}
         own_state: Dict[str, Any] = {}
-        for key, h in _hook_keys(self._hooks):
+        for key, h in hook_keys(self._hooks):
             sd = h.state_dict()
             if sd:
                 # State of a hook that detectron2 has but keeps stateless (it would call a
@@ -544,19 +392,19 @@ class TrainerBase:
         if hooks_state:
             ret["hooks"] = hooks_state
         if own_state:
-            ret[_OWN_HOOK_STATE] = own_state
+            ret[OWN_HOOK_STATE] = own_state
         ret["rng"] = get_rng_state()
         storage = getattr(self, "storage", None)
         if storage is not None and storage in _CURRENT_STORAGE_STACK:
-            ret["storage"] = storage._state(keep=_RESUME_HISTORY)
+            ret["storage"] = storage._state(keep=RESUME_HISTORY)
         return ret
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping) or "iteration" not in state_dict:
             raise ValueError("load_state_dict() needs a dict with an 'iteration' key")
         self.iter = state_dict["iteration"]
-        hooks = dict(_hook_keys(self._hooks))
-        saved = {**state_dict.get("hooks", {}), **state_dict.get(_OWN_HOOK_STATE, {})}
+        hooks = dict(hook_keys(self._hooks))
+        saved = {**state_dict.get("hooks", {}), **state_dict.get(OWN_HOOK_STATE, {})}
         for key, value in saved.items():
             h = hooks.get(key)
             if h is None:
@@ -567,52 +415,6 @@ class TrainerBase:
             set_rng_state(state_dict["rng"])
         # Applied to the storage that the next train() opens.
         self._hookloop.resume_storage = state_dict.get("storage")
-
-
-def _overridden(trainer: TrainerBase, stage: str) -> Any:
-    """The bound stage method if ``trainer`` replaces TrainerBase's, else None: then the loop
-    calls the dispatcher's stage directly (the same code TrainerBase's method calls, without
-    its Python frame)."""
-    if getattr(type(trainer), stage) is getattr(TrainerBase, stage) and stage not in vars(trainer):
-        return None
-    return getattr(trainer, stage)
-
-
-def _on_exception(hooks: List[Any], exc: BaseException) -> None:
-    """Each hook's ``on_exception`` that overrides HookBase's, in registration order; their
-    own errors are logged so that ``exc`` propagates unchanged."""
-    for h in list(hooks):
-        if not _overrides(h, "on_exception"):
-            continue
-        try:
-            h.on_exception(exc)
-        except Exception:
-            logger.exception(f"{type(h).__name__}.on_exception raised; re-raising the original")
-
-
-# The trainer state's key for hooks whose state detectron2 does not keep (BestCheckpointer's
-# best value): detectron2 reads only "hooks", so it resumes from a hookloop checkpoint.
-_OWN_HOOK_STATE = "hookloop_hooks"
-
-# max_iter for a loop that never set one: no iteration is the last.
-_NO_MAX_ITER = 2**53
-
-# Entries kept per scalar in a checkpoint: the printer's ETA takes the median of the last 1000
-# `time` values, and writers smooth over windows of 20 by default.
-_RESUME_HISTORY = 1000
-
-
-def _hook_keys(hooks: Iterable[Any], qualified: bool = True) -> List[Tuple[str, Any]]:
-    """(key, hook) for the hooks' state in a checkpoint: the class's qualified name (its plain
-    name unless ``qualified``), then ``Name.1``, ``Name.2`` for later hooks of the same class."""
-    seen: Dict[str, int] = {}
-    out = []
-    for h in hooks:
-        name = type(h).__qualname__ if qualified else type(h).__name__
-        n = seen.get(name, 0)
-        seen[name] = n + 1
-        out.append((name if n == 0 else f"{name}.{n}", h))
-    return out
 
 
 class SimpleTrainer(TrainerBase):
@@ -647,7 +449,7 @@ class SimpleTrainer(TrainerBase):
         check_finite_every_step: bool. By default (False) the losses are kept as tensors and
             read in one batch, without a device synchronization per step: before anything
             reads the storage (a writer, a hook's ``latest()``) and at least every
-            ``METRICS_READ_EVERY`` recorded iterations. The values and iterations stored are
+            ``LossMetrics.READ_EVERY`` (20) recorded iterations. The values and iterations stored are
             the same; a non-finite loss raises ``FloatingPointError`` naming the iteration
             where it appeared, up to that many iterations later. True reads them at every
             step, as detectron2 does.
@@ -662,16 +464,14 @@ class SimpleTrainer(TrainerBase):
         iters_per_epoch: ``len(data_loader)`` when the loader has a length, else None.
     """
 
-    #: At most this many recorded iterations of losses wait, as tensors, for one batched read.
-    METRICS_READ_EVERY = 20
-    #: At most this many batches of CUDA losses are copied to the host without being waited
-    #: for (until something reads the storage); then they are read.
-    MAX_IN_FLIGHT = 50
-
     step_optimizer = True
     #: Read in before_train; a subclass that skips SimpleTrainer.__init__ gets the deferred
     #: reads unless it sets it.
     check_finite_every_step = False
+    #: detectron2 sets it in __init__; read in before_train (a subclass may skip __init__).
+    async_write_metrics = False
+    #: hookloop's own state, with SimpleTrainer's collaborators, made on first use.
+    _hookloop = PartsSlot(SimpleTrainerParts)
 
     def __init__(
         self,
@@ -703,10 +503,9 @@ class SimpleTrainer(TrainerBase):
         self.check_finite_every_step = check_finite_every_step
         # One worker, so metric writes run in submission order.
         self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        _simple_parts(self)
 
     def before_train(self) -> None:
-        _simple_parts(self).metrics.configure(self)  # type: ignore[union-attr]
+        self._hookloop.metrics.configure(self)
         super().before_train()
 
     def run_step(self) -> None:
@@ -717,13 +516,13 @@ class SimpleTrainer(TrainerBase):
         try:
             data = next(self._data_loader_iter)
         except StopIteration:  # a finite loader: the next epoch (free while not raised)
-            data = _simple_parts(self).data.next_epoch(self)  # type: ignore[union-attr]
+            data = self._hookloop.data.next_epoch(self)
         data_time = time.perf_counter() - start
 
         if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
 
-        loss_dict, losses = _losses(self.model(data), "SimpleTrainer")
+        loss_dict, losses = losses_of(self.model(data), "SimpleTrainer")
         if not self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
         losses.backward()
@@ -731,7 +530,7 @@ class SimpleTrainer(TrainerBase):
         self.after_backward()
 
         if self.async_write_metrics:
-            _simple_parts(self).metrics.submit(self, loss_dict, data_time)  # type: ignore[union-attr]
+            self._hookloop.metrics.submit(self, loss_dict, data_time)
         else:
             self._write_metrics(loss_dict, data_time)
 
@@ -741,9 +540,8 @@ class SimpleTrainer(TrainerBase):
     @property
     def _data_loader_iter(self) -> Any:
         # only create the data loader iterator when it is used
-        if self._data_loader_iter_obj is None:
-            cursor = _simple_parts(self).data
-            self._data_loader_iter_obj = cursor.new_iterator(self)  # type: ignore[union-attr]
+        if self.__dict__.get("_data_loader_iter_obj") is None:
+            self._data_loader_iter_obj = self._hookloop.data.new_iterator(self)
         return self._data_loader_iter_obj
 
     # epoch and iters_per_epoch are not detectron2's names: a subclass may assign its own
@@ -754,7 +552,7 @@ class SimpleTrainer(TrainerBase):
         """The epoch of a finite data loader (0 for the first pass)."""
         if "epoch" in self.__dict__:
             return self.__dict__["epoch"]  # type: ignore[no-any-return]
-        return _simple_parts(self).data.epoch  # type: ignore[union-attr]
+        return self._hookloop.data.epoch  # type: ignore[no-any-return]
 
     @epoch.setter
     def epoch(self, value: int) -> None:
@@ -786,8 +584,8 @@ class SimpleTrainer(TrainerBase):
         prefix: str = "",
         iter: Optional[int] = None,
     ) -> None:
-        metrics = self._hookloop.metrics or _simple_parts(self).metrics
-        metrics.write(self, loss_dict, data_time, prefix, self.iter if iter is None else iter)  # type: ignore[union-attr]
+        it = self.iter if iter is None else iter
+        self._hookloop.metrics.write(self, loss_dict, data_time, prefix, it)
 
     @staticmethod
     def write_metrics(
@@ -812,7 +610,7 @@ class SimpleTrainer(TrainerBase):
     def state_dict(self) -> Dict[str, Any]:
         ret = super().state_dict()
         ret["optimizer"] = self.optimizer.state_dict()
-        data = _simple_parts(self).data.state(self)  # type: ignore[union-attr]
+        data = self._hookloop.data.state(self)
         if data:
             ret["data"] = data
         return ret
@@ -820,70 +618,23 @@ class SimpleTrainer(TrainerBase):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        cursor = _simple_parts(self).data
-        cursor.load_state(self, state_dict.get("data"), "rng" in state_dict)  # type: ignore[union-attr]
+        self._hookloop.data.load_state(self, state_dict.get("data"), "rng" in state_dict)
 
     def after_train(self) -> None:
-        metrics = _simple_parts(self).metrics
-        settle_error = metrics.settle_last(self.storage)  # type: ignore[union-attr]
+        metrics = self._hookloop.metrics
+        settle_error = metrics.settle_last(self.storage)
         try:
             super().after_train()
         finally:
             self.concurrent_executor.shutdown(wait=True)
             self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        errors = metrics.take_errors(settle_error)  # type: ignore[union-attr]
+        errors = metrics.take_errors(settle_error)
         # A write that failed after the last step stops a run that otherwise succeeded; when
         # training already failed (maybe on an earlier such error), later ones are its echo.
         if errors and (self.iter == self.max_iter or self.stopped_early):
             raise errors[0]
         for e in errors:
             logger.error("Asynchronous metric write failed after training stopped: %r", e)
-
-
-def _losses(out: Any, who: str) -> Tuple[Mapping[str, torch.Tensor], torch.Tensor]:
-    """The model's output as (loss dict, summed loss): a loss tensor (named ``total_loss``)
-    or a non-empty dict of str -> loss tensor. Anything else is a TypeError/ValueError saying
-    what run_step expected and what it got."""
-    if isinstance(out, torch.Tensor):
-        return {"total_loss": out}, out
-    if type(out) is dict and out:
-        # The per-step path: the keys' type and one sum; the checks below only when it fails.
-        try:
-            total = _sum(out.values())
-        except TypeError:  # values that do not add up: the checks below say which
-            total = None
-        if isinstance(total, torch.Tensor) and _ONLY_STR.issuperset(map(type, out)):
-            return out, total
-    expected = "a loss tensor or a dict of str -> loss tensor"
-    if not isinstance(out, Mapping):
-        raise TypeError(f"[{who}] the model must return {expected}, got {type(out).__name__}")
-    if not out:
-        raise ValueError(f"[{who}] the model must return {expected}, got an empty dict")
-    for name, value in out.items():
-        if not isinstance(name, str):
-            raise TypeError(
-                f"[{who}] the model's loss dict must have str keys, got {type(name).__name__} "
-                f"key {name!r}"
-            )
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"[{who}] the model's loss '{name}' must be a tensor, got {type(value).__name__}"
-            )
-    return out, _sum(out.values())
-
-
-_ONLY_STR = frozenset({str})
-
-
-def _sum(values: Iterable[Any]) -> Any:
-    """``sum(values)`` started from the first value instead of 0: ``0 + tensor`` goes through
-    ``Tensor.__radd__`` and costs about as much as two tensor additions (the values are the
-    same; the graph has one add fewer)."""
-    it = iter(values)
-    total = next(it)
-    for v in it:
-        total = total + v
-    return total
 
 
 class AMPTrainer(SimpleTrainer):
@@ -948,13 +699,13 @@ class AMPTrainer(SimpleTrainer):
         try:
             data = next(self._data_loader_iter)
         except StopIteration:  # a finite loader: the next epoch (free while not raised)
-            data = _simple_parts(self).data.next_epoch(self)  # type: ignore[union-attr]
+            data = self._hookloop.data.next_epoch(self)
         data_time = time.perf_counter() - start
 
         if self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
         with torch.autocast(device_type=self._hookloop.device_type, dtype=self.precision):
-            loss_dict, losses = _losses(self.model(data), "AMPTrainer")
+            loss_dict, losses = losses_of(self.model(data), "AMPTrainer")
 
         if not self.zero_grad_before_forward and self.step_optimizer:
             self.optimizer.zero_grad()
@@ -968,7 +719,7 @@ class AMPTrainer(SimpleTrainer):
         self.after_backward()
 
         if self.async_write_metrics:
-            _simple_parts(self).metrics.submit(self, loss_dict, data_time)  # type: ignore[union-attr]
+            self._hookloop.metrics.submit(self, loss_dict, data_time)
         else:
             self._write_metrics(loss_dict, data_time)
 

@@ -154,8 +154,11 @@ impl HookStats {
 pub struct Entry<C> {
     /// What to call (the binding's bound method).
     pub call: C,
-    /// The hook's position in the trainer's hook list: its identity in statistics.
+    /// The hook's position in the trainer's hook list (for reporting).
     pub hook: usize,
+    /// The hook's identity (the binding's object address): statistics follow it from one
+    /// table to the next ([`Table::carry_stats_from`]).
+    pub key: u64,
     /// Run only when `periodic_due(iter, period, max_iter)`; `None`: every time.
     pub period: Option<u64>,
     pub stats: HookStats,
@@ -178,14 +181,25 @@ impl<C> Default for Table<C> {
 impl<C> Table<C> {
     /// Appends `call` for `stage` (registration order is call order). A period applies only to
     /// per-step stages; zero means none.
-    pub fn push(&mut self, stage: Stage, hook: usize, call: C, period: u64) {
+    pub fn push(&mut self, stage: Stage, hook: usize, key: u64, call: C, period: u64) {
         let period = (period > 0 && stage.per_step()).then_some(period);
         self.stages[stage as usize].push(Entry {
             call,
             hook,
+            key,
             period,
             stats: HookStats::default(),
         });
+    }
+
+    /// A table rebuilt for an edited hook list continues each hook's statistics per stage
+    /// from `old` (the same hook: the same `key`); new hooks start at zero.
+    pub fn carry_stats_from<D>(&self, old: &Table<D>) {
+        for (stage, entry) in self.all() {
+            if let Some(prev) = old.entries(stage).iter().find(|e| e.key == entry.key) {
+                entry.stats.restore(prev.stats.ticks());
+            }
+        }
     }
 
     /// Every entry of `stage`, due or not.
@@ -225,9 +239,9 @@ mod tests {
     #[test]
     fn period_filter_applies_to_per_step_stages_only() {
         let mut t: Table<&str> = Table::default();
-        t.push(Stage::AfterStep, 0, "every", 0);
-        t.push(Stage::AfterStep, 1, "fifth", 5);
-        t.push(Stage::AfterTrain, 1, "train", 5);
+        t.push(Stage::AfterStep, 0, 10, "every", 0);
+        t.push(Stage::AfterStep, 1, 11, "fifth", 5);
+        t.push(Stage::AfterTrain, 1, 11, "train", 5);
         let names = |i| {
             t.due(Stage::AfterStep, i, 100)
                 .map(|e| e.call)
@@ -237,6 +251,26 @@ mod tests {
         assert_eq!(names(4), vec!["every", "fifth"]);
         assert_eq!(names(99), vec!["every", "fifth"]);
         assert_eq!(t.due(Stage::AfterTrain, 3, 100).count(), 1);
+    }
+
+    #[test]
+    fn statistics_follow_a_hook_into_a_rebuilt_table() {
+        let mut old: Table<&str> = Table::default();
+        old.push(Stage::AfterStep, 0, 10, "a", 0);
+        old.push(Stage::BeforeStep, 1, 11, "b", 0);
+        old.entries(Stage::AfterStep)[0].stats.record(7);
+        old.entries(Stage::BeforeStep)[0].stats.record(5);
+        // b removed, c added before a: a keeps its counts at its new position.
+        let mut new: Table<&str> = Table::default();
+        new.push(Stage::AfterStep, 0, 12, "c", 0);
+        new.push(Stage::AfterStep, 1, 10, "a", 0);
+        new.push(Stage::AfterTrain, 1, 10, "a", 0);
+        new.carry_stats_from(&old);
+        let ticks: Vec<_> = new.all().map(|(_, e)| (e.call, e.stats.ticks())).collect();
+        assert_eq!(
+            ticks,
+            [("a", (0, 0, 0)), ("c", (0, 0, 0)), ("a", (1, 7, 7))]
+        );
     }
 
     #[test]

@@ -1,15 +1,18 @@
 //! Hook dispatch and the training loop: the binding over the core's `dispatch::Table`.
 //!
-//! The trainer's hook list stays a plain Python list. The dispatcher keeps a copy of it next
-//! to the table built from it, and at each stage compares the two (one C-level list comparison,
-//! identity first): any in-place edit of `trainer._hooks` rebuilds the table before the stage
-//! runs, as detectron2's `for h in self._hooks` would see it. The table holds each hook's bound
-//! stage methods, resolved when it is built, and calls them with vectorcall; a periodic hook is
-//! skipped between its periods by the core's one period rule. Every call is timed (one clock
-//! read per call, about 5 ns over the call itself; `timing = False` turns it off): this is the
-//! one dispatch path, for periods and timing alike.
+//! Python builds the table (`hookloop.engine.dispatch.table_for`: per stage, which hook
+//! methods to call, with their periods, in order) and hands it over with `set_table`, together
+//! with the hook list it was built from. The dispatcher keeps a copy of that list and at each
+//! stage compares the two (one C-level list comparison, identity first): when
+//! `trainer._hooks` was edited, the stage runs nothing and returns False, and Python sets a
+//! table for the new list and calls again, as detectron2's `for h in self._hooks` would see the
+//! edit. The dispatcher never calls Python to build a table. Every call is timed (one clock
+//! read per call, about 5 ns over the call itself; `timing = False` turns it off).
+//!
+//! A requested stop is a flag (`request_stop`): the loop reads it at the start of each
+//! iteration, once `trainer.iter` is set, and raises `StopTraining` there, before any hook of
+//! that iteration runs; `before_step` called from Python does the same.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -17,7 +20,9 @@ use hookloop_core::dispatch::{now_ticks, start_clock, Stage, Table, STAGES};
 use hookloop_core::Error;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::create_exception;
+use pyo3::exceptions::PyBaseException;
+use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::int64;
@@ -53,119 +58,71 @@ struct Built {
 /// The hook table of one trainer.
 #[pyclass(name = "Dispatcher", module = "hookloop._core", frozen)]
 pub struct PyDispatcher {
-    /// Python callable: `build(hooks) -> [(hook_index, stage_index, function, self, period)]`.
-    build: Py<PyAny>,
     built: Mutex<Arc<Built>>,
     storage: Mutex<Option<Py<PyEventStorage>>>,
     max_iter: AtomicI64,
     /// The iteration of the step in progress (for `after_backward`'s period filter).
     iter: AtomicI64,
     timing: AtomicBool,
+    /// A stop was requested: the next iteration raises `StopTraining` before its hooks.
+    stop: AtomicBool,
 }
+
+create_exception!(
+    hookloop._core,
+    StopTraining,
+    PyBaseException,
+    "Control flow of a stop, raised before the first hook of the iteration after it and caught \
+     in ``train()``. A ``BaseException``, so that a hook's ``except Exception`` does not \
+     swallow it."
+);
+
+/// Where `run_loop` stopped because the hook list changed: the iteration and the stage whose
+/// hooks have not run yet.
+const RESUME_BEFORE_STEP: usize = Stage::BeforeStep as usize;
+const RESUME_AFTER_STEP: usize = Stage::AfterStep as usize;
 
 impl PyDispatcher {
     fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The table for the hook list as it is now, rebuilt if the list changed.
-    fn current(&self, py: Python<'_>) -> PyResult<Arc<Built>> {
+    /// The table, or None when the hook list changed since it was set (a new table is due).
+    fn current(&self, py: Python<'_>) -> PyResult<Option<Arc<Built>>> {
         let built = Self::lock(&self.built).clone();
-        self.checked(py, built)
-    }
-
-    /// The table unless there are no hooks at all (none listed, none in the table): what a
-    /// stage call needs, under one lock and without taking the table out when it is empty
-    /// (len() runs no Python code).
-    fn current_hooks(&self, py: Python<'_>) -> PyResult<Option<Arc<Built>>> {
-        let built = {
-            let built = Self::lock(&self.built);
-            if built.hooks.bind(py).is_empty() && built.copy.bind(py).is_empty() {
-                return Ok(None);
-            }
-            built.clone()
-        };
-        self.checked(py, built).map(Some)
-    }
-
-    /// `built`, or a table rebuilt for the list if it changed since `built` was made.
-    fn checked(&self, py: Python<'_>, built: Arc<Built>) -> PyResult<Arc<Built>> {
         // The list is read at each stage, as detectron2's `for h in self._hooks` reads it: an
         // edit in the middle of a run shows at the next stage. Lists of different lengths
         // differ, two empty ones do not (no comparison); else list `==`, which is identity per
         // hook for unchanged items.
         let (hooks, copy) = (built.hooks.bind(py), built.copy.bind(py));
         if hooks.len() == copy.len() && (hooks.is_empty() || hooks.eq(copy)?) {
-            return Ok(built);
+            return Ok(Some(built));
         }
-        let hooks = built.hooks.clone_ref(py);
-        drop(built);
-        self.rebuild(py, hooks, true)
+        Ok(None)
     }
 
-    /// Builds the table for `hooks`. With `carry`, a hook's statistics for a stage continue
-    /// from the table it replaces (an edit of the list in the middle of a run, a stop's hook);
-    /// `begin` starts them again for each run.
-    fn rebuild(&self, py: Python<'_>, hooks: Py<PyList>, carry: bool) -> PyResult<Arc<Built>> {
-        let copy = PyList::new(py, hooks.bind(py).iter())?.unbind();
-        let entries = self.build.bind(py).call1((hooks.bind(py),))?;
-        let mut table = Table::default();
-        for entry in entries.try_iter()? {
-            let (hook, stage, func, this, period): (
-                usize,
-                usize,
-                Bound<'_, PyAny>,
-                Option<Bound<'_, PyAny>>,
-                i64,
-            ) = entry?.extract()?;
-            let stage = Stage::from_index(stage).ok_or_else(|| {
-                to_py(Error::bad_value(
-                    "stage index",
-                    format!("{stage} is not a stage"),
-                ))
-            })?;
-            let call = match this {
-                Some(this) => Call::Method(func.unbind(), this.unbind()),
-                None => Call::Plain(func.unbind()),
-            };
-            table.push(stage, hook, call, u64::try_from(period).unwrap_or(0));
+    fn stopping(&self) -> PyResult<()> {
+        if self.stop.load(Ordering::Relaxed) {
+            return Err(StopTraining::new_err(()));
         }
-        if carry {
-            // Identity of a hook: its object, held by both lists' copies while this runs.
-            let old = Self::lock(&self.built).clone();
-            let old_copy = old.copy.bind(py);
-            let mut counts = HashMap::new();
-            for (stage, entry) in old.table.all() {
-                let hook = old_copy.get_item(entry.hook)?.as_ptr() as usize;
-                counts.insert((hook, stage as usize), entry.stats.ticks());
-            }
-            let new_copy = copy.bind(py);
-            for (stage, entry) in table.all() {
-                let hook = new_copy.get_item(entry.hook)?.as_ptr() as usize;
-                if let Some(&ticks) = counts.get(&(hook, stage as usize)) {
-                    entry.stats.restore(ticks);
-                }
-            }
-        }
-        let built = Arc::new(Built { table, hooks, copy });
-        let old = std::mem::replace(&mut *Self::lock(&self.built), built.clone());
-        drop(old); // after unlocking: dropping hooks may run Python code (__del__)
-        Ok(built)
+        Ok(())
     }
 
-    fn call(&self, py: Python<'_>, stage: Stage, iter: i64) -> PyResult<()> {
-        let Some(built) = self.current_hooks(py)? else {
-            return Ok(()); // a trainer without hooks
+    /// Runs the hooks of `stage` due at `iter`. False: the hook list changed since the table
+    /// was set, and nothing ran.
+    fn call(&self, py: Python<'_>, stage: Stage, iter: i64) -> PyResult<bool> {
+        let Some(built) = self.current(py)? else {
+            return Ok(false);
         };
         if built.table.entries(stage).is_empty() {
-            return Ok(()); // no hook overrides it: no clock to read
+            return Ok(true); // no hook overrides it: no clock to read
         }
         let max_iter = self.max_iter.load(Ordering::Relaxed);
         if !self.timing.load(Ordering::Relaxed) {
             for entry in built.table.due(stage, iter, max_iter) {
                 entry.call.call(py)?;
             }
-            return Ok(());
+            return Ok(true);
         }
         // One clock read per call: each call ends where the next one's time starts.
         let mut start = now_ticks();
@@ -176,7 +133,7 @@ impl PyDispatcher {
             start = end;
             result?;
         }
-        Ok(())
+        Ok(true)
     }
 
     fn set_storage_iter(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
@@ -187,49 +144,90 @@ impl PyDispatcher {
         }
     }
 
-    /// TrainerBase's `before_step`: the storage's iteration follows the trainer's, then the
-    /// hooks run. The one implementation, for the loop and for a subclass's `super()` call.
-    fn do_before_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+    /// TrainerBase's `before_step`: a requested stop raises `StopTraining`; the storage's
+    /// iteration follows the trainer's, then the hooks run.
+    fn do_before_step(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
+        self.stopping()?;
         self.iter.store(iter, Ordering::Relaxed);
         self.set_storage_iter(py, iter)?;
         self.call(py, Stage::BeforeStep, iter)
-    }
-
-    fn do_after_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
-        self.call(py, Stage::AfterStep, iter)
     }
 }
 
 #[pymethods]
 impl PyDispatcher {
-    /// `build(hooks)` lists, for the hooks in `hooks` (the trainer's list), the stage methods
-    /// to call: `(hook_index, stage_index, function, self, period)`, calling `function(self)`
-    /// (or `function()` when `self` is None), with period 0 for "every time".
     #[new]
-    fn new(py: Python<'_>, hooks: Bound<'_, PyList>, build: Py<PyAny>) -> PyResult<Self> {
+    fn new(py: Python<'_>) -> Self {
         start_clock();
         let built = Built {
             table: Table::default(),
-            hooks: hooks.unbind(),
+            hooks: PyList::empty(py).unbind(),
             copy: PyList::empty(py).unbind(),
         };
-        Ok(PyDispatcher {
-            build,
+        PyDispatcher {
             built: Mutex::new(Arc::new(built)),
             storage: Mutex::new(None),
             max_iter: AtomicI64::new(i64::MAX),
             iter: AtomicI64::new(0),
             timing: AtomicBool::new(true),
-        })
+            stop: AtomicBool::new(false),
+        }
     }
 
-    /// Starts a run: the hook list (`trainer._hooks`, re-read in case it was rebound), the
-    /// storage whose iteration follows the trainer's, and `max_iter` for period filters. The
-    /// table is rebuilt, so stage methods set on hook instances since are seen.
-    fn begin(
+    /// The table for `hooks` (the trainer's live list; a copy is kept to notice edits):
+    /// `entries` are `(hook_index, stage_index, function, self, period)`, in call order,
+    /// calling `function(self)` (or `function()` when `self` is None), with period 0 for
+    /// "every time". With `carry`, each hook's statistics continue from the table replaced.
+    #[pyo3(signature = (hooks, entries, carry = true))]
+    fn set_table(
         &self,
         py: Python<'_>,
         hooks: Bound<'_, PyList>,
+        entries: Vec<(usize, usize, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>, i64)>,
+        carry: bool,
+    ) -> PyResult<()> {
+        let copy = PyList::new(py, hooks.iter())?;
+        let mut table = Table::default();
+        for (hook, stage, func, this, period) in entries {
+            let stage = Stage::from_index(stage).ok_or_else(|| {
+                to_py(Error::bad_value(
+                    "stage index",
+                    format!("{stage} is not a stage"),
+                ))
+            })?;
+            let key = copy.get_item(hook)?.as_ptr() as u64;
+            let call = match this {
+                Some(this) => Call::Method(func.unbind(), this.unbind()),
+                None => Call::Plain(func.unbind()),
+            };
+            table.push(stage, hook, key, call, u64::try_from(period).unwrap_or(0));
+        }
+        let old = Self::lock(&self.built).clone();
+        if carry {
+            // Both lists hold their hooks while this runs: the addresses are identities.
+            table.carry_stats_from(&old.table);
+        }
+        let built = Arc::new(Built {
+            table,
+            hooks: hooks.unbind(),
+            copy: copy.unbind(),
+        });
+        let replaced = std::mem::replace(&mut *Self::lock(&self.built), built);
+        drop(old);
+        drop(replaced); // after unlocking: dropping hooks may run Python code (__del__)
+        Ok(())
+    }
+
+    /// Asks the loop to stop: the next iteration (or `before_step` call) raises
+    /// `StopTraining` before any of its hooks.
+    fn request_stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Starts a run: the storage whose iteration follows the trainer's, and `max_iter` for
+    /// period filters; no stop is requested.
+    fn begin(
+        &self,
         storage: Py<PyEventStorage>,
         max_iter: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
@@ -239,35 +237,38 @@ impl PyDispatcher {
             .map_err(Error::from)
             .py_err()?;
         self.max_iter.store(max_iter, Ordering::Relaxed);
+        self.stop.store(false, Ordering::Relaxed);
         let old = Self::lock(&self.storage).replace(storage);
         drop(old);
-        self.rebuild(py, hooks.unbind(), false)?;
         Ok(())
     }
 
-    fn before_train(&self, py: Python<'_>) -> PyResult<()> {
+    // The stages: each returns False, having run nothing, when the hook list changed since
+    // the table was set.
+
+    fn before_train(&self, py: Python<'_>) -> PyResult<bool> {
         self.call(py, Stage::BeforeTrain, 0)
     }
 
     /// TrainerBase's `after_train`: the storage's iteration is set to `iter`, then the hooks.
-    fn after_train(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+    fn after_train(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
         self.set_storage_iter(py, iter)?;
         self.call(py, Stage::AfterTrain, iter)
     }
 
-    fn before_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
+    fn before_step(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
         self.do_before_step(py, iter)
     }
 
-    fn after_step(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
-        self.do_after_step(py, iter)
+    fn after_step(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
+        self.call(py, Stage::AfterStep, iter)
     }
 
-    fn after_backward(&self, py: Python<'_>) -> PyResult<()> {
+    fn after_backward(&self, py: Python<'_>) -> PyResult<bool> {
         self.call(py, Stage::AfterBackward, self.iter.load(Ordering::Relaxed))
     }
 
-    /// The hooks listed for `stage`, in call order (for tests and introspection).
+    /// The hooks the table lists for `stage`, in call order (for tests and introspection).
     fn hooks_for<'py>(&self, py: Python<'py>, stage: &str) -> PyResult<Bound<'py, PyList>> {
         let idx = STAGES.iter().position(|s| *s == stage).ok_or_else(|| {
             to_py(Error::bad_value(
@@ -276,7 +277,7 @@ impl PyDispatcher {
             ))
         })?;
         let stage = Stage::from_index(idx).unwrap_or(Stage::AfterStep);
-        let built = self.current(py)?;
+        let built = Self::lock(&self.built).clone();
         let copy = built.copy.bind(py);
         let hooks = built
             .table
@@ -318,51 +319,67 @@ impl PyDispatcher {
         Ok(out)
     }
 
-    /// The loop of `TrainerBase.train`: for each iteration, set `trainer.iter`, run
-    /// before_step, `run_step()`, after_step. `before_step`/`after_step` are the trainer's own
-    /// methods when a subclass overrides them; `None` means TrainerBase's, run here directly
-    /// (the same code as `Dispatcher.before_step`/`after_step`).
+    /// The loop of `TrainerBase.train`: for each iteration, set `trainer.iter`, stop if a stop
+    /// was requested, run before_step, `run_step()`, after_step. `before_step`/`after_step` are
+    /// the trainer's own methods when a subclass overrides them; `None` means TrainerBase's,
+    /// run here directly (the same code as `Dispatcher.before_step`/`after_step`).
+    ///
+    /// Returns None when every iteration ran, or `(iter, stage_index)` when the hook list
+    /// changed before that stage of that iteration ran any hook: the caller sets a table for
+    /// the new list and calls again with `start_iter=iter, resume=stage_index`.
     #[expect(clippy::too_many_arguments, reason = "mirrors the Python call")]
-    #[pyo3(signature = (trainer, start_iter, max_iter, run_step, before_step = None, after_step = None))]
-    fn run_loop(
+    #[pyo3(signature = (trainer, start_iter, max_iter, run_step, before_step = None, after_step = None, resume = RESUME_BEFORE_STEP))]
+    fn run_loop<'py>(
         &self,
-        py: Python<'_>,
-        trainer: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        trainer: &Bound<'py, PyAny>,
         start_iter: i64,
         max_iter: i64,
-        run_step: &Bound<'_, PyAny>,
-        before_step: Option<&Bound<'_, PyAny>>,
-        after_step: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+        run_step: &Bound<'py, PyAny>,
+        before_step: Option<&Bound<'py, PyAny>>,
+        after_step: Option<&Bound<'py, PyAny>>,
+        resume: usize,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let iter_name = intern!(py, "iter");
         // The run's storage, looked up once (begin set it): do_before_step's work without
         // its lock per iteration.
         let storage = Self::lock(&self.storage).as_ref().map(|s| s.clone_ref(py));
+        let changed = |i: i64, stage: usize| PyTuple::new(py, [i, stage as i64]).map(Some);
+        let mut from_after_step = resume == RESUME_AFTER_STEP;
         for i in start_iter..max_iter {
-            trainer.setattr(iter_name, i)?;
-            match before_step {
-                Some(f) => {
-                    f.call0()?;
-                }
-                None => {
-                    self.iter.store(i, Ordering::Relaxed);
-                    if let Some(storage) = &storage {
-                        storage.get().set_iter(i)?;
+            if !std::mem::take(&mut from_after_step) {
+                trainer.setattr(iter_name, i)?;
+                self.stopping()?;
+                match before_step {
+                    Some(f) => {
+                        f.call0()?;
                     }
-                    self.call(py, Stage::BeforeStep, i)?;
+                    None => {
+                        self.iter.store(i, Ordering::Relaxed);
+                        if let Some(storage) = &storage {
+                            storage.get().set_iter(i)?;
+                        }
+                        if !self.call(py, Stage::BeforeStep, i)? {
+                            return changed(i, RESUME_BEFORE_STEP);
+                        }
+                    }
                 }
+                run_step.call0()?;
             }
-            run_step.call0()?;
             match after_step {
                 Some(f) => {
                     f.call0()?;
                 }
-                None => self.do_after_step(py, i)?,
+                None => {
+                    if !self.call(py, Stage::AfterStep, i)? {
+                        return changed(i, RESUME_AFTER_STEP);
+                    }
+                }
             }
             // A Ctrl-C while only Rust and C code ran would otherwise wait for Python bytecode.
             py.check_signals()?;
         }
-        Ok(())
+        Ok(None)
     }
 
     fn __reduce__(&self) -> PyResult<()> {
@@ -373,7 +390,6 @@ impl PyDispatcher {
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.build)?;
         if let Ok(built) = self.built.try_lock() {
             visit.call(&built.hooks)?;
             visit.call(&built.copy)?;

@@ -56,6 +56,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<history::PyHistoryBuffer>()?;
     m.add_class::<storage::PyEventStorage>()?;
     m.add_class::<dispatch::PyDispatcher>()?;
+    m.add("StopTraining", m.py().get_type::<dispatch::StopTraining>())?;
     m.add_class::<hooks::PyIterationTimerBase>()?;
     m.add_class::<hooks::PyLRSchedulerBase>()?;
     m.add_class::<writers::PyNativeWriter>()?;

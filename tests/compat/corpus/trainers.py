@@ -896,3 +896,88 @@ def tr_state_dict_resume(E, R):
     t2.train(t2.iter + 1, 7)
     R.rec("after", t2.iter, counter.steps, weights(model2))
     R.storage(t2.storage)
+
+
+@pattern(
+    "(code search: several SAP-DA detectron2 forks; repository names not shown)",
+    "trainer.py: _DATrainer(SimpleTrainer) calling super(SimpleTrainer).__init__()",
+)
+def tr_da_trainer_skips_every_init(E, R):
+    """Domain-adaptation trainers copied across several repositories: ``_DATrainer`` subclasses
+    ``SimpleTrainer`` but calls ``super(SimpleTrainer).__init__()`` (an unbound ``super``
+    object: no ``__init__`` of the trainers runs at all), then sets detectron2's attributes by
+    hand, keeps a source and a target loader, weights the losses, and writes them with
+    ``self._write_metrics``. It is trained directly, with hooks."""
+
+    class _DATrainer(E.SimpleTrainer):
+        def __init__(self, model, source, target, loss_weight, optimizer):
+            super(E.SimpleTrainer).__init__()
+            model.train()
+            self._hooks = []
+            self.iter = 0
+            self.start_iter = 0
+            self.model = model
+            self.data_loader = source
+            self._data_loader_iter_obj = None
+            self._source_iter = iter(source)
+            self._target_iter = iter(target)
+            self.loss_weight = loss_weight
+            self.optimizer = optimizer
+            self.gather_metric_period = 1
+            self.zero_grad_before_forward = False
+            self.async_write_metrics = False
+            self.concurrent_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+        def run_step(self):
+            assert self.model.training, "[_DATrainer] model was changed to eval mode!"
+            start = time.perf_counter()
+            s_data = next(self._source_iter)
+            t_data = next(self._target_iter)
+            data_time = time.perf_counter() - start
+            loss_dict = self.model(s_data)
+            loss_dict.update(self.model(t_data, branch="domain_target"))
+            loss_dict = {k: self.loss_weight[k] * loss_dict[k] for k in self.loss_weight}
+            losses = sum(loss_dict.values())
+            self.optimizer.zero_grad()
+            losses.backward()
+            self._write_metrics(loss_dict, data_time)
+            self.optimizer.step()
+
+    model = _TwoDomains()
+    weight = {"loss_cls": 1.0, "loss_box_reg": 1.0, "loss_D_img_t": 0.1}
+    t = _DATrainer(model, batches(1), batches(2), weight, sgd(model))
+    t.register_hooks(
+        [
+            E.hooks.IterationTimer(),
+            E.hooks.PeriodicWriter([E.JSONWriter(R.path("metrics.json"))], period=3),
+        ]
+    )
+    t.train(0, 7)
+    R.rec("iter", t.iter)
+    R.storage(t.storage)
+    R.rec("weights", weights(model))
+
+
+@pattern(
+    "(issue 33: a subclass's own names, as research trainers add class constants)",
+    "a SimpleTrainer subclass's own METRICS_READ_EVERY and MAX_IN_FLIGHT",
+)
+def tr_subclass_names_like_hookloop_knobs(E, R):
+    """A trainer subclass that uses the names ``METRICS_READ_EVERY`` (how often its own
+    validation runs, in iterations) and ``MAX_IN_FLIGHT`` (a string label of its own) for its
+    own purposes: none of them is detectron2's, so they are the subclass's to use."""
+
+    class Mine(E.SimpleTrainer):
+        METRICS_READ_EVERY = "every 3 iterations"
+        MAX_IN_FLIGHT = None
+
+        def run_step(self):
+            super().run_step()
+            if (self.iter + 1) % 3 == 0:
+                self.storage.put_scalar("val_marker", float(self.iter), smoothing_hint=False)
+
+    model = TinyDetector()
+    t = Mine(model, batches(3), sgd(model))
+    t.register_hooks([E.hooks.PeriodicWriter([E.JSONWriter(R.path("metrics.json"))], period=2)])
+    t.train(0, 6)
+    R.storage(t.storage)

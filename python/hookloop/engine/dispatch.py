@@ -1,0 +1,170 @@
+"""The hook table: which hook methods each stage calls, in which order, how often.
+
+Python builds the table from the trainer's hook list (:func:`table_for`) and hands it to the
+Rust dispatcher (``_core.Dispatcher.set_table``), which runs the stages and the loop. The
+dispatcher compares the live list with the one the table was built from at each stage: after
+an edit of ``trainer._hooks`` a stage runs nothing and returns False, and the callers here set
+a table for the list as it is now and call it again. The dispatcher never calls Python to
+build a table.
+
+A table entry is ``(hook_index, stage_index, function, self, period)``: the dispatcher calls
+``function(self)`` (a Python method as its function and the hook: one vectorcall, no bound
+method object), or ``function()`` when ``self`` is None; ``period`` N > 0 calls it only when
+``iter + 1`` is a multiple of N and at the last iteration (the core's one period rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any, List, Optional, Tuple
+
+__all__ = [
+    "PRIORITIES",
+    "STAGES",
+    "base_stage",
+    "overrides",
+    "priority_of",
+    "run_loop",
+    "run_on_exception",
+    "run_stage",
+    "set_table",
+    "table_for",
+]
+
+logger = logging.getLogger("hookloop.engine.train_loop")
+
+#: The stages, in the dispatcher's index order.
+STAGES = ("before_train", "after_train", "before_step", "after_step", "after_backward")
+
+#: mmengine's priority names; a hook's ``priority`` may be one of them or an int (lower first).
+PRIORITIES = {
+    "HIGHEST": 0,
+    "VERY_HIGH": 10,
+    "HIGH": 30,
+    "ABOVE_NORMAL": 40,
+    "NORMAL": 50,
+    "BELOW_NORMAL": 60,
+    "LOW": 70,
+    "VERY_LOW": 90,
+    "LOWEST": 100,
+}
+
+
+def base_stage(method: Any) -> Any:
+    """Marks ``HookBase``'s own (empty) stage methods: a hook whose stage is one of them is
+    never called."""
+    method._base_stage = True
+    return method
+
+
+def overrides(hook: Any, stage: str) -> bool:
+    """Whether ``hook`` has its own ``stage`` method (its class's or set on the instance)."""
+    if stage in getattr(hook, "__dict__", {}):
+        return True
+    return not getattr(getattr(type(hook), stage, None), "_base_stage", False)
+
+
+def priority_of(hook: Any) -> int:
+    """A hook's ``priority`` attribute as an int: NORMAL (50) when it has none, so that
+    without priorities hooks run in registration order, as detectron2's do. detectron2 has
+    no such notion: a ``priority`` that is neither an int nor one of :data:`PRIORITIES`'
+    names (a float, another string, an object) is the hook's own data, and counts as
+    NORMAL."""
+    p = getattr(hook, "priority", None)
+    if isinstance(p, str):
+        return PRIORITIES.get(p.upper(), PRIORITIES["NORMAL"])
+    if isinstance(p, int) and not isinstance(p, bool):
+        return p
+    return PRIORITIES["NORMAL"]
+
+
+def table_for(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
+    """The dispatcher's table for ``hooks``: an entry for each stage a hook overrides or sets
+    on the instance, by priority, then the hook's order within the stage
+    (``_dispatch_order``), then registration order. Methods are resolved here, once per
+    table."""
+    entries = []
+    ranks = []
+    for index, hook in enumerate(hooks):
+        for stage_index, stage in enumerate(STAGES):
+            if not overrides(hook, stage):
+                continue
+            method = getattr(hook, stage, None)
+            if method is None:
+                # Not a hook at all: fail at the call, as detectron2's loop would.
+                method = _missing_stage(hook, stage)
+            period_of = getattr(hook, "_dispatch_period", None)
+            period = int((period_of(stage) if period_of is not None else None) or 0)
+            order_of = getattr(hook, "_dispatch_order", None)
+            order = int(order_of(stage)) if order_of is not None else 0
+            ranks.append((priority_of(hook), order))
+            if isinstance(method, types.MethodType) and method.__self__ is hook:
+                entries.append((index, stage_index, method.__func__, hook, period))
+            else:
+                entries.append((index, stage_index, method, None, period))
+    ranked = sorted(range(len(entries)), key=ranks.__getitem__)  # stable
+    return [entries[k] for k in ranked]
+
+
+def _missing_stage(hook: Any, stage: str) -> Any:
+    def call() -> None:
+        getattr(hook, stage)()
+
+    return call
+
+
+def set_table(trainer: Any, carry: bool = True) -> None:
+    """Hands the dispatcher a table for ``trainer._hooks`` as it is now. With ``carry``, each
+    hook's statistics continue (an edit during a run); without, they start again (a run)."""
+    hooks = trainer._hooks
+    trainer._hookloop.dispatcher.set_table(hooks, table_for(hooks), carry)
+
+
+def run_stage(trainer: Any, stage: str, *args: Any) -> None:
+    """Runs ``stage`` of ``trainer``'s hooks (``args``: the iteration, for the stages that
+    take it), with a table for the hook list as it is now."""
+    call = getattr(trainer._hookloop.dispatcher, stage)
+    while not call(*args):
+        set_table(trainer)
+
+
+def run_loop(trainer: Any, start_iter: int, max_iter: int) -> None:
+    """``TrainerBase.train``'s loop, run by the dispatcher: ``before_step``/``after_step``
+    that a subclass overrides are called as methods; TrainerBase's own run in Rust. When the
+    hook list changes, the dispatcher returns where it was, and the loop continues there with
+    a table for the new list."""
+    before_step = _overridden(trainer, "before_step")
+    after_step = _overridden(trainer, "after_step")
+    resume = STAGES.index("before_step")
+    dispatcher = trainer._hookloop.dispatcher
+    while True:
+        changed = dispatcher.run_loop(
+            trainer, start_iter, max_iter, trainer.run_step, before_step, after_step, resume
+        )
+        if changed is None:
+            return
+        start_iter, resume = changed
+        set_table(trainer)
+
+
+def _overridden(trainer: Any, stage: str) -> Optional[Any]:
+    """The bound stage method if ``trainer`` replaces TrainerBase's, else None: the loop then
+    runs the dispatcher's stage directly (the same code as TrainerBase's method, without its
+    Python frame)."""
+    own = getattr(type(trainer), stage)
+    if getattr(own, "_base_stage", False) and stage not in vars(trainer):
+        return None
+    return getattr(trainer, stage)  # type: ignore[no-any-return]
+
+
+def run_on_exception(hooks: List[Any], exc: BaseException) -> None:
+    """Each hook's ``on_exception`` that overrides HookBase's, in registration order; their
+    own errors are logged so that ``exc`` propagates unchanged."""
+    for h in list(hooks):
+        if not overrides(h, "on_exception"):
+            continue
+        try:
+            h.on_exception(exc)
+        except Exception:
+            logger.exception(f"{type(h).__name__}.on_exception raised; re-raising the original")

@@ -1,0 +1,153 @@
+"""hookloop's own state of a trainer, in the one slot ``trainer._hookloop``.
+
+detectron2's trainers have none of it, and code written for them subclasses the trainers,
+skips their ``__init__`` (even ``TrainerBase.__init__``) and sets detectron2's attributes by
+hand. So the parts are made on first use, in one place: :class:`PartsSlot` is a class
+attribute that makes them the first time ``trainer._hookloop`` is read and stores them in the
+instance, where every later read finds them as a plain attribute.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Type
+
+from hookloop import _core
+from hookloop.data.cursor import DataCursor
+from hookloop.engine import dispatch
+from hookloop.engine.metrics import LossMetrics
+from hookloop.engine.stop import StopController
+
+__all__ = [
+    "PartsSlot",
+    "SimpleTrainerParts",
+    "TrainerParts",
+    "check_iters",
+    "elapsed",
+    "hook_keys",
+    "report_secondary",
+]
+
+logger = logging.getLogger("hookloop.engine.train_loop")
+
+# The trainer state's key for hooks whose state detectron2 does not keep (BestCheckpointer's
+# best value): detectron2 reads only "hooks", so it resumes from a hookloop checkpoint.
+OWN_HOOK_STATE = "hookloop_hooks"
+
+# Entries kept per scalar in a checkpoint: the printer's ETA takes the median of the last 1000
+# `time` values, and writers smooth over windows of 20 by default.
+RESUME_HISTORY = 1000
+
+# max_iter for a loop that never set one: no iteration is the last.
+NO_MAX_ITER = 2**53
+
+
+class TrainerParts:
+    """What every trainer has beyond detectron2's attributes:
+
+    - ``dispatcher``: the Rust hook dispatcher, which runs the stages and the loop over the
+      table :mod:`hookloop.engine.dispatch` builds from ``trainer._hooks``;
+    - ``stop``: the :class:`~hookloop.engine.stop.StopController` (a ``DefaultTrainer`` shares
+      its own with the trainer it wraps);
+    - the state of the current ``train()``: whether it stopped early, its wall-clock span, the
+      storage history of a resumed checkpoint.
+    """
+
+    #: SimpleTrainer's collaborators (None on other trainers).
+    data: Optional[DataCursor] = None
+    metrics: Optional[LossMetrics] = None
+    #: AMPTrainer's autocast device ("cuda" when CUDA is available).
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        self.dispatcher = _core.Dispatcher()
+        self.stop = StopController(self.dispatcher)
+        self.stopped_early = False
+        self.train_time: List[Any] = [0.0, None]
+        self.resume_storage: Optional[Mapping[str, Any]] = None
+
+    def begin(self, trainer: Any, storage: Any, max_iter: int) -> None:
+        """A run starts: the dispatcher learns its storage and ``max_iter`` and gets a table for
+        the hook list (statistics start again); no stop is requested."""
+        self.dispatcher.begin(storage, max_iter)
+        dispatch.set_table(trainer, carry=False)
+        self.stop.begin()
+
+
+class SimpleTrainerParts(TrainerParts):
+    """:class:`TrainerParts` with ``SimpleTrainer``'s collaborators: the
+    :class:`~hookloop.data.cursor.DataCursor` (epochs of a finite loader, the data position
+    for resume) and the :class:`~hookloop.engine.metrics.LossMetrics` (losses read in
+    batches, asynchronous writes, the packed collective across ranks, on which a stop rides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = DataCursor()
+        self.metrics = LossMetrics()
+        self.stop.collective = True
+
+
+class PartsSlot:
+    """The class attribute ``_hookloop``: the instance's parts, made on first read."""
+
+    def __init__(self, parts: Type[TrainerParts]) -> None:
+        self._parts = parts
+
+    def __get__(self, trainer: Any, owner: Any = None) -> Any:
+        if trainer is None:
+            return self
+        parts = trainer.__dict__["_hookloop"] = self._parts()
+        return parts
+
+
+def check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
+    """Both as ints (numpy ints accepted, as range() accepts them), or a clear error."""
+    out = []
+    for name, value in (("start_iter", start_iter), ("max_iter", max_iter)):
+        if isinstance(value, bool):
+            raise TypeError(f"train() {name} must be an int, got bool")
+        try:
+            out.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"train() {name} must be an int, got {type(value).__name__}") from None
+    start_iter, max_iter = out
+    if max_iter < start_iter:
+        raise ValueError(f"train() max_iter ({max_iter}) must be >= start_iter ({start_iter})")
+    return start_iter, max_iter
+
+
+def hook_keys(hooks: Iterable[Any], qualified: bool = True) -> List[Tuple[str, Any]]:
+    """(key, hook) for the hooks' state in a checkpoint: the class's qualified name (its plain
+    name unless ``qualified``), then ``Name.1``, ``Name.2`` for later hooks of the same class."""
+    seen: Dict[str, int] = {}
+    out = []
+    for h in hooks:
+        name = type(h).__qualname__ if qualified else type(h).__name__
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        out.append((name if n == 0 else f"{name}.{n}", h))
+    return out
+
+
+def elapsed(parts: TrainerParts) -> float:
+    """Seconds since the current (or last) ``train()`` started, to its end if it ended."""
+    start, end = parts.train_time
+    return (time.perf_counter() if end is None else end) - start  # type: ignore[no-any-return]
+
+
+def report_secondary(primary: BaseException, secondary: BaseException, where: str) -> None:
+    """An error raised while ``primary`` propagates: logged at ERROR, and attached to
+    ``primary`` as a note (Python 3.11+), so the first error stays the one raised."""
+    logger.error(
+        "%s failed while handling %s: %s: %s",
+        where,
+        type(primary).__name__,
+        type(secondary).__name__,
+        secondary,
+        exc_info=secondary,
+    )
+    add_note = getattr(primary, "add_note", None)
+    if add_note is not None:
+        add_note(f"{where} then failed with {type(secondary).__name__}: {secondary}")

@@ -1,12 +1,15 @@
 # The commands the README, the developers and CI run.
 PYTHON ?= python3
 
-.PHONY: install demo test test-rust test-python lint bench bench-quick
+.PHONY: install install-demo demo test test-rust test-python lint bench bench-quick
+
+install-demo:       ## build the extension (release) and install hookloop with what the demo uses
+	$(PYTHON) -m pip install -e ".[progress]"
 
 install:            ## build the extension (release) and install hookloop with its test deps
 	$(PYTHON) -m pip install -e ".[test]"
 
-demo: install       ## the main job: a demo training run on generated data
+demo: install-demo  ## the main job: a demo training run on generated data
 	hookloop demo --output output/demo
 
 test: install test-rust test-python   ## everything CI checks

@@ -4,6 +4,7 @@ and what the wheel ships."""
 from __future__ import annotations
 
 import ast
+import re
 import collections
 import json
 import signal
@@ -188,3 +189,15 @@ def test_demo_resumes_where_it_stopped(tmp_path, interrupt_at):
         return [(e.step, e.value) for e in acc.Scalars("total_loss")]
 
     assert curve(tmp_path / "resumed") == curve(tmp_path / "straight")
+
+
+def test_make_demo_installs_the_package_without_the_test_extras():
+    """``make demo`` installs what the demo runs with (torch, numpy, tqdm), not the test
+    extras (the trackers' clients, fvcore, tensorboard): a new user waits for less."""
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    targets = dict(re.findall(r"^([\w-]+):[^\n]*\n\t([^\n]+)", makefile, flags=re.M))
+    demo_deps = re.search(r"^demo:\s*([\w -]*)", makefile, flags=re.M)
+    assert demo_deps is not None
+    recipes = [targets[d] for d in demo_deps.group(1).split() if d in targets]
+    assert recipes and any("pip install" in r for r in recipes)
+    assert not any("test" in r or "dev" in r for r in recipes), recipes

@@ -25,6 +25,8 @@ from hookloop.engine import (
     TrainerBase,
 )
 
+from hookloop.engine.dispatch import STAGES
+
 torch.set_num_threads(1)
 
 CHILD = Path(__file__).with_name("preempt_child.py")
@@ -93,8 +95,47 @@ def test_request_stop_ends_after_every_after_step_of_that_iteration(stage):
     ]
     assert ("a", "after_step", 4) in log
     assert not any(e[1] == "before_step" and e[2] == 5 for e in log)
-    # The stop hook is gone from the list once training ended.
     assert len(t._hooks) == 3
+
+
+def test_the_hook_list_is_the_users_at_every_stage_of_a_stopped_run():
+    """A stop is the dispatcher's flag: ``trainer._hooks`` holds what the user registered, the
+    same list object, at every stage (before the stop, after it, in after_train)."""
+    seen = []
+
+    class Watch(HookBase):
+        def _look(self, stage):
+            hooks = self.trainer._hooks
+            seen.append((stage, self.trainer.iter, id(hooks), [type(h).__name__ for h in hooks]))
+
+        def before_train(self):
+            self._look("before_train")
+
+        def before_step(self):
+            self._look("before_step")
+
+        def after_backward(self):
+            self._look("after_backward")
+
+        def after_step(self):
+            self._look("after_step")
+
+        def after_train(self):
+            self._look("after_train")
+
+    class BackwardLoop(Loop):
+        def run_step(self):
+            super().run_step()
+            self.after_backward()
+
+    t = BackwardLoop()
+    t.register_hooks([Watch(), StopAt(2)])
+    user_list = t._hooks
+    t.train(0, 10)
+    assert t.stopped_early and t.iter == 2
+    assert {stage for stage, *_ in seen} == set(STAGES)
+    assert all(i == id(user_list) and names == ["Watch", "StopAt"] for _, _, i, names in seen)
+    assert t._hooks is user_list and [type(h).__name__ for h in t._hooks] == ["Watch", "StopAt"]
 
 
 def test_request_stop_from_run_step():
@@ -484,4 +525,4 @@ def test_hook_stats_add_up_across_the_stop():
     assert calls[("Recorder", "after_train")] == 1
     # Every call is counted, the one that asked for the stop too (iterations 0 to 5).
     assert calls[("StopAt", "after_step")] == 6
-    assert not any(name == "_StopBeforeNextStep" for name, _ in calls)
+    assert {name for name, _ in calls} == {"Recorder", "StopAt"}

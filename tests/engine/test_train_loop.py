@@ -1123,9 +1123,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
         return [0.5] * len(tensors)
 
     monkeypatch.setattr(engine_metrics, "read_scalars", read_all)
-    _Trainer = functools.partial(
-        types.SimpleNamespace, gather_metric_period=1
-    )
+    _Trainer = functools.partial(types.SimpleNamespace, gather_metric_period=1)
     metrics = LossMetrics()
     metrics.deferring = True
     with EventStorage(0) as storage:

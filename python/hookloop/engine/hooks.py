@@ -24,8 +24,8 @@ from hookloop.data.cursor import ReplayIterator, run_epochs
 from hookloop.engine._args import _callable_arg, _int_arg, _path_arg
 from hookloop.engine.extra_hooks import EarlyStopping, OptimizationHook, PreemptionHandler
 from hookloop.engine.metrics import metrics_of
-from hookloop.engine.stop import Preempted
 from hookloop.engine.parts import hook_keys, report_secondary
+from hookloop.engine.stop import Preempted
 from hookloop.engine.train_loop import HookBase
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm

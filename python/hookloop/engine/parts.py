@@ -19,6 +19,7 @@ from hookloop.data.cursor import DataCursor
 from hookloop.engine import dispatch
 from hookloop.engine.metrics import LossMetrics
 from hookloop.engine.stop import StopController
+from hookloop.utils import comm
 
 __all__ = [
     "PartsSlot",
@@ -67,6 +68,29 @@ class TrainerParts:
         self.stopped_early = False
         self.train_time: List[Any] = [0.0, None]
         self.resume_storage: Optional[Mapping[str, Any]] = None
+
+    def start_run(self, trainer: Any, storage: Any, max_iter: int) -> None:
+        """``train()`` opened ``storage``: the recent history of a resumed checkpoint goes into
+        it (smoothing and the ETA continue), the dispatcher and the stop controller start."""
+        self.stopped_early = False
+        self.train_time = [time.perf_counter(), None]
+        if self.resume_storage is not None:
+            storage._load_state(dict(self.resume_storage))
+            storage.iter = trainer.start_iter
+            self.resume_storage = None
+        self.begin(trainer, storage, max_iter)
+        self.stop.begin()
+
+    def end_run(self) -> None:
+        """``train()`` closed its storage: after a stop across ranks every rank waits for the
+        others (none leaves before the main process's checkpoint of the stop is on disk: when
+        one process exits, launch() and torchrun stop the others); then the exception the stop
+        asked for is raised."""
+        after_stop = self.stop.take_raise_after_train()
+        if self.stopped_early and self.stop.rides_collective():
+            comm.synchronize()
+        if after_stop is not None and self.stopped_early:
+            raise after_stop
 
     def begin(self, trainer: Any, storage: Any, max_iter: int) -> None:
         """A run starts: the dispatcher learns its storage and ``max_iter`` and gets a table for

@@ -1,11 +1,9 @@
 """The training loop, mirroring ``detectron2.engine.train_loop``.
 
-``HookBase``, ``TrainerBase``, ``SimpleTrainer`` and ``AMPTrainer`` keep detectron2's API and
-call order. The per-iteration loop and the hook dispatch run in Rust (``hookloop._core``):
-``TrainerBase.train`` makes one call into Rust for the whole loop, and each stage calls only
-the hooks that override it (:mod:`hookloop.engine.dispatch` builds that table). hookloop's own
-state of a trainer lives in one slot, ``_hookloop`` (:mod:`hookloop.engine.parts`), made on
-first use. Everything that touches torch stays here.
+detectron2's API and call order. The loop and the hook dispatch run in Rust over a table
+:mod:`hookloop.engine.dispatch` builds; hookloop's state of a trainer is one slot,
+``_hookloop`` (:mod:`hookloop.engine.parts`), made on first use; its additions to the API are
+in :mod:`hookloop.engine.additions`. Everything that touches torch stays here.
 """
 
 from __future__ import annotations
@@ -14,14 +12,14 @@ import concurrent.futures
 import logging
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from hookloop.checkpoint.rng import get_rng_state, set_rng_state
-from hookloop.data.cursor import iters_per_epoch
 from hookloop.engine import dispatch
+from hookloop.engine.additions import EpochAdditions, HookStat, TrainerAdditions
 from hookloop.engine.dispatch import base_stage
 from hookloop.engine.losses import losses_of
 from hookloop.engine.metrics import write_metrics_across
@@ -33,12 +31,10 @@ from hookloop.engine.parts import (
     SimpleTrainerParts,
     TrainerParts,
     check_iters,
-    elapsed,
     hook_keys,
     report_secondary,
 )
 from hookloop.engine.stop import StopTraining
-from hookloop.utils import comm
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, EventStorage, get_event_storage
 
 __all__ = ["HookBase", "TrainerBase", "SimpleTrainer", "AMPTrainer", "HookStat"]
@@ -117,17 +113,13 @@ class HookBase:
         """Restores what :meth:`state_dict` returned; stateless hooks ignore it."""
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
-        """The period of this hook's ``stage`` method, for the dispatcher's period filter:
-        ``None`` (called every time, the default) or N, called only when ``iter + 1`` is a
-        multiple of N and at the last iteration. A hook returning N must keep its own check
-        for callers that invoke the method directly."""
+        """The period of ``stage`` for the dispatcher: None (every time) or N (when ``iter + 1``
+        is a multiple of N, and at the last iteration); the hook keeps its own check too."""
         return None
 
     def _dispatch_order(self, stage: str) -> int:
-        """Where this hook's ``stage`` method runs among the stage's hooks: by this number
-        (0 by default), then in registration order. ``PeriodicCheckpointer`` uses 1 for
-        ``after_step`` so that its checkpoint holds the state of every other hook's
-        ``after_step`` of that iteration (evaluation results, the best-model record)."""
+        """Where ``stage`` runs among the stage's hooks of one priority: by this number (0 by
+        default), then in registration order (``PeriodicCheckpointer``: 1 for after_step)."""
         return 0
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -141,21 +133,7 @@ class HookBase:
         self.__dict__.update(state)
 
 
-class HookStat(NamedTuple):
-    """The time one hook spent in one stage, from :meth:`TrainerBase.hook_stats`."""
-
-    hook: Any
-    #: ``"before_train"``, ``"before_step"``, ``"after_backward"``, ``"after_step"`` or
-    #: ``"after_train"``.
-    stage: str
-    calls: int
-    total_s: float
-    max_s: float
-    #: ``total_s`` as a fraction of the training time so far (``train()``'s wall time).
-    share: float
-
-
-class TrainerBase:
+class TrainerBase(TrainerAdditions):
     """Base class for iterative trainer with hooks.
 
     The only assumption we made here is: the training runs in a loop. A subclass can
@@ -216,17 +194,9 @@ class TrainerBase:
         self.iter = self.start_iter = start_iter
         self.max_iter = max_iter
         parts = self._hookloop
-        parts.stopped_early = False
-        parts.train_time = [time.perf_counter(), None]
 
         with EventStorage(start_iter) as self.storage:
-            if parts.resume_storage is not None:
-                # The recent history of a resumed checkpoint: smoothing and the ETA continue.
-                self.storage._load_state(dict(parts.resume_storage))
-                self.storage.iter = start_iter
-                parts.resume_storage = None
-            parts.begin(self, self.storage, max_iter)
-            parts.stop.begin()
+            parts.start_run(self, self.storage, max_iter)
             try:
                 self.before_train()
                 try:
@@ -246,9 +216,7 @@ class TrainerBase:
                     logger.exception("Exception during training:")
                 dispatch.run_on_exception(self._hooks, exc)
                 parts.stop.end()
-                # The training error is what propagates: an error of after_train (a writer
-                # whose close() meets a full disk) is logged and attached to it as a note,
-                # where a plain `finally` would replace it.
+                # The training error propagates; one of after_train is logged, noted on it.
                 try:
                     self.after_train()
                 except Exception as after:
@@ -261,69 +229,12 @@ class TrainerBase:
                 self.after_train()
             finally:
                 parts.train_time[1] = time.perf_counter()
-        after_stop = parts.stop.take_raise_after_train()
-        if parts.stopped_early and parts.stop.rides_collective():
-            # Every rank stopped after the same iteration: none leaves before the main
-            # process's checkpoint of it is on disk (when one process exits, launch() and
-            # torchrun stop the others).
-            comm.synchronize()
-        if after_stop is not None and parts.stopped_early:
-            raise after_stop
-
-    # stop_requested and stopped_early are not detectron2's names: a subclass may assign its
-    # own, which reads then give (the loop never reads them).
-
-    @property
-    def stop_requested(self) -> bool:
-        """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
-        return self.__dict__.get("stop_requested", self._hookloop.stop.requested)  # type: ignore[no-any-return]
-
-    @stop_requested.setter
-    def stop_requested(self, value: Any) -> None:
-        self.__dict__["stop_requested"] = value
-
-    @property
-    def stopped_early(self) -> bool:
-        """Whether the current (or last) ``train()`` ended through :meth:`request_stop` before
-        ``max_iter``."""
-        return self.__dict__.get("stopped_early", self._hookloop.stopped_early)  # type: ignore[no-any-return]
-
-    @stopped_early.setter
-    def stopped_early(self, value: Any) -> None:
-        self.__dict__["stopped_early"] = value
-
-    def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
-        """Ends training cleanly after the current step: every hook's ``after_step`` of the
-        iteration in progress runs, then ``after_train``, with ``iter`` at that iteration
-        and :attr:`stopped_early` set (``PeriodicCheckpointer`` then saves a checkpoint of
-        it, from which a resume continues at the next iteration). Called before the first
-        step (in ``before_train``), no step runs. The stop is a flag the loop reads between
-        iterations; the trainer's hook list is not touched.
-
-        Across processes (``SimpleTrainer``/``AMPTrainer``, also inside ``DefaultTrainer``, with
-        more than one rank) the stop is not taken alone: the request rides on the next packed
-        metric collective (the one every ``gather_metric_period`` iterations), and every rank
-        stops after that iteration, the same one. A stop requested on one rank therefore
-        takes effect at the next period boundary (at once when requested in ``run_step``
-        before that iteration's collective), and not at all when no collective remains before
-        ``max_iter`` (training then finishes). A preemption on one rank
-        (:class:`~hookloop.engine.stop.Preempted`) makes every rank raise it. With
-        ``async_write_metrics`` the agreement of one period's collective is applied at the
-        next period boundary. Other trainers stop alone.
-
-        Args:
-            raise_after_train: an exception that ``train()`` raises after ``after_train``
-                when the run stopped early (not when the stop came in the last iteration:
-                training then finished normally; ``PreemptionHandler`` passes
-                :class:`~hookloop.engine.stop.Preempted` for the process's exit status).
-        """
-        self._hookloop.stop.request(raise_after_train)
+        parts.end_run()
 
     def before_train(self) -> None:
         parts = self._hookloop
         if not parts.stop.running:
-            # A loop of the subclass's own (``for self.iter in range(...)`` calling the stages):
-            # the dispatcher learns this run's storage and max_iter here, as train() tells it.
+            # A subclass's own loop calling the stages: the dispatcher learns its run here.
             storage = getattr(self, "storage", None)
             if isinstance(storage, EventStorage):
                 max_iter = getattr(self, "max_iter", None)
@@ -336,8 +247,7 @@ class TrainerBase:
 
     @base_stage  # the loop runs it in Rust (see dispatch.run_loop)
     def before_step(self) -> None:
-        # Maintain the invariant that storage.iter == trainer.iter for the entire execution
-        # of each step
+        # Maintain the invariant that storage.iter == trainer.iter for the entire step
         self.storage.iter = self.iter
         dispatch.run_stage(self, "before_step", self.iter)
 
@@ -350,35 +260,14 @@ class TrainerBase:
     def after_step(self) -> None:
         dispatch.run_stage(self, "after_step", self.iter)
 
-    def hooks_table(self) -> Dict[str, List[Any]]:
-        """The hooks each stage calls, in call order (registration order, unless hooks declare
-        a ``priority``): what the dispatcher runs, for checking where a hook lands."""
-        dispatch.set_table(self)  # for the list as it is now
-        dispatcher = self._hookloop.dispatcher
-        return {stage: list(dispatcher.hooks_for(stage)) for stage in dispatch.STAGES}
-
-    def hook_stats(self) -> List[HookStat]:
-        """Per hook and stage, the time spent in it since ``train()`` started: a
-        :class:`HookStat` ``(hook, stage, calls, total_s, max_s, share)`` per entry of the
-        dispatch table, in call order. Every hook call is timed (one clock read per call, a
-        few nanoseconds; ``trainer._hookloop.dispatcher.timing = False`` turns it off, and the
-        counts then stay zero). ``share`` is ``total_s`` over the training time so far."""
-        total = elapsed(self._hookloop)
-        return [
-            HookStat(h, stage, calls, t, longest, t / total if total > 0 else 0.0)
-            for h, stage, calls, t, longest in self._hookloop.dispatcher.hook_stats()
-        ]
-
     def run_step(self) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> Dict[str, Any]:
         """The iteration, every stateful hook's state, the RNG states (Python, numpy, torch,
         CUDA), and during training the storage's recent scalar history (what smoothing and the
-        ETA need), so that a resumed run continues as if it was never stopped.
-
-        Two stateful hooks of one class are both saved: the first under the class's name (as
-        detectron2 keys it), the next ones under ``Name.1``, ``Name.2``, ..."""
+        ETA need), so that a resumed run continues as if it was never stopped. A second stateful
+        hook of one class is saved under ``Name.1`` (the first under detectron2's ``Name``)."""
         ret: Dict[str, Any] = {"iteration": self.iter}
         hooks_state: Dict[str, Any] = {}
         own_state: Dict[str, Any] = {}
@@ -417,7 +306,7 @@ class TrainerBase:
         self._hookloop.resume_storage = state_dict.get("storage")
 
 
-class SimpleTrainer(TrainerBase):
+class SimpleTrainer(EpochAdditions, TrainerBase):
     """A simple trainer for the most common type of task: single-cost single-optimizer
     single-data-source iterative optimization, optionally using data-parallelism.
 
@@ -449,10 +338,10 @@ class SimpleTrainer(TrainerBase):
         check_finite_every_step: bool. By default (False) the losses are kept as tensors and
             read in one batch, without a device synchronization per step: before anything
             reads the storage (a writer, a hook's ``latest()``) and at least every
-            ``LossMetrics.READ_EVERY`` (20) recorded iterations. The values and iterations stored are
-            the same; a non-finite loss raises ``FloatingPointError`` naming the iteration
-            where it appeared, up to that many iterations later. True reads them at every
-            step, as detectron2 does.
+            ``LossMetrics.READ_EVERY`` (20) recorded iterations. The values and iterations
+            stored are the same; a non-finite loss raises ``FloatingPointError`` naming the
+            iteration where it appeared, up to that many iterations later. True reads them at
+            every step, as detectron2 does.
 
     Attributes:
         step_optimizer (bool): whether :meth:`run_step` zeroes the gradients and steps the
@@ -465,8 +354,7 @@ class SimpleTrainer(TrainerBase):
     """
 
     step_optimizer = True
-    #: Read in before_train; a subclass that skips SimpleTrainer.__init__ gets the deferred
-    #: reads unless it sets it.
+    #: Read in before_train (a subclass may skip __init__): the deferred reads by default.
     check_finite_every_step = False
     #: detectron2 sets it in __init__; read in before_train (a subclass may skip __init__).
     async_write_metrics = False
@@ -543,31 +431,6 @@ class SimpleTrainer(TrainerBase):
         if self.__dict__.get("_data_loader_iter_obj") is None:
             self._data_loader_iter_obj = self._hookloop.data.new_iterator(self)
         return self._data_loader_iter_obj
-
-    # epoch and iters_per_epoch are not detectron2's names: a subclass may assign its own
-    # (xmodaler-style trainers do), which is then what reads give; the cursor keeps its own.
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of a finite data loader (0 for the first pass)."""
-        if "epoch" in self.__dict__:
-            return self.__dict__["epoch"]  # type: ignore[no-any-return]
-        return self._hookloop.data.epoch  # type: ignore[no-any-return]
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.__dict__["epoch"] = value
-
-    @property
-    def iters_per_epoch(self) -> Optional[int]:
-        """``len(data_loader)`` when the loader has a length, else None."""
-        if "iters_per_epoch" in self.__dict__:
-            return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
-        return iters_per_epoch(self.data_loader)
-
-    @iters_per_epoch.setter
-    def iters_per_epoch(self, value: Optional[int]) -> None:
-        self.__dict__["iters_per_epoch"] = value
 
     def reset_data_loader(self, data_loader_builder: Any) -> None:
         """Delete and replace the current data loader with a new one, which will be created

@@ -830,9 +830,7 @@ def ws_validation_history_read_before_put(E, R):
 
         def _do_loss_eval(self):
             with torch.no_grad():
-                losses = [
-                    {k: v.item() for k, v in self._model(b).items()} for b in self._data
-                ]
+                losses = [{k: v.item() for k, v in self._model(b).items()} for b in self._data]
             means = {k: float(np.mean([d[k] for d in losses])) for k in losses[0]}
             means["total_loss"] = sum(means.values())
             for name, value in means.items():

@@ -1,0 +1,130 @@
+"""What hookloop adds to detectron2's trainers, beside the stages: stopping a run cleanly, the
+hook table and its timings (``TrainerBase``), and the epochs of a finite loader
+(``SimpleTrainer``). None of these names is detectron2's: a subclass may assign its own, which
+reads then give (the loop never reads them)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional
+
+from hookloop.data.cursor import iters_per_epoch
+from hookloop.engine import dispatch
+from hookloop.engine.parts import elapsed
+
+__all__ = ["EpochAdditions", "HookStat", "TrainerAdditions"]
+
+
+class HookStat(NamedTuple):
+    """The time one hook spent in one stage, from :meth:`TrainerBase.hook_stats`."""
+
+    hook: Any
+    #: ``"before_train"``, ``"before_step"``, ``"after_backward"``, ``"after_step"`` or
+    #: ``"after_train"``.
+    stage: str
+    calls: int
+    total_s: float
+    max_s: float
+    #: ``total_s`` as a fraction of the training time so far (``train()``'s wall time).
+    share: float
+
+
+class TrainerAdditions:
+    """``TrainerBase``'s additions: :meth:`request_stop` and what it leaves
+    (:attr:`stop_requested`, :attr:`stopped_early`), :meth:`hooks_table`, :meth:`hook_stats`."""
+
+    _hookloop: Any
+    _hooks: List[Any]
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
+        return self.__dict__.get("stop_requested", self._hookloop.stop.requested)  # type: ignore[no-any-return]
+
+    @stop_requested.setter
+    def stop_requested(self, value: Any) -> None:
+        self.__dict__["stop_requested"] = value
+
+    @property
+    def stopped_early(self) -> bool:
+        """Whether the current (or last) ``train()`` ended through :meth:`request_stop` before
+        ``max_iter``."""
+        return self.__dict__.get("stopped_early", self._hookloop.stopped_early)  # type: ignore[no-any-return]
+
+    @stopped_early.setter
+    def stopped_early(self, value: Any) -> None:
+        self.__dict__["stopped_early"] = value
+
+    def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
+        """Ends training cleanly after the current step: every hook's ``after_step`` of the
+        iteration in progress runs, then ``after_train``, with ``iter`` at that iteration
+        and :attr:`stopped_early` set (``PeriodicCheckpointer`` then saves a checkpoint of
+        it, from which a resume continues at the next iteration). Called before the first
+        step (in ``before_train``), no step runs. The stop is a flag the loop reads between
+        iterations; the trainer's hook list is not touched.
+
+        Across processes (``SimpleTrainer``/``AMPTrainer``, also inside ``DefaultTrainer``, with
+        more than one rank) the stop is not taken alone: the request rides on the next packed
+        metric collective (the one every ``gather_metric_period`` iterations), and every rank
+        stops after that iteration, the same one. A stop requested on one rank therefore
+        takes effect at the next period boundary (at once when requested in ``run_step``
+        before that iteration's collective), and not at all when no collective remains before
+        ``max_iter`` (training then finishes). A preemption on one rank
+        (:class:`~hookloop.engine.stop.Preempted`) makes every rank raise it. With
+        ``async_write_metrics`` the agreement of one period's collective is applied at the
+        next period boundary. Other trainers stop alone.
+
+        Args:
+            raise_after_train: an exception that ``train()`` raises after ``after_train``
+                when the run stopped early (not when the stop came in the last iteration:
+                training then finished normally; ``PreemptionHandler`` passes
+                :class:`~hookloop.engine.stop.Preempted` for the process's exit status).
+        """
+        self._hookloop.stop.request(raise_after_train)
+
+    def hooks_table(self) -> Dict[str, List[Any]]:
+        """The hooks each stage calls, in call order (registration order, unless hooks declare
+        a ``priority``): what the dispatcher runs, for checking where a hook lands."""
+        dispatch.set_table(self)  # for the list as it is now
+        dispatcher = self._hookloop.dispatcher
+        return {stage: list(dispatcher.hooks_for(stage)) for stage in dispatch.STAGES}
+
+    def hook_stats(self) -> List[HookStat]:
+        """Per hook and stage, the time spent in it since ``train()`` started: a
+        :class:`HookStat` ``(hook, stage, calls, total_s, max_s, share)`` per entry of the
+        dispatch table, in call order. Every hook call is timed (one clock read per call, a
+        few nanoseconds; ``trainer._hookloop.dispatcher.timing = False`` turns it off, and the
+        counts then stay zero). ``share`` is ``total_s`` over the training time so far."""
+        total = elapsed(self._hookloop)
+        return [
+            HookStat(h, stage, calls, t, longest, t / total if total > 0 else 0.0)
+            for h, stage, calls, t, longest in self._hookloop.dispatcher.hook_stats()
+        ]
+
+
+class EpochAdditions:
+    """``SimpleTrainer``'s additions: the epoch of a finite loader."""
+
+    _hookloop: Any
+    data_loader: Any
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of a finite data loader (0 for the first pass)."""
+        if "epoch" in self.__dict__:
+            return self.__dict__["epoch"]  # type: ignore[no-any-return]
+        return self._hookloop.data.epoch  # type: ignore[no-any-return]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.__dict__["epoch"] = value
+
+    @property
+    def iters_per_epoch(self) -> Optional[int]:
+        """``len(data_loader)`` when the loader has a length, else None."""
+        if "iters_per_epoch" in self.__dict__:
+            return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
+        return iters_per_epoch(self.data_loader)
+
+    @iters_per_epoch.setter
+    def iters_per_epoch(self, value: Optional[int]) -> None:
+        self.__dict__["iters_per_epoch"] = value

@@ -4,9 +4,9 @@ and what the wheel ships."""
 from __future__ import annotations
 
 import ast
-import re
 import collections
 import json
+import re
 import signal
 import subprocess
 import sys

@@ -24,7 +24,6 @@ from hookloop.engine import (
     SimpleTrainer,
     TrainerBase,
 )
-
 from hookloop.engine.dispatch import STAGES
 
 torch.set_num_threads(1)

@@ -899,11 +899,11 @@ def tr_state_dict_resume(E, R):
 
 
 @pattern(
-    "(code search: several SAP-DA detectron2 forks; repository names not shown)",
-    "trainer.py: _DATrainer(SimpleTrainer) calling super(SimpleTrainer).__init__()",
+    "Shuntw6096/SAPNetV2",
+    "detection/trainer.py: _DATrainer(SimpleTrainer) calling super(SimpleTrainer).__init__()",
 )
 def tr_da_trainer_skips_every_init(E, R):
-    """Domain-adaptation trainers copied across several repositories: ``_DATrainer`` subclasses
+    """SAPNetV2's domain-adaptation trainer (copied into several forks): ``_DATrainer`` subclasses
     ``SimpleTrainer`` but calls ``super(SimpleTrainer).__init__()`` (an unbound ``super``
     object: no ``__init__`` of the trainers runs at all), then sets detectron2's attributes by
     hand, keeps a source and a target loader, weights the losses, and writes them with
@@ -959,13 +959,14 @@ def tr_da_trainer_skips_every_init(E, R):
 
 
 @pattern(
-    "(issue 33: a subclass's own names, as research trainers add class constants)",
-    "a SimpleTrainer subclass's own METRICS_READ_EVERY and MAX_IN_FLIGHT",
+    "hookloop/issue-33",
+    "a SimpleTrainer subclass's own METRICS_READ_EVERY and MAX_IN_FLIGHT (constructed)",
 )
 def tr_subclass_names_like_hookloop_knobs(E, R):
-    """A trainer subclass that uses the names ``METRICS_READ_EVERY`` (how often its own
-    validation runs, in iterations) and ``MAX_IN_FLIGHT`` (a string label of its own) for its
-    own purposes: none of them is detectron2's, so they are the subclass's to use."""
+    """Constructed from issue 33 (no repository found uses these names; research trainers add
+    class constants of their own the same way): a subclass that uses ``METRICS_READ_EVERY``
+    (its own label) and ``MAX_IN_FLIGHT`` for its own purposes. Neither is detectron2's name,
+    so both are the subclass's to use."""
 
     class Mine(E.SimpleTrainer):
         METRICS_READ_EVERY = "every 3 iterations"

@@ -40,15 +40,22 @@ def test_early_stopping_hook_sets_storage_private_iter():
 
 
 def test_reading_validation_loss_before_first_evaluation_gives_an_empty_history():
-    """``histories()["validation_total_loss"]`` before any evaluation: an empty buffer, as
-    detectron2's defaultdict gives, and the name does not reach the writers."""
+    """``histories()["validation_total_loss"]`` before any evaluation: the storage's own empty
+    buffer, as detectron2's defaultdict gives, listed at that place from then on (before names
+    put later, after its first put too); the writers see the name only once it is put, and the
+    buffer read first is the one that fills."""
     with EventStorage() as s:
         s.put_scalar("loss", 1.0)
         h = s.histories()["validation_total_loss"]
         assert isinstance(h, HistoryBuffer) and len(h) == 0
-        assert "validation_total_loss" not in s.histories()
-        assert "loss" in s.histories() and list(s.histories()) == ["loss"]
+        s.put_scalar("lr", 0.1, smoothing_hint=False)
+        assert list(s.histories()) == ["loss", "validation_total_loss", "lr"]
         assert "validation_total_loss" not in s.latest_with_smoothing_hint()
+        assert len(s.history("validation_total_loss")) == 0
+        s.put_scalar("validation_total_loss", 0.5)
+        assert list(s.histories()) == ["loss", "validation_total_loss", "lr"]
+        assert list(s.latest()) == ["loss", "lr", "validation_total_loss"]
+        assert h.values() == [(0.5, 0)]
 
 
 def test_unit_test_injects_a_history_into_the_storage():

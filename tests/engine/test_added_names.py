@@ -28,7 +28,7 @@ ADDED = {
         "async_write_metrics", "check_finite_every_step", "epoch", "iters_per_epoch",
         "step_optimizer",
     },
-    "HookBase": {"_dispatch_order", "_dispatch_period", "load_state_dict", "on_exception"},
+    "HookBase": {"_dispatch_period", "load_state_dict", "on_exception"},
 }  # fmt: skip
 
 # The private names hookloop adds to a trainer's instances: one slot, holding the collaborators

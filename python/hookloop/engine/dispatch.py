@@ -81,11 +81,10 @@ def priority_of(hook: Any) -> int:
 
 def table_for(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
     """The dispatcher's table for ``hooks``: an entry for each stage a hook overrides or sets
-    on the instance, by priority, then the hook's order within the stage
-    (``_dispatch_order``), then registration order. Methods are resolved here, once per
-    table."""
+    on the instance, by priority (:func:`priority_of`), then registration order. Methods are
+    resolved here, once per table."""
     entries = []
-    ranks = []
+    ranks = []  # the entries' priorities
     for index, hook in enumerate(hooks):
         for stage_index, stage in enumerate(STAGES):
             if not overrides(hook, stage):
@@ -96,9 +95,7 @@ def table_for(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
                 method = _missing_stage(hook, stage)
             period_of = getattr(hook, "_dispatch_period", None)
             period = int((period_of(stage) if period_of is not None else None) or 0)
-            order_of = getattr(hook, "_dispatch_order", None)
-            order = int(order_of(stage)) if order_of is not None else 0
-            ranks.append((priority_of(hook), order))
+            ranks.append(priority_of(hook))
             if isinstance(method, types.MethodType) and method.__self__ is hook:
                 entries.append((index, stage_index, method.__func__, hook, period))
             else:

@@ -824,12 +824,6 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         # periodic files of an earlier run are found on disk instead (max_to_keep).
         return {}
 
-    def _dispatch_order(self, stage: str) -> int:
-        # Saved after the other hooks' after_step of the iteration (detectron2 saves before
-        # them): the checkpoint then holds that iteration's evaluation and best-model record,
-        # which a resumed run would otherwise lose.
-        return 1 if stage == "after_step" else 0
-
     def _dispatch_period(self, stage: str) -> Optional[int]:
         # Between periods the dispatcher skips after_step (its rule is a superset of this one).
         if stage == "after_step" and type(self).after_step is PeriodicCheckpointer.after_step:

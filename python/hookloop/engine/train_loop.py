@@ -117,11 +117,6 @@ class HookBase:
         is a multiple of N, and at the last iteration); the hook keeps its own check too."""
         return None
 
-    def _dispatch_order(self, stage: str) -> int:
-        """Where ``stage`` runs among the stage's hooks of one priority: by this number (0 by
-        default), then in registration order (``PeriodicCheckpointer``: 1 for after_step)."""
-        return 0
-
     def __getstate__(self) -> Dict[str, Any]:
         # The trainer is a weak proxy (not picklable); it is set again at registration.
         state = dict(self.__dict__)

@@ -493,6 +493,32 @@ def test_without_resume_loads_weights_and_starts_at_zero(tmp_path):
     assert all(torch.equal(final_state(again)[k], want[k]) for k in want)
 
 
+class _RunsCode:
+    """Unpickled, it makes the directory ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def test_resume_or_load_refuses_code_in_weights_unless_told_to_trust_them(tmp_path):
+    """``cfg.weights`` loads with ``weights_only=True``: a file holding code is refused naming
+    it and the opt-in, and runs nothing; ``resume_or_load(weights_only=False)`` trusts it."""
+    marker = tmp_path / "code_ran"
+    weights = tmp_path / "weights.pth"
+    torch.save({"model": Toy().state_dict(), "x": _RunsCode(str(marker))}, weights)
+    trainer = ToyTrainer(config(tmp_path / "out", weights=str(weights)))
+    with pytest.raises(ValueError, match=rf"{weights}.*weights_only=False"):
+        trainer.resume_or_load(resume=False)
+    assert not marker.exists()
+    trainer.resume_or_load(resume=False, weights_only=False)
+    assert marker.is_dir()
+
+
 def test_load_state_dict_needs_a_default_trainer_state(tmp_path):
     trainer = ToyTrainer(config(tmp_path))
     with pytest.raises(ValueError, match="_trainer"):

@@ -619,7 +619,7 @@ class DefaultTrainer(TrainerBase):
 
         self.register_hooks(self.build_hooks())
 
-    def resume_or_load(self, resume: bool = True) -> None:
+    def resume_or_load(self, resume: bool = True, *, weights_only: Optional[bool] = None) -> None:
         """If ``resume`` is True and ``cfg.output_dir`` contains the last checkpoint (defined
         by a ``last_checkpoint`` file), resume from the file. Resuming means loading all
         available states (eg. optimizer and scheduler) and update iteration counter from the
@@ -631,8 +631,14 @@ class DefaultTrainer(TrainerBase):
 
         Args:
             resume (bool): whether to do resume or not
+            weights_only (bool): how the file is unpickled (see
+                :class:`hookloop.checkpoint.Checkpointer`); None: the checkpointer's
+                (``weights_only=True`` unless changed). False runs whatever code the file
+                holds: only for files you trust.
         """
-        self.checkpointer.resume_or_load(self.cfg.weights, resume=resume)
+        # Passed on only when given: a checkpointer of another class may not take it.
+        options: Dict[str, Any] = {} if weights_only is None else {"weights_only": weights_only}
+        self.checkpointer.resume_or_load(self.cfg.weights, resume=resume, **options)
         if resume and self.checkpointer.has_checkpoint():
             # The checkpoint stores the training iteration that just finished, thus we start
             # at the next iteration

@@ -226,7 +226,11 @@ def _run(out: Path, trackers: bool, amp: bool = False, train: bool = True):
         from hookloop.utils.wandb_writer import WandbWriter
 
         writers += [
-            MLflowWriter(f"sqlite:///{out}/mlflow.db"),
+            MLflowWriter(
+                f"sqlite:///{out}/mlflow.db",
+                experiment_name="safe-load",
+                artifact_location=str(out / "artifacts"),
+            ),
             WandbWriter(dir=str(out)),
             MLflowWriter(f"http://127.0.0.1:{_free_port()}", run_id="0123abcd", close_timeout=0),
         ]

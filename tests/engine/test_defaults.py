@@ -152,11 +152,38 @@ def test_config_wrong_type_names_the_key(key, value):
         ("best_mode", "up"),
         ("lr_steps", [20, 10]),
         ("lr_steps", [0, 10]),
+        ("seed", 2**32),
+        ("max_iter", 2**53 + 1),
+        ("lr_steps", [10, 2**60]),
+        ("window_size", 2**64),
     ],
 )
 def test_config_bad_value_names_the_key(key, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{key} "):
         TrainConfig.from_dict({key: value})
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("seed", 2**70),  # was accepted, then training failed: "Overflow when unpacking long long"
+        *[(key, math.nan) for key in ("base_lr", "momentum", "warmup_factor", "lr_gamma")],
+        *[(key, math.inf) for key in ("base_lr", "momentum", "warmup_factor", "lr_gamma")],
+        ("base_lr_end", -math.inf),
+        ("weight_decay", math.nan),
+        ("weight_decay_norm", math.inf),
+    ],
+)
+def test_config_refuses_at_construction_what_training_would_fail_on(key, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{key} must be (finite|below 2\*\*32)"):
+        TrainConfig(**{key: value})
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{key} must be"):
+        TrainConfig.from_dict({key: value})  # as YAML's .nan and .inf read
+
+
+def test_config_seed_takes_what_the_generators_take(tmp_path):
+    assert TrainConfig(seed=2**32 - 1).seed == 2**32 - 1
+    assert TrainConfig(seed=-(2**70)).seed == -(2**70)  # negative: drawn from the OS
 
 
 def test_config_checked_again_by_the_trainer(tmp_path):

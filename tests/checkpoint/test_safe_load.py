@@ -121,6 +121,18 @@ def test_numpy_scalars_and_arrays_load_and_object_arrays_do_not(tmp_path):
         Checkpointer(_model()).load(str(tmp_path / "obj.pth"))
 
 
+def test_numpy_data_pickled_by_numpy_1_loads(tmp_path):
+    """numpy 1.x pickles name ``numpy.core.multiarray``, numpy 2's ``numpy._core``."""
+    buf = io.BytesIO()
+    extra = {"ap": np.float64(0.5), "a": np.arange(3)}
+    torch.save({"model": {}, **extra}, buf, _use_new_zipfile_serialization=False)
+    assert b"numpy._core.multiarray" in buf.getvalue()  # a plain pickle: the name is its text
+    old = buf.getvalue().replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    (tmp_path / "np1.pth").write_bytes(old)
+    loaded = Checkpointer(_model()).load(str(tmp_path / "np1.pth"), checkpointables=[])
+    assert loaded["ap"] == 0.5 and np.array_equal(loaded["a"], extra["a"])
+
+
 def test_the_programs_own_safe_globals_are_left_as_they_were(tmp_path):
     Checkpointer(_model(), str(tmp_path)).save("np", ap=np.float64(0.5))
     before = list(torch.serialization.get_safe_globals())  # torch adds some of its own

@@ -74,6 +74,8 @@ def test_storage_calls(storage):
     drive(lambda a, b: storage.put_scalar("loss", a, cur_iter=b), 2)
     drive(lambda a, b: storage.put_scalar(a, b), 2)
     drive(lambda a, b: storage.put_scalars(cur_iter=a, x=b), 2)
+    drive(lambda a: storage.put_scalar("h", 1.0, smoothing_hint=a), 1)
+    drive(lambda a: storage.put_scalars(smoothing_hint=a, y=1.0), 1)
     drive(lambda a, b: storage._write_metrics({"l": a}, b, b, 3), 2)
     drive(lambda a, b: storage._write_metrics({"l": 1.0}, 0.0, 0.0, a, b), 2)
     drive(lambda a, b: storage.latest_with_smoothing_hint(a), 1)

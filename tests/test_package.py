@@ -122,6 +122,13 @@ def test_demo_trains_and_writes_metrics_and_events(tmp_path):
         (["--period", str(10**20)], "--period must be at most 2**53"),
         (["--checkpoint-period", "-1"], "--checkpoint-period must be positive"),
         (["--device", "nope"], "--device 'nope' is not usable here"),
+        # A traceback from TrainConfig before; 0 and -2 were ignored silently.
+        (["--lr", "-1"], "--lr must be a positive finite number, got -1.0"),
+        (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+        (["--interrupt-at", "0"], "--interrupt-at must be between 1 and --iters (5000), got 0"),
+        (["--interrupt-at", "-2"], "--interrupt-at must be between 1 and --iters (5000), got -2"),
+        (["--iters", "5", "--interrupt-at", "9"], "--interrupt-at must be between 1 and --iters"),
+        (["--seed", str(2**70)], "--seed must be below 2**32"),
     ],
 )
 def test_demo_rejects_bad_arguments_with_one_usage_line(args, message):

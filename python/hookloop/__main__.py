@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -251,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument(
         "--interrupt-at",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="act as if Ctrl-C was pressed after iteration N - 1 (to try --resume)",
     )
@@ -278,6 +279,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             demo.error(f"{flag} must be positive, got {value}")
         if value > 2**53:
             demo.error(f"{flag} must be at most 2**53 (an exact iteration), got {value}")
+    if args.interrupt_at is not None and not 0 < args.interrupt_at <= args.iters:
+        demo.error(
+            f"--interrupt-at must be between 1 and --iters ({args.iters}), got {args.interrupt_at}"
+        )
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        demo.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.seed >= 2**32:
+        demo.error(
+            f"--seed must be below 2**32 (negative: a seed drawn from the OS), got {args.seed}"
+        )
     try:
         Path(args.output).mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -152,11 +152,38 @@ def test_config_wrong_type_names_the_key(key, value):
         ("best_mode", "up"),
         ("lr_steps", [20, 10]),
         ("lr_steps", [0, 10]),
+        ("seed", 2**32),
+        ("max_iter", 2**53 + 1),
+        ("lr_steps", [10, 2**60]),
+        ("window_size", 2**64),
     ],
 )
 def test_config_bad_value_names_the_key(key, value):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{key} "):
         TrainConfig.from_dict({key: value})
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("seed", 2**70),  # was accepted, then training failed: "Overflow when unpacking long long"
+        *[(key, math.nan) for key in ("base_lr", "momentum", "warmup_factor", "lr_gamma")],
+        *[(key, math.inf) for key in ("base_lr", "momentum", "warmup_factor", "lr_gamma")],
+        ("base_lr_end", -math.inf),
+        ("weight_decay", math.nan),
+        ("weight_decay_norm", math.inf),
+    ],
+)
+def test_config_refuses_at_construction_what_training_would_fail_on(key, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{key} must be (finite|below 2\*\*32)"):
+        TrainConfig(**{key: value})
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{key} must be"):
+        TrainConfig.from_dict({key: value})  # as YAML's .nan and .inf read
+
+
+def test_config_seed_takes_what_the_generators_take(tmp_path):
+    assert TrainConfig(seed=2**32 - 1).seed == 2**32 - 1
+    assert TrainConfig(seed=-(2**70)).seed == -(2**70)  # negative: drawn from the OS
 
 
 def test_config_checked_again_by_the_trainer(tmp_path):
@@ -491,6 +518,32 @@ def test_without_resume_loads_weights_and_starts_at_zero(tmp_path):
     again.resume_or_load(resume=True)
     assert again.start_iter == 0
     assert all(torch.equal(final_state(again)[k], want[k]) for k in want)
+
+
+class _RunsCode:
+    """Unpickled, it makes the directory ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def test_resume_or_load_refuses_code_in_weights_unless_told_to_trust_them(tmp_path):
+    """``cfg.weights`` loads with ``weights_only=True``: a file holding code is refused naming
+    it and the opt-in, and runs nothing; ``resume_or_load(weights_only=False)`` trusts it."""
+    marker = tmp_path / "code_ran"
+    weights = tmp_path / "weights.pth"
+    torch.save({"model": Toy().state_dict(), "x": _RunsCode(str(marker))}, weights)
+    trainer = ToyTrainer(config(tmp_path / "out", weights=str(weights)))
+    with pytest.raises(ValueError, match=rf"{weights}.*weights_only=False"):
+        trainer.resume_or_load(resume=False)
+    assert not marker.exists()
+    trainer.resume_or_load(resume=False, weights_only=False)
+    assert marker.is_dir()
 
 
 def test_load_state_dict_needs_a_default_trainer_state(tmp_path):

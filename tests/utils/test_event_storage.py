@@ -160,6 +160,36 @@ def test_hint_change_is_value_error_naming_metric_and_hints(storage):
     assert storage.latest()["lr"] == (0.4, 0)
 
 
+@pytest.mark.parametrize("hint", [None, 0, 0.0, "", np.bool_(False)])
+def test_a_falsy_smoothing_hint_is_false_as_detectron2_reads_it(hint):
+    """detectron2 reads the hint for its truth (``if self._smoothing_hints[k]``): ``None``
+    was refused here ('NoneType' object cannot be converted to 'PyBool')."""
+    ours, ref = EventStorage(0), RefStorage(0)
+    for it, value in enumerate([3.0, 1.0, 2.0]):
+        ours.iter = ref.iter = it
+        for s in (ours, ref):
+            s.put_scalar("lr", value, smoothing_hint=hint)
+            s.put_scalars(smoothing_hint=hint, wd=value * 2)
+    assert ours.smoothing_hints() == {"lr": False, "wd": False}
+    assert_same_pairs(ours.latest_with_smoothing_hint(20), ref.latest_with_smoothing_hint(20))
+    ours.put_scalar("lr", 4.0, smoothing_hint=False)  # the same hint as before
+
+
+@pytest.mark.parametrize("hint", [1, "yes", [0], np.bool_(True)])
+def test_a_truthy_smoothing_hint_is_true(storage, hint):
+    storage.put_scalar("loss", 1.0, smoothing_hint=hint)
+    storage.put_scalars(smoothing_hint=hint, time=0.5)
+    assert storage.smoothing_hints() == {"loss": True, "time": True}
+
+
+@pytest.mark.parametrize("name", [5, None, b"loss", ("a",)])
+def test_a_name_that_is_not_a_str_is_a_type_error_naming_the_argument(storage, name):
+    """Was "'int' object is not an instance of 'str'", naming no argument."""
+    with pytest.raises(TypeError, match=r"put_scalar\(\) name must be a str, got "):
+        storage.put_scalar(name, 1.0)
+    assert storage.latest() == {}
+
+
 def test_bad_constructor_arguments():
     for kw in ("max_length", "max_images", "max_histograms"):
         with pytest.raises(ValueError, match=kw):

@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -439,4 +440,29 @@ def test_summary_writer_shim_rejects_bad_text_and_empty_histograms(tmp_path):
         writer._writer.add_text("notes", 3, 1)
     with pytest.raises(ValueError, match="empty"):
         writer._writer.add_histogram("h", torch.zeros(0), 1)
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "method, args",
+    [
+        ("add_text", ("notes", "hi")),
+        ("add_scalar", ("s", 1.0)),
+        ("add_image", ("img", torch.zeros(3, 2, 2))),
+        ("add_histogram", ("h", torch.arange(4.0))),
+        ("add_histogram_raw", ("h", 0.0, 1.0, 2.0, 1.0, 1.0, [1.0], [2.0])),
+    ],
+)
+def test_summary_writer_shim_names_a_global_step_beyond_int64(tmp_path, method, args):
+    """Was ``OverflowError: Python int too large to convert to C long``; torch's
+    SummaryWriter raises a ValueError too."""
+    writer = TensorboardXWriter(tmp_path)
+    add = getattr(writer._writer, method)
+    for step in (2**70, -(2**63) - 1, math.inf):
+        with pytest.raises(ValueError, match=rf"{method}\('{args[0]}'\): global_step must"):
+            add(*args, global_step=step)
+    with pytest.raises(TypeError, match=rf"{method}\('{args[0]}'\): global_step must be an int"):
+        add(*args, global_step=[1])
+    add(*args, global_step=2**63 - 1)
+    add(*args, global_step=np.int64(5))
     writer.close()

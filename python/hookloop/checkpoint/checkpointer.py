@@ -6,6 +6,10 @@ Differences from ``fvcore.common.checkpoint``, all in what fvcore leaves undefin
   ``last_checkpoint`` pointer to it loadable), and a failed save raises ``OSError`` naming the
   path without moving ``last_checkpoint``;
 * ``async_save=True`` serializes on a background thread;
+* files load with torch's weights-only unpickler (``weights_only=True``, what ``torch.load``
+  does by default since torch 2.6): a file cannot run code when it is loaded, and one that
+  needs arbitrary unpickling is refused with a ``ValueError`` naming it and the opt-in
+  (``weights_only=False``, for files you trust);
 * bad input raises ``TypeError``/``ValueError``/``OSError`` instead of ``AssertionError``;
 * ``PeriodicCheckpointer(max_to_keep=N)`` also deletes older periodic files written before a
   restart.
@@ -18,6 +22,7 @@ import errno
 import logging
 import operator
 import os
+import pickle
 import re
 import threading
 from collections import defaultdict
@@ -92,6 +97,65 @@ class _PendingSave:
 _DEFAULT_SAVE_OPTIONS: Tuple[bool, Optional[Callable[[], None]]] = (True, None)
 
 
+def _numpy_data_globals() -> List[Any]:
+    """What torch's weights-only unpickler must be allowed to rebuild numpy scalars and
+    arrays of numbers: the checkpoint format takes numpy arrays in ``model`` (fvcore converts
+    them to tensors), and extra data often holds numpy scalars (an evaluator's metrics). Each
+    rebuilds data from bytes and runs no other code. hookloop's own state needs nothing here:
+    it is plain data (tensors, numbers, strings, containers), which the unpickler takes as is.
+    """
+    try:
+        from numpy._core import multiarray  # numpy >= 2
+    except ImportError:  # pragma: no cover (numpy 1.x)
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    allowed: List[Any] = [np.ndarray, np.dtype]
+    # The dtype classes of bools and numbers (numpy 2 has one class per dtype); not objects.
+    allowed += sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}, key=repr)
+    for name in ("scalar", "_reconstruct"):
+        function = getattr(multiarray, name)
+        # Under both module names: files written with numpy 1.x name numpy.core.
+        allowed += [(function, f"numpy.{m}.multiarray.{name}") for m in ("_core", "core")]
+    return allowed
+
+
+_SAFE_GLOBALS: List[Any] = _numpy_data_globals()
+# torch's safe_globals context removes on exit what it added, even a global the program had
+# allowed itself: only the missing ones are added, one load at a time.
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+def _torch_load(f: str, weights_only: bool) -> Any:
+    """``torch.load`` to the CPU; with ``weights_only``, numpy's data types allowed too."""
+    cpu = torch.device("cpu")
+    if not weights_only:
+        return torch.load(f, map_location=cpu, weights_only=False)
+    with _SAFE_GLOBALS_LOCK:
+        present = torch.serialization.get_safe_globals()
+        missing = [g for g in _SAFE_GLOBALS if g not in present]
+        with torch.serialization.safe_globals(missing):
+            return torch.load(f, map_location=cpu, weights_only=True)
+
+
+def _weights_only_refusal(path: str, error: BaseException) -> Optional[ValueError]:
+    """The error for a file that torch's weights-only unpickler refused (None for another
+    error): it names the file, what the unpickler refused, and the opt-in."""
+    if not isinstance(error, pickle.UnpicklingError) or "weights only" not in str(error).lower():
+        return None
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    if found is not None:
+        what = f"it holds {found.group(1)}, which only arbitrary unpickling can rebuild"
+    else:
+        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[-1])
+        what = f"it is damaged, or needs arbitrary unpickling ({detail})"
+    return ValueError(
+        f"Cannot load checkpoint {path} with weights_only=True: {what}. Unpickling can run any "
+        "code the file holds: only if you trust the file, load it with weights_only=False "
+        "(Checkpointer(..., weights_only=False), or load()/resume_or_load(..., "
+        "weights_only=False))"
+    )
+
+
 class Checkpointer:
     """A checkpointer that can save/load model as well as extra checkpointable objects.
 
@@ -105,6 +169,11 @@ class Checkpointer:
             and serializes, fsyncs and renames it on a background thread. The next save,
             :meth:`load` and :meth:`wait` wait for it; its error is raised by the next
             :meth:`save` or :meth:`wait`.
+        weights_only (bool): how :meth:`load` unpickles (``torch.load``'s argument). True
+            (the default): only tensors, numbers, strings, containers and numpy's scalars and
+            arrays, so that loading a file cannot run code; every state hookloop and
+            detectron2 save is such data. False: any object, which runs whatever code the
+            file holds: only for files you trust. :meth:`load` can override it per call.
         checkpointables (object): any checkpointable objects, i.e., objects that have the
             ``state_dict()`` and ``load_state_dict()`` methods. For example, it can be used
             like ``Checkpointer(model, "dir", optimizer=optimizer, trainer=trainer)``.
@@ -113,8 +182,14 @@ class Checkpointer:
         logger (logging.Logger), path_manager (has ``open``, ``exists``, ``isfile``, ``ls``,
         ``mkdirs``, ``rm``, ``get_local_path``; saves to a local path are atomic whatever it
         is, and saves to a URL go through its ``open``),
-        save_dir (str), save_to_disk (bool), model, checkpointables (dict).
+        save_dir (str), save_to_disk (bool), weights_only (bool), model, checkpointables
+        (dict).
     """
+
+    # Class defaults, for subclasses that skip __init__.
+    weights_only: bool = True
+    # load()'s weights_only while it runs (None: the checkpointer's), read by _load_file().
+    _load_weights_only: Optional[bool] = None
 
     def __init__(
         self,
@@ -123,6 +198,7 @@ class Checkpointer:
         *,
         save_to_disk: bool = True,
         async_save: bool = False,
+        weights_only: bool = True,
         **checkpointables: Any,
     ) -> None:
         if isinstance(model, (DistributedDataParallel, DataParallel)):
@@ -140,6 +216,9 @@ class Checkpointer:
         self.save_dir = os.fspath(save_dir)
         self.save_to_disk = save_to_disk
         self.async_save = bool(async_save)
+        if not isinstance(weights_only, bool):
+            raise TypeError(f"weights_only must be a bool, got {type(weights_only).__name__}")
+        self.weights_only = weights_only
         self.path_manager: Any = LocalPathManager()
         self._pending: Optional[_PendingSave] = None
         # What the next save() does besides writing the file; set by _save_with().
@@ -311,7 +390,9 @@ class Checkpointer:
             if self.path_manager.isfile(os.path.join(self.save_dir, file)) and file.endswith(".pth")
         ]
 
-    def resume_or_load(self, path: str, *, resume: bool = True) -> Dict[str, Any]:
+    def resume_or_load(
+        self, path: str, *, resume: bool = True, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
         """If ``resume`` is True, this method attempts to resume from the last checkpoint, if
         exists. Otherwise, load checkpoint from the given path. This is useful when
         restarting an interrupted training job.
@@ -321,25 +402,37 @@ class Checkpointer:
             resume (bool): if True, resume from the last checkpoint if it exists and load the
                 model together with all the checkpointables. Otherwise only load the model
                 without loading any checkpointables.
+            weights_only (bool): as in :meth:`load`.
 
         Returns:
             same as :meth:`load`.
         """
+        # Passed on only when given: a subclass's load() may not take it.
+        options: Dict[str, Any] = {} if weights_only is None else {"weights_only": weights_only}
         if resume and self.has_checkpoint():
             path = self.get_checkpoint_file()
-            return self.load(path)
-        return self.load(path, checkpointables=[])
+            return self.load(path, **options)
+        return self.load(path, checkpointables=[], **options)
 
     # ------------------------------------------------------------------------------------------
     # loading
 
-    def load(self, path: str, checkpointables: Optional[List[str]] = None) -> Dict[str, Any]:
+    def load(
+        self,
+        path: str,
+        checkpointables: Optional[List[str]] = None,
+        *,
+        weights_only: Optional[bool] = None,
+    ) -> Dict[str, Any]:
         """Load from the given checkpoint.
 
         Args:
             path (str): path or url to the checkpoint. If empty, will not load anything.
             checkpointables (list): List of checkpointable names to load. If not specified
                 (None), will load all the possible checkpointables.
+            weights_only (bool): overrides the checkpointer's ``weights_only`` for this load.
+                False unpickles any object and so runs whatever code the file holds: only
+                for files you trust.
 
         Returns:
             dict: extra data loaded from the checkpoint that has not been processed. For
@@ -347,8 +440,12 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: naming the path, when there is no such file.
-            ValueError: naming the path, when the file is not a readable checkpoint.
+            ValueError: naming the path, when the file is not a readable checkpoint, or (with
+                ``weights_only``) needs arbitrary unpickling; also naming the entry, when a
+                checkpointable's entry is not a state (such as a str for ``optimizer``).
         """
+        if weights_only is not None and not isinstance(weights_only, bool):
+            raise TypeError(f"weights_only must be a bool, got {type(weights_only).__name__}")
         if not path:
             # no checkpoint provided
             self.logger.info("No checkpoint found. Initializing model from scratch")
@@ -378,6 +475,8 @@ class Checkpointer:
                 raise FileNotFoundError(errno.ENOENT, f"Checkpoint {path} not found", path)
             path = local
 
+        previous = getattr(self, "_load_weights_only", None)
+        self._load_weights_only = weights_only
         try:
             checkpoint = self._load_file(path)
         except OSError as e:
@@ -390,10 +489,15 @@ class Checkpointer:
                 ) from e
             raise _io_error("Cannot read checkpoint", path, e) from e
         except Exception as e:
+            refusal = _weights_only_refusal(path, e)
+            if refusal is not None:
+                raise refusal from e
             raise ValueError(
                 f"Cannot load checkpoint {path}: the file is corrupt or not a checkpoint "
                 f"({type(e).__name__}: {e})"
             ) from e
+        finally:
+            self._load_weights_only = previous
         if not isinstance(checkpoint, dict):
             raise ValueError(
                 f"Checkpoint {path} holds a {type(checkpoint).__name__}, not a dict of states"
@@ -416,7 +520,16 @@ class Checkpointer:
             if key in checkpoint:
                 self.logger.info("Loading {} from {} ...".format(key, path))
                 obj = self.checkpointables[key]
-                result = obj.load_state_dict(checkpoint.pop(key))
+                state = checkpoint.pop(key)
+                try:
+                    result = obj.load_state_dict(state)
+                except (AttributeError, TypeError) as e:
+                    # torch's optimizer given a str: "'str' object has no attribute 'copy'".
+                    raise ValueError(
+                        f"Checkpoint {path}: its {key!r} entry ({type(state).__name__}) is not "
+                        f"a state that {obj.__class__.__name__}.load_state_dict() takes "
+                        f"({type(e).__name__}: {e})"
+                    ) from e
                 _log_checkpointable_keys(self.logger, key, result)
 
         # return any further checkpoint data
@@ -432,10 +545,14 @@ class Checkpointer:
             dict: with keys "model" and optionally others that are saved by the checkpointer
             dict["model"] must be a dict which maps strings to torch.Tensor or numpy arrays.
 
-        Checkpoints hold optimizer and trainer state (Python objects), so this unpickles:
-        load only files you trust.
+        With ``weights_only`` (the checkpointer's, or :meth:`load`'s for this call), torch's
+        weights-only unpickler rebuilds only data (numpy's scalars and arrays too): a file that
+        holds anything else is refused, and no code of the file runs.
         """
-        return torch.load(f, map_location=torch.device("cpu"), weights_only=False)
+        weights_only = getattr(self, "_load_weights_only", None)
+        if weights_only is None:
+            weights_only = getattr(self, "weights_only", True)
+        return _torch_load(f, weights_only)
 
     def _load_model(self, checkpoint: Any) -> _IncompatibleKeys:
         """Load weights from a checkpoint.

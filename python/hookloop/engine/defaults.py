@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import random
 import typing
@@ -234,6 +235,22 @@ class TrainConfig:
         name = type(self).__name__
         for key, tp in _field_types(type(self)).items():
             object.__setattr__(self, key, _coerce(f"{name}.{key}", tp, getattr(self, key)))
+        # Checked before the signs: NaN passes every comparison.
+        for key in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"{name}.{key} must be finite, got {getattr(self, key)}")
+        for key in _COUNT_FIELDS:
+            value = getattr(self, key)
+            for v in value if isinstance(value, tuple) else (value,):
+                if v is not None and v > _MAX_COUNT:
+                    raise ValueError(
+                        f"{name}.{key} must be at most 2**53 (an exact iteration), got {v}"
+                    )
+        if self.seed >= 2**32:
+            raise ValueError(
+                f"{name}.seed must be below 2**32 (numpy's generator takes no more), or "
+                f"negative for a seed drawn from the OS; got {self.seed}"
+            )
 
         def positive(*keys: str) -> None:
             for key in keys:
@@ -289,6 +306,17 @@ class TrainConfig:
 def _field_types(cls: type) -> Dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+# TrainConfig's own numbers (a subclass's fields are its own business): floats are finite,
+# and iterations, periods and counts at most 2**53, where the core keeps iterations exact.
+_FLOAT_FIELDS = tuple(k for k, tp in _field_types(TrainConfig).items() if tp is float)
+_COUNT_FIELDS = tuple(
+    k
+    for k, tp in _field_types(TrainConfig).items()
+    if k != "seed" and tp in (int, Optional[int], Tuple[int, ...])
+)
+_MAX_COUNT = 2**53
 
 
 def _type_name(tp: Any) -> str:
@@ -619,7 +647,7 @@ class DefaultTrainer(TrainerBase):
 
         self.register_hooks(self.build_hooks())
 
-    def resume_or_load(self, resume: bool = True) -> None:
+    def resume_or_load(self, resume: bool = True, *, weights_only: Optional[bool] = None) -> None:
         """If ``resume`` is True and ``cfg.output_dir`` contains the last checkpoint (defined
         by a ``last_checkpoint`` file), resume from the file. Resuming means loading all
         available states (eg. optimizer and scheduler) and update iteration counter from the
@@ -631,8 +659,14 @@ class DefaultTrainer(TrainerBase):
 
         Args:
             resume (bool): whether to do resume or not
+            weights_only (bool): how the file is unpickled (see
+                :class:`hookloop.checkpoint.Checkpointer`); None: the checkpointer's
+                (``weights_only=True`` unless changed). False runs whatever code the file
+                holds: only for files you trust.
         """
-        self.checkpointer.resume_or_load(self.cfg.weights, resume=resume)
+        # Passed on only when given: a checkpointer of another class may not take it.
+        options: Dict[str, Any] = {} if weights_only is None else {"weights_only": weights_only}
+        self.checkpointer.resume_or_load(self.cfg.weights, resume=resume, **options)
         if resume and self.checkpointer.has_checkpoint():
             # The checkpoint stores the training iteration that just finished, thus we start
             # at the next iteration

@@ -522,8 +522,9 @@ class _SummaryWriter:
         walltime: Optional[float] = None,
         **_: Any,
     ) -> None:
+        step = _global_step("add_scalar", tag, global_step)
         self._native.add_points(
-            scalars=[(tag, _as_float(tag, scalar_value), int(global_step or 0))], walltime=walltime
+            scalars=[(tag, _as_float(tag, scalar_value), step)], walltime=walltime
         )
 
     def add_image(
@@ -534,7 +535,9 @@ class _SummaryWriter:
         walltime: Optional[float] = None,
         dataformats: str = "CHW",
     ) -> None:
-        point = _image_point(tag, img_tensor, int(global_step or 0), dataformats)
+        point = _image_point(
+            tag, img_tensor, _global_step("add_image", tag, global_step), dataformats
+        )
         self._native.add_points(images=[point], walltime=walltime)
 
     def add_histogram_raw(
@@ -556,7 +559,8 @@ class _SummaryWriter:
             raise ValueError(
                 f"add_histogram_raw('{tag}'): len(bucket_limits) != len(bucket_counts)"
             )
-        hist = (tag, int(global_step or 0), float(min), float(max), float(num), float(sum),
+        step = _global_step("add_histogram_raw", tag, global_step)
+        hist = (tag, step, float(min), float(max), float(num), float(sum),
                 float(sum_squares), limits, counts)  # fmt: skip
         self._native.add_points(histograms=[hist], walltime=walltime)
 
@@ -574,6 +578,7 @@ class _SummaryWriter:
         TensorBoard stores it."""
         import numpy as np
 
+        global_step = _global_step("add_histogram", tag, global_step)
         arr = values.detach().cpu().numpy() if hasattr(values, "detach") else values
         arr = np.asarray(arr, dtype=np.float64).reshape(-1)
         if arr.size == 0:
@@ -598,9 +603,8 @@ class _SummaryWriter:
             raise TypeError(
                 f"add_text('{tag}'): text must be a str, got {type(text_string).__name__}"
             )
-        self._native.add_points(
-            texts=[(tag, int(global_step or 0), text_string)], walltime=walltime
-        )
+        step = _global_step("add_text", tag, global_step)
+        self._native.add_points(texts=[(tag, step, text_string)], walltime=walltime)
 
     def flush(self) -> None:
         self._native.flush()
@@ -757,6 +761,24 @@ def _fspath(what: str, path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__}")
     return os.fspath(path)
+
+
+def _global_step(method: str, tag: str, step: Any) -> int:
+    """A ``SummaryWriter`` method's ``global_step`` as the int64 an event holds (None: 0), or
+    an error naming it (torch's raises protobuf's ``ValueError`` beyond int64)."""
+    if step is None:
+        return 0
+    try:
+        value = int(step)
+    except (OverflowError, ValueError):  # inf, nan
+        raise ValueError(f"{method}('{tag}'): global_step must be an int, got {step!r}") from None
+    except TypeError:
+        raise TypeError(
+            f"{method}('{tag}'): global_step must be an int, got {type(step).__name__}"
+        ) from None
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{method}('{tag}'): global_step must fit in int64, got {value}")
+    return value
 
 
 def _as_float(tag: str, value: Any) -> float:

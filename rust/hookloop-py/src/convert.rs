@@ -152,6 +152,15 @@ pub fn type_name(value: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "<unknown type>".into())
 }
 
+/// A str argument, borrowed: any other type is a `TypeError` naming `what` (pyo3's own
+/// extraction names no argument).
+pub fn str_arg<'a>(what: &str, value: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+    match value.cast::<PyString>() {
+        Ok(s) => s.to_str(),
+        Err(_) => Err(to_py(Error::wrong_type(what, "a str", type_name(value)))),
+    }
+}
+
 /// An integer argument (ints, numpy ints, anything with `__index__`; not bool) as i64: a
 /// `TypeError` for other types, an `OverflowError` naming `what` beyond int64.
 pub fn int64(what: &str, value: &Bound<'_, PyAny>) -> PyResult<i64> {
@@ -221,5 +230,10 @@ pub mod arg {
 
     pub fn max_histograms(v: &Bound<'_, PyAny>) -> PyResult<i64> {
         super::int64("max_histograms", v)
+    }
+
+    /// `smoothing_hint`: its truth value, as detectron2 reads the hint (`None` is False).
+    pub fn smoothing_hint(v: &Bound<'_, PyAny>) -> PyResult<bool> {
+        v.is_truthy()
     }
 }

@@ -92,11 +92,12 @@ impl PyEventStorage {
     fn put_scalar(
         &self,
         py: Python<'_>,
-        name: &str,
+        name: &Bound<'_, PyAny>,
         value: &Bound<'_, PyAny>,
-        smoothing_hint: bool,
+        #[pyo3(from_py_with = crate::convert::arg::smoothing_hint)] smoothing_hint: bool,
         cur_iter: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let name = crate::convert::str_arg("put_scalar() name", name)?;
         if is_device_scalar(value) {
             let it = iteration("cur_iter", cur_iter)?;
             return self
@@ -115,7 +116,7 @@ impl PyEventStorage {
     fn put_scalars(
         &self,
         py: Python<'_>,
-        smoothing_hint: bool,
+        #[pyo3(from_py_with = crate::convert::arg::smoothing_hint)] smoothing_hint: bool,
         cur_iter: Option<&Bound<'_, PyAny>>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {

@@ -2,7 +2,7 @@
 """The GPU check of issue 11: host-device synchronizations and steps/s on CUDA.
 
     python benches/gpu_check.py [--iters 200] [--n 2000] [--repeats 5] [--json out.json]
-                                [--parts syncs,seeds,speed] [--profile profile.txt]
+                                [--parts syncs,reads,speed] [--profile profile.txt]
 
 Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP of
 ``lab.tiny_mlp`` (Linear 32→64, ReLU, Linear 64→1, batch 16, SGD momentum,
@@ -23,12 +23,13 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    hand-written AMP loop too): in ``"warn"`` mode those are listed and not counted against
    hookloop, in ``"error"`` mode ``GradScaler.step`` and ``update`` run in the default mode.
    The hand-written loop is counted the same way, for comparison.
-2. **One transfer per read iteration** (``seeds``). The seeds' stack (the default stack plus
-   ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) reads the losses at every
-   iteration. On CUDA they stay deferred (the direct path of ``LossMetrics.read_every_step`` is
-   for CPU losses) and are read in one batched copy per read: with the sync debug mode in
-   ``"warn"`` from ``before_train`` to ``after_train``, exactly one synchronization per
-   iteration must be counted (each is the loss copy; where they come from is listed).
+2. **One transfer per read** (``reads``). The default stack reads the losses at each write
+   (every 20 iterations); the seeds' stack (the default stack plus
+   ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) at every iteration. On
+   CUDA they stay deferred (the direct path of ``LossMetrics.read_every_step`` is for CPU
+   losses) and are read in one batched copy per read: with the sync debug mode in ``"warn"``
+   from ``before_train`` to the end of the last iteration, exactly one synchronization per read
+   must be counted (each is the loss copy; where they come from is listed).
 3. **Speed** (``speed``). steps/s of hookloop's trainer, the pure-Python detectron2-semantics
    reference's and a hand-written loop making the same model calls, with and without AMP
    (float16 with a GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of
@@ -41,15 +42,17 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    (each after an unprofiled run of as many steps, whose steps/s are given), the top 25
    functions by own time written to PATH: where the host time of an eager step goes.
 
-Each part runs in a child process of its own under a timeout (``--timeout-scale`` scales
-them), so that a check ends in bounded time whatever fails: a part that raises, is killed at
-its timeout, or does not exit after writing its results is reported as such, with what it had
-finished (the speed part keeps its rows as it goes), and the summary (``--json``) is always
-written. A child that outlives its timeout first dumps its threads' stacks to stderr.
+The parts run in the order syncs, reads, profile, speed, each in a child process of its own
+under a timeout (``--timeout-scale`` scales them; ``--budget`` caps the whole run, each part
+leaving 20 s to each one after it), so that a check ends in bounded time whatever fails: a
+part that raises, is killed at its timeout, or does not exit after writing its results is
+reported as such, with what it had finished (the speed part keeps its rows as it goes), and
+the summary (``--json``) is always written, also when the script gets SIGTERM (a caller's
+``timeout``). A child that outlives its timeout first dumps its threads' stacks to stderr.
 ``--in-process`` runs the parts in this process, without timeouts (the tests' dry run).
 
 Exit status: 0 when every part finished, hookloop's non-write iterations made no
-synchronization and the seeds' stack made one per iteration; 1 otherwise (the report and the
+synchronization and each read of the losses made one; 1 otherwise (the report and the
 JSON's ``misses`` say which); 2 for a debug build. Speed figures are reported, not checked.
 """
 
@@ -81,11 +84,13 @@ NO_CUDA = "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothi
 
 PERIOD = 20
 
-PARTS = ("syncs", "seeds", "speed", "profile")
+PARTS = ("syncs", "reads", "profile", "speed")  # in the order they run
 # Seconds each part may take in its child process (times --timeout-scale). On an H200 with a
 # slow host (an eager tiny-MLP step ~1.6 ms), the defaults of --iters, and the --n/--repeats
 # of scripts/gpu_check.sh: well under each.
-TIMEOUTS = {"syncs": 120.0, "seeds": 60.0, "speed": 150.0, "profile": 45.0}
+TIMEOUTS = {"syncs": 90.0, "reads": 60.0, "profile": 45.0, "speed": 200.0}
+# With --budget, the seconds each part still to run keeps from the ones before it.
+RESERVE = 20.0
 # After a child has written its results, how long it may take to exit.
 EXIT_GRACE = 10.0
 
@@ -321,9 +326,11 @@ def _sync_checks(
     return clean, results
 
 
-def _seeds_transfers(iters: int, tmpdir: str, device: torch.device) -> Dict[str, Any]:
-    """The seeds' stack on ``device`` with the sync debug mode in "warn" over the whole loop:
-    the synchronizations it made, per iteration (one each: the losses' one copy)."""
+def _reads(iters: int, tmpdir: str, device: torch.device) -> List[Dict[str, Any]]:
+    """The default stack and the seeds' stack on ``device`` with the sync debug mode in
+    "warn" over the whole loop: the synchronizations each made, and how many it reads the
+    losses (each read is one batched copy, one synchronization): at each write of
+    PeriodicWriter(20) for the default stack, at every iteration for the seeds' stack."""
     from hookloop.engine.train_loop import HookBase
     from lab import tiny_mlp
 
@@ -336,12 +343,19 @@ def _seeds_transfers(iters: int, tmpdir: str, device: torch.device) -> Dict[str,
                 set_mode("default")  # after_train's closes are not counted
 
     batches = tiny_mlp.make_batches(device)
-    t = tiny_mlp.make_trainer("hl", device, batches, iters, tmpdir, "seeds", extra=[Warn])
-    count, where = _count_syncs(lambda: t.train(0, iters))
-    counted = sum(v for k, v in where.items() if not _inherent(k))
-    return {"what": "hookloop SimpleTrainer + the seeds' stack (every iteration read)",
-            "iterations": iters, "syncs": count, "syncs_counted": counted,
-            "per_iteration": counted / iters, "where": dict(where)}  # fmt: skip
+    writes = sum(_writes_at(i, iters, PERIOD) for i in range(iters))
+    rows = []
+    for hooks, what, reads in (
+        ("stack", f"hookloop SimpleTrainer + default stack (writes every {PERIOD})", writes),
+        ("seeds", "hookloop SimpleTrainer + the seeds' stack (every iteration read)", iters),
+    ):
+        t = tiny_mlp.make_trainer("hl", device, batches, iters, tmpdir, hooks, extra=[Warn])
+        count, where = _count_syncs(lambda t=t: t.train(0, iters))
+        counted = sum(v for k, v in where.items() if not _inherent(k))
+        rows.append({"what": what, "hooks": hooks, "iterations": iters, "reads": reads,
+                     "syncs": count, "syncs_counted": counted, "per_read": counted / reads,
+                     "where": dict(where)})  # fmt: skip
+    return rows
 
 
 def _figure(values: Sequence[float]) -> Dict[str, float]:
@@ -441,7 +455,7 @@ def _print_report(
     speed: Sequence[Dict[str, Any]],
     n: int,
     device: Any,
-    seeds: Optional[Dict[str, Any]] = None,
+    reads: Sequence[Dict[str, Any]] = (),
 ) -> None:
     print("## Synchronizations on iterations where nothing is written")
     print()
@@ -462,11 +476,15 @@ def _print_report(
     }[clean]
     print(f"hookloop's non-write iterations synchronized with the device: {verdict}")
     print()
-    if seeds is not None:
-        where = "; ".join(f"{k} ({v})" for k, v in sorted(seeds["where"].items()))
-        print(f"## {seeds['what']}: {seeds['syncs_counted']} synchronizations in "
-              f"{seeds['iterations']} iterations ({seeds['per_iteration']:.3f} per iteration, "
-              f"1 expected); where: {where or '—'}")  # fmt: skip
+    if reads:
+        print("## Synchronizations over the whole loop: one per read of the losses expected")
+        print()
+        print("| run | iterations | reads | syncs counted | per read | where (count) |")
+        print("|---|---|---|---|---|---|")
+        for r in reads:
+            where = "; ".join(f"{k} ({v})" for k, v in sorted(r["where"].items()))
+            print(f"| {r['what']} | {r['iterations']} | {r['reads']} | {r['syncs_counted']} "
+                  f"| {r['per_read']:.3f} | {where or '—'} |")  # fmt: skip
         print()
     if not speed:
         return
@@ -506,8 +524,8 @@ def _run_part(part: str, args: argparse.Namespace, device: torch.device, tmpdir:
     if part == "syncs":
         clean, rows = _sync_checks(args.iters, tmpdir, device)
         return {"clean": clean, "syncs": rows}
-    if part == "seeds":
-        return {"seeds": _seeds_transfers(args.iters, tmpdir, device)}
+    if part == "reads":
+        return {"reads": _reads(args.iters, tmpdir, device)}
     if part == "speed":
         return {"speed": _speed(args.n, args.repeats, tmpdir, device,
                                 lambda rows: save({"speed": rows, "partial": True}))}  # fmt: skip
@@ -543,13 +561,20 @@ def _child(part: str, result: str, args: argparse.Namespace, device: torch.devic
     return code
 
 
-def _spawn(part: str, args: argparse.Namespace, argv: Sequence[str], tmpdir: str
-           ) -> Dict[str, Any]:  # fmt: skip
-    """Runs ``part`` in a child process under its timeout; returns its results (what it
-    wrote, when it was killed) with ``status`` ("ok", "failed", "timeout", "no exit") and
-    ``seconds``."""
+# Set on SIGTERM to the parent (the ``timeout`` of scripts/gpu_check.sh, which sends SIGKILL
+# 5 s later): the part running is ended, no other starts, and the summary is still written.
+_stopped: List[int] = []
+
+
+def _stop(signum: int, frame: Any) -> None:
+    _stopped.append(signum)
+
+
+def _spawn(part: str, timeout: float, argv: Sequence[str], tmpdir: str) -> Dict[str, Any]:
+    """Runs ``part`` in a child process under ``timeout``; returns its results (what it
+    wrote, when it was killed) with ``status`` ("ok", "failed", "timeout", "no exit",
+    "stopped") and ``seconds``."""
     result = os.path.join(tmpdir, f"{part}.json")
-    timeout = TIMEOUTS[part] * args.timeout_scale
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--part", part, "--result", result]
     print(f"### gpu_check part {part} (timeout {timeout:.0f} s)", flush=True)
     t0 = time.perf_counter()
@@ -565,14 +590,16 @@ def _spawn(part: str, args: argparse.Namespace, argv: Sequence[str], tmpdir: str
             except (OSError, ValueError):
                 finished = False
             written = now if finished else None
-        if now - t0 > timeout:
+        if _stopped:
+            status = "stopped"
+        elif now - t0 > timeout:
             status = "timeout"
         elif written is not None and now - written > EXIT_GRACE:
             status = "no exit"
         if status is not None:
             child.send_signal(signal.SIGUSR1)  # the child's stacks, to its stderr
             try:
-                child.wait(2.0)
+                child.wait(1.0)
             except subprocess.TimeoutExpired:
                 pass
             child.kill()
@@ -590,6 +617,8 @@ def _spawn(part: str, args: argparse.Namespace, argv: Sequence[str], tmpdir: str
         status = "ok" if child.returncode == 0 and data.get("ok") else "failed"
     if status == "timeout":
         data["error"] = f"killed at its timeout ({timeout:.0f} s)"
+    elif status == "stopped":
+        data["error"] = "the check was stopped (SIGTERM: the caller's timeout)"
     elif status == "no exit":
         data["error"] = f"wrote its results but did not exit within {EXIT_GRACE:.0f} s (killed)"
     elif status == "failed" and "error" not in data:
@@ -607,7 +636,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--parts",
-        default="syncs,seeds,speed",
+        default="syncs,reads,speed",
         help=f"comma-separated, of {', '.join(PARTS)} (profile: with --profile)",
     )
     p.add_argument("--profile", metavar="PATH", help="run the host profile; its report to PATH")
@@ -615,6 +644,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--timeout-scale", type=float, default=1.0,
                    help="multiplies each part's timeout (" +
                    ", ".join(f"{k} {v:.0f} s" for k, v in TIMEOUTS.items()) + ")")  # fmt: skip
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="the whole check's seconds: a part's timeout is cut to leave "
+                   f"{RESERVE:.0f} s to each part after it")  # fmt: skip
     p.add_argument("--in-process", action="store_true",
                    help="run the parts in this process, without timeouts")  # fmt: skip
     # the whole script on the CPU with a stand-in for the sync debug mode (for the tests)
@@ -623,12 +655,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(list(argv))
-    args.part_list = [x for x in args.parts.split(",") if x]
-    if args.profile and "profile" not in args.part_list:
-        args.part_list.append("profile")
-    for x in args.part_list:
+    wanted = [x for x in args.parts.split(",") if x] + (["profile"] if args.profile else [])
+    for x in wanted:
         if x not in PARTS:
             p.error(f"--parts: unknown part {x!r} (known: {', '.join(PARTS)})")
+    args.part_list = [x for x in PARTS if x in wanted]
     if "profile" in args.part_list and not args.profile:
         p.error("--parts profile needs --profile PATH")
     return args
@@ -642,11 +673,12 @@ def _misses(parts: Dict[str, Dict[str, Any]], iters: int, dry_run: bool) -> List
     syncs = parts.get("syncs")
     if syncs is not None and syncs["status"] == "ok" and not syncs.get("clean"):
         misses.append("syncs: hookloop synchronized on an iteration that wrote nothing")
-    seeds = parts.get("seeds")
-    if seeds is not None and seeds["status"] == "ok" and not dry_run:
-        counted = seeds["seeds"]["syncs_counted"]
-        if counted != iters:
-            misses.append(f"seeds: {counted} synchronizations in {iters} iterations, not one each")
+    reads = parts.get("reads")
+    if reads is not None and reads["status"] == "ok" and not dry_run:
+        for r in reads["reads"]:
+            if r["syncs_counted"] != r["reads"]:
+                misses.append(f"reads: {r['what']}: {r['syncs_counted']} synchronizations for "
+                              f"{r['reads']} reads of the losses")  # fmt: skip
     return misses
 
 
@@ -676,6 +708,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     if args.part is not None:
         return _child(args.part, args.result, args, device)
+    if not args.in_process:
+        signal.signal(signal.SIGTERM, _stop)
     info = overhead.machine_info(["benches/gpu_check.py", *raw])
     info["hookloop_path"] = os.path.dirname(hookloop.__file__)
     if device.type == "cuda":
@@ -692,21 +726,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         i = child_argv.index("--json") if "--json" in child_argv else -1
         child_argv = child_argv[:i] + child_argv[i + 2 :] if i >= 0 else child_argv
-    for part in args.part_list:
+    for k, part in enumerate(args.part_list):
+        timeout = TIMEOUTS[part] * args.timeout_scale
+        if args.budget is not None:
+            left = args.budget - (time.perf_counter() - t0)
+            timeout = min(timeout, left - RESERVE * (len(args.part_list) - k - 1))
+            if timeout < 5.0:
+                print(f"### gpu_check part {part}: not run ({left:.0f} s of --budget left)")
+                break
         if args.in_process:
             t1 = time.perf_counter()
             with overhead.printer_logging():
                 data = _run_part(part, args, device, tmpdir, lambda data: None)
             data.update(status="ok", seconds=round(time.perf_counter() - t1, 1))
         else:
-            data = _spawn(part, args, child_argv, tmpdir)
+            data = _spawn(part, timeout, child_argv, tmpdir)
         parts[part] = data
+        if _stopped:
+            break
+    for part in args.part_list:
+        why = "stopped before it" if _stopped else "no time left of --budget"
+        parts.setdefault(part, {"status": "not run", "seconds": 0, "error": why})
     syncs_part = parts.get("syncs", {})
     clean: Optional[bool] = bool(syncs_part.get("clean")) and syncs_part["status"] == "ok"
     if "syncs" not in parts or args.cpu_dry_run:
         clean = None
     _print_report(clean, syncs_part.get("syncs", []), parts.get("speed", {}).get("speed", []),
-                  args.n, device, parts.get("seeds", {}).get("seeds"))  # fmt: skip
+                  args.n, device, parts.get("reads", {}).get("reads", ()))  # fmt: skip
     if "profile" in parts and parts["profile"]["status"] == "ok":
         p = parts["profile"]["profile"]
         print(f"\n## host profile: {p['path']} (steps/s unprofiled: "

@@ -266,12 +266,16 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     assert "| bookkeeping hand loop |" in out and "hookloop + stack, × the bookkeeping loop" in out
     # armed on the 42 iterations of 45 where PeriodicWriter(period 20) writes nothing, in
     # each trainer's "warn" and "error" runs (the hand-written loops arm "warn" once each)
-    # the seeds' stack: read every iteration, in "warn" from before_train to the last one
-    assert "## hookloop SimpleTrainer + the seeds' stack (every iteration read): 0" in out
+    # the default stack (3 writes in 45 iterations) and the seeds' stack (a read every
+    # iteration), in "warn" from before_train to the last iteration
+    assert "| hookloop SimpleTrainer + default stack (writes every 20) | 45 | 3 | 0 |" in out
+    assert (
+        "| hookloop SimpleTrainer + the seeds' stack (every iteration read) | 45 | 45 | 0 |" in out
+    )
     assert "| hookloop + seeds' stack |" in out
     modes = gpu_check.dry_run_modes
     assert modes.count("error") == 2 * 42
-    assert modes.count("warn") == 2 * 42 + 2 + 1
+    assert modes.count("warn") == 2 * 42 + 2 + 2
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:
@@ -396,12 +400,12 @@ def test_gpu_check_ends_each_part_in_bounded_time_and_writes_its_summary(
     # a part killed at its timeout (here at once, before its child even starts): reported as
     # a miss, the summary written all the same
     out = tmp_path / "summary.json"
-    argv = ["--cpu-dry-run", "--parts", "seeds", "--iters", "5", "--timeout-scale", "0.001"]
+    argv = ["--cpu-dry-run", "--parts", "reads", "--iters", "5", "--timeout-scale", "0.001"]
     assert gpu_check.main([*argv, "--json", str(out)]) == 1
     data = json.loads(out.read_text(encoding="utf-8"))
-    assert data["parts"]["seeds"]["status"] == "timeout"
-    assert data["misses"] == ["part seeds: timeout: killed at its timeout (0 s)"]
-    assert "MISS: part seeds: timeout" in capsys.readouterr().out
+    assert data["parts"]["reads"]["status"] == "timeout"
+    assert data["misses"] == ["part reads: timeout: killed at its timeout (0 s)"]
+    assert "MISS: part reads: timeout" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -409,9 +413,9 @@ def test_gpu_check_runs_a_part_in_a_child_process(
     gpu_check: Any, tmp_path: Path, capsys: Any
 ) -> None:
     out = tmp_path / "summary.json"
-    argv = ["--cpu-dry-run", "--parts", "seeds", "--iters", "5", "--json", str(out)]
+    argv = ["--cpu-dry-run", "--parts", "reads", "--iters", "5", "--json", str(out)]
     assert gpu_check.main(argv) == 0
     data = json.loads(out.read_text(encoding="utf-8"))
-    assert data["misses"] == [] and data["parts"]["seeds"]["status"] == "ok"
-    assert data["parts"]["seeds"]["seeds"]["iterations"] == 5
-    assert "parts: seeds ok" in capsys.readouterr().out
+    assert data["misses"] == [] and data["parts"]["reads"]["status"] == "ok"
+    assert [r["reads"] for r in data["parts"]["reads"]["reads"]] == [1, 5]  # stack, seeds
+    assert "parts: reads ok" in capsys.readouterr().out

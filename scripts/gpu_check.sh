@@ -148,7 +148,7 @@ EOF
 mapfile -t CUDA_TEST_FILES < <(grep -rl --include='test_*.py' 'pytest.mark.cuda' tests | sort)
 
 bench() {
-    # gpu_check.py's parts have timeouts of their own (syncs 90, seeds 60, profile 45,
+    # gpu_check.py's parts have timeouts of their own (syncs 90, reads 60, profile 45,
     # speed 200 s), cut by --budget to what this part has
     local left=$((BUDGET - SECONDS - 10))
     local limit=$((left < 260 ? left : 260))

@@ -1,10 +1,7 @@
 # The commands the README, the developers and CI run.
 PYTHON ?= python3
 
-.PHONY: install install-demo demo test test-rust test-python lint bench bench-quick
-
-install-demo:       ## build the extension (release) and install hookloop with what the demo uses
-	$(PYTHON) -m pip install -e ".[progress]"
+.PHONY: install install-demo demo test test-rust test-python lint bench bench-quick gpu-wheel
 
 install:            ## build the extension (release) and install hookloop with its test deps
 	$(PYTHON) -m pip install -e ".[test]"
@@ -33,3 +30,12 @@ bench:              ## overhead benchmarks (figures in docs/performance.md)
 
 bench-quick:
 	$(PYTHON) benches/bench_overhead.py --quick
+
+# The offline GPU machine's Python (3.12 there): a pyenv one when there is (its python3.12 shim
+# fails unless 3.12 is selected), else python3.12 on PATH. How the wheel is used:
+# scripts/gpu_check.sh.
+GPU_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+
+gpu-wheel:          ## a release wheel in .gpu-wheel/ for the GPU machine (no Rust there)
+	rm -rf .gpu-wheel
+	maturin build --release -i $(GPU_PYTHON) -o .gpu-wheel

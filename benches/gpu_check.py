@@ -2,56 +2,81 @@
 """The GPU check of issue 11: host-device synchronizations and steps/s on CUDA.
 
     python benches/gpu_check.py [--iters 200] [--n 2000] [--repeats 5] [--json out.json]
+                                [--parts syncs,reads,speed] [--profile profile.txt]
 
 Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP of
 ``lab.tiny_mlp`` (Linear 32→64, ReLU, Linear 64→1, batch 16, SGD momentum,
-4 losses, data already on the device):
+4 losses, data already on the device), in parts:
 
-1. **Synchronizations.** hookloop's ``SimpleTrainer`` and ``AMPTrainer`` with IterationTimer +
-   LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard], 20), and a hook
-   that puts a CUDA scalar tensor at every iteration (``put_scalar``, as model code puts
-   accuracies from inside ``forward``), train with
+1. **Synchronizations** (``syncs``). hookloop's ``SimpleTrainer`` and ``AMPTrainer`` with
+   IterationTimer + LRScheduler(MultiStepLR) + PeriodicWriter([printer, JSON, TensorBoard], 20),
+   and a hook that puts a CUDA scalar tensor at every iteration (``put_scalar``, as model code
+   puts accuracies from inside ``forward``), train with
    ``torch.cuda.set_sync_debug_mode`` on every iteration where nothing is written (from the
    end of the iteration before to the end of that one; write iterations run in the default
-   mode). A first run in ``"warn"`` mode counts the synchronizations and where they come from;
-   a second in ``"error"`` mode must finish without ``RuntimeError`` (the first one's
-   iteration and place are reported). The hand-written loop is counted the same way, for
-   comparison: torch's GradScaler synchronizes in ``step()`` by itself, so synchronizations
-   made in ``torch/amp/grad_scaler.py`` are listed but not counted against hookloop.
-2. **One transfer per read iteration.** The seeds' stack (the default stack plus
-   ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) reads the losses at every
-   iteration. On CUDA they stay deferred (the direct path of ``LossMetrics.read_every_step`` is
-   for CPU losses) and are read in one batched copy per read: with the sync debug mode in
-   ``"warn"`` from ``before_train`` to ``after_train``, exactly one synchronization per
-   iteration must be counted (each is the loss copy; where they come from is listed).
-3. **Speed.** steps/s of hookloop's trainer, the pure-Python detectron2-semantics reference's
-   and a hand-written loop making the same model calls, with and without AMP (float16 with a
-   GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of the ratio to
-   the hand-written loop, formed within each repetition. The default stack is also given as a
-   fraction of a hand-written loop that does its own bookkeeping
+   mode). A first run in ``"warn"`` mode counts the synchronizations and where they come from
+   (by stack: torch's GradScaler when its frame is on the stack inside hookloop's, else
+   hookloop's innermost frame, else the innermost frame outside torch); a second in
+   ``"error"`` mode must finish without ``RuntimeError`` (the first one's iteration and place
+   are reported; the mode is back to default as soon as a step raises, so ``after_train``'s
+   writes run unchecked). torch's GradScaler synchronizes in ``step()`` by itself (the
+   hand-written AMP loop too): in ``"warn"`` mode those are listed and not counted against
+   hookloop, in ``"error"`` mode ``GradScaler.step`` and ``update`` run in the default mode.
+   The hand-written loop is counted the same way, for comparison.
+2. **One transfer per read** (``reads``). The default stack reads the losses at each write
+   (every 20 iterations); the seeds' stack (the default stack plus
+   ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) at every iteration. On
+   CUDA they stay deferred (the direct path of ``LossMetrics.read_every_step`` is for CPU
+   losses) and are read in one batched copy per read: with the sync debug mode in ``"warn"``
+   from ``before_train`` to the end of the last iteration, exactly one synchronization per read
+   must be counted (each is the loss copy; where they come from is listed).
+3. **Speed** (``speed``). steps/s of hookloop's trainer, the pure-Python detectron2-semantics
+   reference's and a hand-written loop making the same model calls, with and without AMP
+   (float16 with a GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of
+   the ratio to the hand-written loop, formed within each repetition. The default stack is
+   also given as a fraction of a hand-written loop that does its own bookkeeping
    (``tiny_mlp.hand_loop_bookkeeping``: ``scheduler.step()`` every step, the losses read with
    one ``.item()`` and one line logged every 20 steps), as ``bench_mlp_paired.py`` does.
+4. **Host profile** (``profile``, with ``--profile PATH``): cProfile of ``--profile-steps``
+   steps of hookloop's ``SimpleTrainer`` + the default stack and of the bookkeeping hand loop
+   (each after an unprofiled run of as many steps, whose steps/s are given), the top 25
+   functions by own time written to PATH: where the host time of an eager step goes.
 
-Exit status: 0 when hookloop's non-write iterations made no synchronization and the seeds'
-stack made one per iteration, 1 otherwise (the report says where), 2 for a debug build.
-Under a minute on one GPU.
+The parts run in the order syncs, reads, profile, speed, each in a child process of its own
+under a timeout (``--timeout-scale`` scales them; ``--budget`` caps the whole run, each part
+leaving 20 s to each one after it), so that a check ends in bounded time whatever fails: a
+part that raises, is killed at its timeout, or does not exit after writing its results is
+reported as such, with what it had finished (the speed part keeps its rows as it goes), and
+the summary (``--json``) is always written, also when the script gets SIGTERM (a caller's
+``timeout``). A child that outlives its timeout first dumps its threads' stacks to stderr.
+``--in-process`` runs the parts in this process, without timeouts (the tests' dry run).
+
+Exit status: 0 when every part finished, hookloop's non-write iterations made no
+synchronization and each read of the losses made one; 1 otherwise (the report and the
+JSON's ``misses`` say which); 2 for a debug build. Speed figures are reported, not checked.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import faulthandler
+import functools
+import io
 import itertools
 import json
 import os
+import pstats
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,8 +84,25 @@ NO_CUDA = "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothi
 
 PERIOD = 20
 
-# torch.cuda.set_sync_debug_mode, or (--cpu-dry-run) a stand-in that records the modes set
+PARTS = ("syncs", "reads", "profile", "speed")  # in the order they run
+# Seconds each part may take in its child process (times --timeout-scale). On an H200 with a
+# slow host (an eager tiny-MLP step ~1.6 ms), the defaults of --iters, and the --n/--repeats
+# of scripts/gpu_check.sh: well under each.
+TIMEOUTS = {"syncs": 90.0, "reads": 60.0, "profile": 45.0, "speed": 200.0}
+# With --budget, the seconds each part still to run keeps from the ones before it.
+RESERVE = 20.0
+# After a child has written its results, how long it may take to exit.
+EXIT_GRACE = 10.0
+
+# The sync debug mode's message ("warn": a UserWarning; "error": a RuntimeError). Other
+# warnings (torch's one-time "Synchronization debug mode is a prototype feature ...") are not
+# synchronizations.
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
+
+# torch.cuda.set_sync_debug_mode / get_sync_debug_mode, or (--cpu-dry-run) stand-ins that
+# record the modes set
 set_mode: Any = torch.cuda.set_sync_debug_mode
+get_mode: Any = torch.cuda.get_sync_debug_mode
 dry_run_modes: List[Any] = []
 
 
@@ -87,10 +129,30 @@ def _guard(period: int, mode: str) -> Any:
         def after_step(self) -> None:
             self._set_for(self.trainer.iter + 1)
 
+        def on_exception(self, exc: BaseException) -> None:
+            # before any after_train: the writers' final write reads the losses, which in
+            # "error" mode would raise again over the first error
+            set_mode("default")
+
         def after_train(self) -> None:
             set_mode("default")
 
     return SyncGuard()
+
+
+def _unchecked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run in the default sync debug mode, the mode before restored after it."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = get_mode()
+        set_mode("default")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_mode(before)
+
+    return call
 
 
 # What _DevicePuts puts: model code's scalars on the device (detectron2 models put accuracies
@@ -118,21 +180,6 @@ def _where(filename: str, lineno: int) -> str:
     return f"{'/'.join(parts[-3:])}:{lineno}"
 
 
-def _count_syncs(fn: Any) -> Tuple[int, collections.Counter]:
-    """Runs ``fn()`` recording the sync debug mode's warnings: their number and where."""
-    where: collections.Counter = collections.Counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            fn()
-        finally:
-            set_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where[_where(w.filename, w.lineno)] += 1
-    return sum(where.values()), where
-
-
 # torch's GradScaler reads found_inf with .item() in step() (unless the optimizer is fused):
 # the hand-written AMP loop makes those synchronizations too, so they are listed, not counted
 # against hookloop
@@ -140,7 +187,64 @@ INHERENT = ("torch/amp/grad_scaler.py",)
 
 
 def _inherent(where: str) -> bool:
-    return any(part in where for part in INHERENT)
+    place = where.split(" ", 1)[0]
+    return any(part in place for part in INHERENT)
+
+
+def _package_dir(module: Any) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+def _attribute(frames: Sequence[traceback.FrameSummary]) -> str:
+    """Where a synchronization made with the stack ``frames`` (outermost first) belongs:
+    walking outwards from the innermost frame, the first of torch's GradScaler or of hookloop
+    decides (hookloop's AMPTrainer calls GradScaler.step, whose ``.item()`` is torch's);
+    without either, the innermost frame outside torch (a hand-written loop's line). The
+    innermost frame follows in parentheses when it is another."""
+    if not frames:
+        return "?"
+    import hookloop
+
+    hl, th = _package_dir(hookloop), _package_dir(torch)
+    chosen = None
+    for f in reversed(frames):
+        name = f.filename.replace(os.sep, "/")
+        if any(name.endswith(part) for part in INHERENT) or os.path.abspath(f.filename).startswith(
+            hl
+        ):
+            chosen = f
+            break
+    if chosen is None:
+        outside = [f for f in frames if not os.path.abspath(f.filename).startswith(th)]
+        chosen = outside[-1] if outside else frames[-1]
+    where = _where(chosen.filename, chosen.lineno or 0)
+    inner = _where(frames[-1].filename, frames[-1].lineno or 0)
+    return where if inner == where else f"{where} (in {inner})"
+
+
+def _count_syncs(fn: Any) -> Tuple[int, collections.Counter]:
+    """Runs ``fn()`` counting the sync debug mode's warnings and where they were made (by
+    stack, :func:`_attribute`); other warnings are shown as usual."""
+    where: collections.Counter = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if SYNC_MESSAGE not in str(message):
+            show(message, category, filename, lineno, *rest)
+            return
+        stack = traceback.extract_stack(sys._getframe(1))
+        while stack and stack[-1].filename == warnings.__file__:
+            stack.pop()  # warnings' own frames, between the caller and this function
+        where[_attribute(stack)] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        try:
+            fn()
+        finally:
+            set_mode("default")
+    return sum(where.values()), where
 
 
 def _first_sync_error(e: BaseException) -> Tuple[str, str]:
@@ -153,9 +257,7 @@ def _first_sync_error(e: BaseException) -> Tuple[str, str]:
         cur = cur.__context__
     for x in reversed(chain):
         if isinstance(x, RuntimeError) and "synchroniz" in str(x):
-            frames = traceback.extract_tb(x.__traceback__)
-            where = _where(frames[-1].filename, frames[-1].lineno or 0) if frames else "?"
-            return str(x).splitlines()[0], where
+            return str(x).splitlines()[0], _attribute(traceback.extract_tb(x.__traceback__))
     return f"{type(e).__name__}: {e}", "?"
 
 
@@ -177,6 +279,11 @@ def _sync_checks(
                 "hl", device, batches, iters, tmpdir, "stack", amp, PERIOD,
                 extra=[_device_puts, lambda: _guard(PERIOD, mode)],
             )  # fmt: skip
+            scaler = getattr(t, "grad_scaler", None)
+            if mode == "error" and scaler is not None and scaler.is_enabled():
+                # torch's own synchronization (found_inf's .item()), which "warn" lists
+                scaler.step = _unchecked(scaler.step)
+                scaler.update = _unchecked(scaler.update)
             trainer[:] = [t]
             t.train(0, iters)
             stored = len(t.storage.history(DEVICE_SCALAR).values())
@@ -219,9 +326,11 @@ def _sync_checks(
     return clean, results
 
 
-def _seeds_transfers(iters: int, tmpdir: str, device: torch.device) -> Dict[str, Any]:
-    """The seeds' stack on ``device`` with the sync debug mode in "warn" over the whole loop:
-    the synchronizations it made, per iteration (one each: the losses' one copy)."""
+def _reads(iters: int, tmpdir: str, device: torch.device) -> List[Dict[str, Any]]:
+    """The default stack and the seeds' stack on ``device`` with the sync debug mode in
+    "warn" over the whole loop: the synchronizations each made, and how many it reads the
+    losses (each read is one batched copy, one synchronization): at each write of
+    PeriodicWriter(20) for the default stack, at every iteration for the seeds' stack."""
     from hookloop.engine.train_loop import HookBase
     from lab import tiny_mlp
 
@@ -234,31 +343,38 @@ def _seeds_transfers(iters: int, tmpdir: str, device: torch.device) -> Dict[str,
                 set_mode("default")  # after_train's closes are not counted
 
     batches = tiny_mlp.make_batches(device)
-    t = tiny_mlp.make_trainer("hl", device, batches, iters, tmpdir, "seeds", extra=[Warn])
-    count, where = _count_syncs(lambda: t.train(0, iters))
-    counted = sum(v for k, v in where.items() if not _inherent(k))
-    return {"what": "hookloop SimpleTrainer + the seeds' stack (every iteration read)",
-            "iterations": iters, "syncs": count, "syncs_counted": counted,
-            "per_iteration": counted / iters, "where": dict(where)}  # fmt: skip
+    writes = sum(_writes_at(i, iters, PERIOD) for i in range(iters))
+    rows = []
+    for hooks, what, reads in (
+        ("stack", f"hookloop SimpleTrainer + default stack (writes every {PERIOD})", writes),
+        ("seeds", "hookloop SimpleTrainer + the seeds' stack (every iteration read)", iters),
+    ):
+        t = tiny_mlp.make_trainer("hl", device, batches, iters, tmpdir, hooks, extra=[Warn])
+        count, where = _count_syncs(lambda t=t: t.train(0, iters))
+        counted = sum(v for k, v in where.items() if not _inherent(k))
+        rows.append({"what": what, "hooks": hooks, "iterations": iters, "reads": reads,
+                     "syncs": count, "syncs_counted": counted, "per_read": counted / reads,
+                     "where": dict(where)})  # fmt: skip
+    return rows
 
 
-@dataclass
-class Figure:
+def _figure(values: Sequence[float]) -> Dict[str, float]:
     """The median over the repetitions and the best one (the highest steps/s or ratio)."""
-
-    median: float
-    best: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Figure:
-        return cls(statistics.median(values), max(values))
+    return {"median": statistics.median(values), "best": max(values)}
 
 
-def _speed(n: int, repeats: int, tmpdir: str, device: torch.device) -> List[Dict[str, Any]]:
+def _speed(
+    n: int,
+    repeats: int,
+    tmpdir: str,
+    device: torch.device,
+    done: Callable[[List[Dict[str, Any]]], None] = lambda rows: None,
+) -> List[Dict[str, Any]]:
+    """The speed rows (without AMP, then with); ``done(rows)`` after each one."""
     from lab import overhead, tiny_mlp
 
     batches = tiny_mlp.make_batches(device)
-    rows = []
+    rows: List[Dict[str, Any]] = []
     for amp in (False, True):
         variants = {
             "hand": lambda amp=amp: tiny_mlp.time_hand(device, batches, n, amp),
@@ -276,15 +392,61 @@ def _speed(n: int, repeats: int, tmpdir: str, device: torch.device) -> List[Dict
             f()  # untimed: first calls allocate, compile, fill caches
         res = overhead._interleaved(variants, repeats)
         hand = res["hand"]
-        row: Dict[str, Any] = {"amp": amp, "hand_steps_per_s": Figure.of([n / h for h in hand])}
+        row: Dict[str, Any] = {"amp": amp, "n": n, "repeats": repeats}
+        row["hand_steps_per_s"] = _figure([n / h for h in hand])
         for key in variants:
             if key != "hand":
-                row[key] = Figure.of([h / t for h, t in zip(hand, res[key])])
+                row[key] = _figure([h / t for h, t in zip(hand, res[key])])
         for impl in ("hl", "ref"):
             runs = zip(res["hand-bk"], res[f"{impl}-stack"])
-            row[f"{impl}-stack-over-bk"] = Figure.of([h / t for h, t in runs])
+            row[f"{impl}-stack-over-bk"] = _figure([h / t for h, t in runs])
+        # each loop's own steps/s (the median of its repetitions)
+        row["steps_per_s"] = {k: n / statistics.median(v) for k, v in res.items()}
         rows.append(row)
+        done(rows)
     return rows
+
+
+def _profile(n: int, path: str, tmpdir: str, device: torch.device) -> Dict[str, Any]:
+    """cProfile of ``n`` steps of hookloop's SimpleTrainer + the default stack and of the
+    bookkeeping hand loop, each after an unprofiled run of ``n`` steps; the top 25 functions
+    by own time of each are written to ``path``, with the callers of the top 8. Returns the
+    unprofiled steps/s."""
+    from lab import tiny_mlp
+
+    batches = tiny_mlp.make_batches(device)
+
+    def stack() -> float:
+        t = tiny_mlp.make_trainer("hl", device, batches, n, tmpdir, "stack")
+        return tiny_mlp.time_trainer(t, n)
+
+    def hand_bk() -> float:
+        return tiny_mlp.time_hand(device, batches, n, False, True)
+
+    runs = {
+        "hookloop SimpleTrainer + default stack": stack,
+        "hand-written loop with its own bookkeeping (.item() every 20 steps)": hand_bk,
+    }
+    out = io.StringIO()
+    steps_per_s = {}
+    for what, run in runs.items():
+        steps_per_s[what] = n / run()  # unprofiled (the first run also warms up)
+        prof = cProfile.Profile()
+        prof.enable()
+        seconds = run()
+        prof.disable()
+        out.write(f"## {what} on {device}: {n} steps, {steps_per_s[what]:,.1f} steps/s "
+                  f"unprofiled, {n / seconds:,.1f} profiled\n")  # fmt: skip
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.print_callers(8)  # who calls the top 8
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(out.getvalue())
+    return {"path": path, "steps": n, "steps_per_s": steps_per_s}
+
+
+def _fmt(c: Any) -> str:
+    return f"{c['median']:,.3f} ({c['best']:,.3f})"
 
 
 def _print_report(
@@ -292,8 +454,8 @@ def _print_report(
     syncs: Sequence[Dict[str, Any]],
     speed: Sequence[Dict[str, Any]],
     n: int,
-    device: torch.device,
-    seeds: Optional[Dict[str, Any]] = None,
+    device: Any,
+    reads: Sequence[Dict[str, Any]] = (),
 ) -> None:
     print("## Synchronizations on iterations where nothing is written")
     print()
@@ -309,17 +471,23 @@ def _print_report(
     print("its synchronizations are listed but not counted against hookloop.")
     verdict = {
         True: "none: PASS",
-        False: "some: FAIL (see 'where')",
+        False: "some, or not checked to the end: FAIL (see 'where' and the misses)",
         None: "not checked (--cpu-dry-run: the sync debug mode is a stand-in on the CPU)",
     }[clean]
     print(f"hookloop's non-write iterations synchronized with the device: {verdict}")
     print()
-    if seeds is not None:
-        where = "; ".join(f"{k} ({v})" for k, v in sorted(seeds["where"].items()))
-        print(f"## {seeds['what']}: {seeds['syncs_counted']} synchronizations in "
-              f"{seeds['iterations']} iterations ({seeds['per_iteration']:.3f} per iteration, "
-              f"1 expected); where: {where or '—'}")  # fmt: skip
+    if reads:
+        print("## Synchronizations over the whole loop: one per read of the losses expected")
         print()
+        print("| run | iterations | reads | syncs counted | per read | where (count) |")
+        print("|---|---|---|---|---|---|")
+        for r in reads:
+            where = "; ".join(f"{k} ({v})" for k, v in sorted(r["where"].items()))
+            print(f"| {r['what']} | {r['iterations']} | {r['reads']} | {r['syncs_counted']} "
+                  f"| {r['per_read']:.3f} | {where or '—'} |")  # fmt: skip
+        print()
+    if not speed:
+        return
     print(
         f"## steps/s on {device}, as a fraction of the hand-written loop's (median (best), n={n})"
     )
@@ -332,31 +500,203 @@ def _print_report(
     keys = ("hand_steps_per_s", "hand-bk", "hl-none", "hl-stack", "hl-stack-over-bk",
             "ref-none", "ref-stack", "ref-stack-over-bk", "hl-seeds", "ref-seeds")  # fmt: skip
     for r in speed:
-        cells = [r[k] for k in keys]
-        text = " | ".join(f"{c.median:,.3f} ({c.best:,.3f})" for c in cells)
-        amp = ("float16" if device.type == "cuda" else "bfloat16") if r["amp"] else "no"
+        text = " | ".join(_fmt(r[k]) for k in keys)
+        amp = ("float16" if str(device).startswith("cuda") else "bfloat16") if r["amp"] else "no"
         print(f"| {amp} | {text} |")
+    print()
+    print("steps/s of each loop (median):")
+    for r in speed:
+        cells = ", ".join(f"{k} {v:,.1f}" for k, v in r["steps_per_s"].items())
+        print(f"- AMP {'on' if r['amp'] else 'off'}: {cells}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _write_json(path: str, data: Dict[str, Any]) -> None:
+    """Writes ``data`` to ``path`` whole or not at all (a reader never sees half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _run_part(part: str, args: argparse.Namespace, device: torch.device, tmpdir: str,
+              save: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:  # fmt: skip
+    """Runs one part; ``save`` keeps what it has so far (the speed part's rows)."""
+    if part == "syncs":
+        clean, rows = _sync_checks(args.iters, tmpdir, device)
+        return {"clean": clean, "syncs": rows}
+    if part == "reads":
+        return {"reads": _reads(args.iters, tmpdir, device)}
+    if part == "speed":
+        return {"speed": _speed(args.n, args.repeats, tmpdir, device,
+                                lambda rows: save({"speed": rows, "partial": True}))}  # fmt: skip
+    if part == "profile":
+        return {"profile": _profile(args.profile_steps, args.profile, tmpdir, device)}
+    raise ValueError(f"unknown part {part!r}")
+
+
+def _child(part: str, result: str, args: argparse.Namespace, device: torch.device) -> int:
+    """``--part``: one part in this process, its results written to ``result`` (JSON), also
+    when it raises (then with the traceback). The parent's timeout bounds it; on SIGUSR1 (the
+    parent's, before it kills a child at its timeout or for not exiting) faulthandler dumps
+    every thread's stack to stderr: where it hung."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    tmpdir = tempfile.mkdtemp(prefix=f"hookloop-gpu-check-{part}-")
+
+    def save(data: Dict[str, Any]) -> None:
+        _write_json(result, {"part": part, **data})
+
+    try:
+        from lab import overhead
+
+        with overhead.printer_logging():
+            data = _run_part(part, args, device, tmpdir, save)
+        save({"ok": True, **data})
+        code = 0
+    except Exception:
+        text = traceback.format_exc()
+        print(text, file=sys.stderr)
+        save({"ok": False, "error": text.strip().splitlines()[-1], "traceback": text})
+        code = 1
+    sys.stdout.flush()
+    return code
+
+
+# Set on SIGTERM to the parent (the ``timeout`` of scripts/gpu_check.sh, which sends SIGKILL
+# 5 s later): the part running is ended, no other starts, and the summary is still written.
+_stopped: List[int] = []
+
+
+def _stop(signum: int, frame: Any) -> None:
+    _stopped.append(signum)
+
+
+def _spawn(part: str, timeout: float, argv: Sequence[str], tmpdir: str) -> Dict[str, Any]:
+    """Runs ``part`` in a child process under ``timeout``; returns its results (what it
+    wrote, when it was killed) with ``status`` ("ok", "failed", "timeout", "no exit",
+    "stopped") and ``seconds``."""
+    result = os.path.join(tmpdir, f"{part}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--part", part, "--result", result]
+    print(f"### gpu_check part {part} (timeout {timeout:.0f} s)", flush=True)
+    t0 = time.perf_counter()
+    child = subprocess.Popen(cmd)
+    written: Optional[float] = None
+    status = None
+    while child.poll() is None:
+        now = time.perf_counter()
+        if written is None and os.path.exists(result):
+            try:
+                with open(result, encoding="utf-8") as f:
+                    finished = "ok" in json.load(f)
+            except (OSError, ValueError):
+                finished = False
+            written = now if finished else None
+        if _stopped:
+            status = "stopped"
+        elif now - t0 > timeout:
+            status = "timeout"
+        elif written is not None and now - written > EXIT_GRACE:
+            status = "no exit"
+        if status is not None:
+            child.send_signal(signal.SIGUSR1)  # the child's stacks, to its stderr
+            try:
+                child.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            child.kill()
+            child.wait()
+            break
+        time.sleep(0.1)
+    seconds = time.perf_counter() - t0
+    data: Dict[str, Any] = {}
+    try:
+        with open(result, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        pass
+    if status is None:
+        status = "ok" if child.returncode == 0 and data.get("ok") else "failed"
+    if status == "timeout":
+        data["error"] = f"killed at its timeout ({timeout:.0f} s)"
+    elif status == "stopped":
+        data["error"] = "the check was stopped (SIGTERM: the caller's timeout)"
+    elif status == "no exit":
+        data["error"] = f"wrote its results but did not exit within {EXIT_GRACE:.0f} s (killed)"
+    elif status == "failed" and "error" not in data:
+        data["error"] = f"exit status {child.returncode}, no results written"
+    data.update(status=status, seconds=round(seconds, 1))
+    print(f"### gpu_check part {part}: {status} in {seconds:.1f} s", flush=True)
+    return data
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--iters", type=int, default=200, help="iterations of each sync check")
     p.add_argument("--n", type=int, default=2000, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--parts",
+        default="syncs,reads,speed",
+        help=f"comma-separated, of {', '.join(PARTS)} (profile: with --profile)",
+    )
+    p.add_argument("--profile", metavar="PATH", help="run the host profile; its report to PATH")
+    p.add_argument("--profile-steps", type=int, default=500, help="steps profiled per loop")
+    p.add_argument("--timeout-scale", type=float, default=1.0,
+                   help="multiplies each part's timeout (" +
+                   ", ".join(f"{k} {v:.0f} s" for k, v in TIMEOUTS.items()) + ")")  # fmt: skip
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="the whole check's seconds: a part's timeout is cut to leave "
+                   f"{RESERVE:.0f} s to each part after it")  # fmt: skip
+    p.add_argument("--in-process", action="store_true",
+                   help="run the parts in this process, without timeouts")  # fmt: skip
     # the whole script on the CPU with a stand-in for the sync debug mode (for the tests)
     p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    global set_mode
+    # internal: one part in this process, its results to --result (the parent's child)
+    p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(list(argv))
+    wanted = [x for x in args.parts.split(",") if x] + (["profile"] if args.profile else [])
+    for x in wanted:
+        if x not in PARTS:
+            p.error(f"--parts: unknown part {x!r} (known: {', '.join(PARTS)})")
+    args.part_list = [x for x in PARTS if x in wanted]
+    if "profile" in args.part_list and not args.profile:
+        p.error("--parts profile needs --profile PATH")
+    return args
+
+
+def _misses(parts: Dict[str, Dict[str, Any]], iters: int, dry_run: bool) -> List[str]:
+    misses = []
+    for name, r in parts.items():
+        if r["status"] != "ok":
+            misses.append(f"part {name}: {r['status']}: {r.get('error', '')}")
+    syncs = parts.get("syncs")
+    if syncs is not None and syncs["status"] == "ok" and not syncs.get("clean"):
+        misses.append("syncs: hookloop synchronized on an iteration that wrote nothing")
+    reads = parts.get("reads")
+    if reads is not None and reads["status"] == "ok" and not dry_run:
+        for r in reads["reads"]:
+            if r["syncs_counted"] != r["reads"]:
+                misses.append(f"reads: {r['what']}: {r['syncs_counted']} synchronizations for "
+                              f"{r['reads']} reads of the losses")  # fmt: skip
+    return misses
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(raw)
+    global set_mode, get_mode
     if args.cpu_dry_run:
         device = torch.device("cpu")
         set_mode = dry_run_modes.append
+        get_mode = lambda: dry_run_modes[-1] if dry_run_modes else "default"  # noqa: E731
     elif not torch.cuda.is_available():
         print(NO_CUDA)
         return 0
     else:
         device = torch.device("cuda")
         set_mode = torch.cuda.set_sync_debug_mode
+        get_mode = torch.cuda.get_sync_debug_mode
 
     import hookloop
     from lab import overhead
@@ -366,7 +706,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "`pip install -e .`", file=sys.stderr)  # fmt: skip
         return 2
     torch.set_num_threads(1)
-    info = overhead.machine_info(["benches/gpu_check.py", *(argv or sys.argv[1:])])
+    if args.part is not None:
+        return _child(args.part, args.result, args, device)
+    if not args.in_process:
+        signal.signal(signal.SIGTERM, _stop)
+    info = overhead.machine_info(["benches/gpu_check.py", *raw])
+    info["hookloop_path"] = os.path.dirname(hookloop.__file__)
     if device.type == "cuda":
         info["cuda_device"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
@@ -374,21 +719,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{k}: {v}")
     print(flush=True)
     t0 = time.perf_counter()
+    parts: Dict[str, Dict[str, Any]] = {}
     tmpdir = tempfile.mkdtemp(prefix="hookloop-gpu-check-")
-    with overhead.printer_logging():
-        clean, syncs = _sync_checks(args.iters, tmpdir, device)
-        seeds = _seeds_transfers(args.iters, tmpdir, device)
-        speed = _speed(args.n, args.repeats, tmpdir, device)
-    if not args.cpu_dry_run:  # (the stand-in counts no synchronization)
-        clean = clean and seeds["syncs_counted"] == args.iters
-    _print_report(None if args.cpu_dry_run else clean, syncs, speed, args.n, device, seeds)
-    print(f"\ntotal: {time.perf_counter() - t0:.1f} s")
+    # the child's arguments: this one's, less what only the parent does
+    child_argv = [a for a in raw if a != "--in-process"]
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "clean": clean, "syncs": syncs, "seeds": seeds,
-                       "speed": speed}, f,
-                      indent=1, default=lambda o: getattr(o, "__dict__", str(o)))  # fmt: skip
-    return 0 if clean else 1
+        i = child_argv.index("--json") if "--json" in child_argv else -1
+        child_argv = child_argv[:i] + child_argv[i + 2 :] if i >= 0 else child_argv
+    for k, part in enumerate(args.part_list):
+        timeout = TIMEOUTS[part] * args.timeout_scale
+        if args.budget is not None:
+            left = args.budget - (time.perf_counter() - t0)
+            timeout = min(timeout, left - RESERVE * (len(args.part_list) - k - 1))
+            if timeout < 5.0:
+                print(f"### gpu_check part {part}: not run ({left:.0f} s of --budget left)")
+                break
+        if args.in_process:
+            t1 = time.perf_counter()
+            with overhead.printer_logging():
+                data = _run_part(part, args, device, tmpdir, lambda data: None)
+            data.update(status="ok", seconds=round(time.perf_counter() - t1, 1))
+        else:
+            data = _spawn(part, timeout, child_argv, tmpdir)
+        parts[part] = data
+        if _stopped:
+            break
+    for part in args.part_list:
+        why = "stopped before it" if _stopped else "no time left of --budget"
+        parts.setdefault(part, {"status": "not run", "seconds": 0, "error": why})
+    syncs_part = parts.get("syncs", {})
+    clean: Optional[bool] = bool(syncs_part.get("clean")) and syncs_part["status"] == "ok"
+    if "syncs" not in parts or args.cpu_dry_run:
+        clean = None
+    _print_report(clean, syncs_part.get("syncs", []), parts.get("speed", {}).get("speed", []),
+                  args.n, device, parts.get("reads", {}).get("reads", ()))  # fmt: skip
+    if "profile" in parts and parts["profile"]["status"] == "ok":
+        p = parts["profile"]["profile"]
+        print(f"\n## host profile: {p['path']} (steps/s unprofiled: "
+              + ", ".join(f"{k} {v:,.1f}" for k, v in p["steps_per_s"].items()) + ")")  # fmt: skip
+    misses = _misses(parts, args.iters, args.cpu_dry_run)
+    print(f"\ntotal: {time.perf_counter() - t0:.1f} s")
+    print("parts: " + ", ".join(f"{k} {v['status']} ({v['seconds']} s)" for k, v in parts.items()))
+    for m in misses:
+        print(f"MISS: {m}")
+    if args.json:
+        _write_json(args.json, {"machine": info, "clean": clean, "misses": misses,
+                                "parts": parts})  # fmt: skip
+    return 1 if misses else 0
 
 
 if __name__ == "__main__":

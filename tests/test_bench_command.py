@@ -256,7 +256,7 @@ def test_gpu_check_exits_cleanly_without_cuda(
 def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, capsys: Any) -> None:
     # the sync debug mode is a stand-in that records what the guard hook sets
     monkeypatch.setattr(gpu_check, "dry_run_modes", [])
-    argv = ["--cpu-dry-run", "--iters", "45", "--n", "20", "--repeats", "1"]
+    argv = ["--cpu-dry-run", "--in-process", "--iters", "45", "--n", "20", "--repeats", "1"]
     assert gpu_check.main(argv) == 0
     out = capsys.readouterr().out
     assert "| hookloop SimpleTrainer + default stack | 42 of 45 | 0 | 0 | finished |" in out
@@ -266,12 +266,16 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     assert "| bookkeeping hand loop |" in out and "hookloop + stack, × the bookkeeping loop" in out
     # armed on the 42 iterations of 45 where PeriodicWriter(period 20) writes nothing, in
     # each trainer's "warn" and "error" runs (the hand-written loops arm "warn" once each)
-    # the seeds' stack: read every iteration, in "warn" from before_train to the last one
-    assert "## hookloop SimpleTrainer + the seeds' stack (every iteration read): 0" in out
+    # the default stack (3 writes in 45 iterations) and the seeds' stack (a read every
+    # iteration), in "warn" from before_train to the last iteration
+    assert "| hookloop SimpleTrainer + default stack (writes every 20) | 45 | 3 | 0 |" in out
+    assert (
+        "| hookloop SimpleTrainer + the seeds' stack (every iteration read) | 45 | 45 | 0 |" in out
+    )
     assert "| hookloop + seeds' stack |" in out
     modes = gpu_check.dry_run_modes
     assert modes.count("error") == 2 * 42
-    assert modes.count("warn") == 2 * 42 + 2 + 1
+    assert modes.count("warn") == 2 * 42 + 2 + 2
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:
@@ -288,3 +292,130 @@ def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> No
     assert message == "called a synchronizing CUDA operation"
     assert "tests/test_bench_command.py:" in where
     assert gpu_check._inherent("torch/amp/grad_scaler.py:461")
+
+
+def _frame(path: str, line: int) -> Any:
+    import traceback
+
+    return traceback.FrameSummary(path, line, "f", lookup_line=False)
+
+
+def test_gpu_check_attributes_a_synchronization_by_its_stack(gpu_check: Any) -> None:
+    import hookloop
+
+    hl = os.path.dirname(hookloop.__file__)
+    th = os.path.dirname(torch.__file__)
+    bench = _frame("/x/benches/lab/tiny_mlp.py", 7)
+    step = _frame(os.path.join(hl, "engine", "train_loop.py"), 976)
+    scaler = _frame(os.path.join(th, "amp", "grad_scaler.py"), 461)
+    tensor = _frame(os.path.join(th, "_tensor.py"), 30)
+    # torch's GradScaler, called by hookloop's AMPTrainer: GradScaler's, not counted
+    where = gpu_check._attribute([bench, step, scaler])
+    assert where == "torch/amp/grad_scaler.py:461" and gpu_check._inherent(where)
+    # a synchronization in torch code that hookloop called: hookloop's, counted
+    where = gpu_check._attribute([bench, step, tensor])
+    in_torch = gpu_check._where(tensor.filename, 30)  # .../torch/_tensor.py:30
+    assert where == f"hookloop/engine/train_loop.py:976 (in {in_torch})"
+    assert not gpu_check._inherent(where)
+    # neither on the stack: the innermost frame outside torch (a hand-written loop's line)
+    where = gpu_check._attribute([bench, tensor])
+    assert where == f"benches/lab/tiny_mlp.py:7 (in {in_torch})"
+    assert gpu_check._attribute([]) == "?"
+
+
+def test_gpu_check_counts_only_the_sync_debug_modes_warnings(
+    gpu_check: Any, monkeypatch: Any
+) -> None:
+    import warnings
+
+    monkeypatch.setattr(gpu_check, "set_mode", lambda mode: None)
+
+    def run() -> None:
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        # torch's one-time notice when the mode is first set: not a synchronization
+        warnings.warn(
+            "Synchronization debug mode is a prototype feature", UserWarning, stacklevel=1
+        )
+
+    with pytest.warns(UserWarning, match="prototype feature"):
+        count, where = gpu_check._count_syncs(run)
+    assert count == 2 and len(where) == 1
+    assert "tests/test_bench_command.py:" in next(iter(where))
+
+
+def test_gpu_check_runs_the_grad_scaler_and_after_train_unchecked(
+    gpu_check: Any, monkeypatch: Any
+) -> None:
+    from hookloop.engine import HookBase, SimpleTrainer
+
+    modes: List[Any] = []
+    monkeypatch.setattr(gpu_check, "set_mode", modes.append)
+    monkeypatch.setattr(gpu_check, "get_mode", lambda: modes[-1] if modes else "default")
+    # _unchecked: the default mode inside, the mode before restored after
+    seen = []
+    gpu_check._unchecked(lambda: seen.append(gpu_check.get_mode()))()
+    assert seen == ["default"]
+    modes.clear()
+    gpu_check.set_mode("error")
+    gpu_check._unchecked(lambda: None)()
+    assert modes == ["error", "default", "error"]
+
+    # a step that raises in "error" mode: the mode is back to default before any after_train
+    # (a writer's final write reads the losses)
+    class Writer(HookBase):  # registered before the guard, as PeriodicWriter is
+        def after_train(self) -> None:
+            seen.append(gpu_check.get_mode())
+
+    class Raises(HookBase):
+        def after_step(self) -> None:
+            if self.trainer.iter == 5:
+                raise RuntimeError("called a synchronizing CUDA operation")
+
+    model = torch.nn.Linear(2, 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = model
+
+        def forward(self, x: Any) -> Any:
+            return {"loss": self.linear(x).sum()}
+
+    m = Model()
+    data = iter(lambda: torch.ones(1, 2), None)
+    trainer = SimpleTrainer(m, data, torch.optim.SGD(m.parameters(), lr=0.0))
+    trainer.register_hooks([Writer(), gpu_check._guard(20, "error"), Raises()])
+    modes.clear()
+    seen.clear()
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        trainer.train(0, 50)
+    # set for iteration 6, then on_exception, then the guard's own after_train
+    assert modes[-3:] == ["error", "default", "default"] and seen == ["default"]
+
+
+def test_gpu_check_ends_each_part_in_bounded_time_and_writes_its_summary(
+    gpu_check: Any, tmp_path: Path, capsys: Any
+) -> None:
+    # a part killed at its timeout (here at once, before its child even starts): reported as
+    # a miss, the summary written all the same
+    out = tmp_path / "summary.json"
+    argv = ["--cpu-dry-run", "--parts", "reads", "--iters", "5", "--timeout-scale", "0.001"]
+    assert gpu_check.main([*argv, "--json", str(out)]) == 1
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["parts"]["reads"]["status"] == "timeout"
+    assert data["misses"] == ["part reads: timeout: killed at its timeout (0 s)"]
+    assert "MISS: part reads: timeout" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_a_part_in_a_child_process(
+    gpu_check: Any, tmp_path: Path, capsys: Any
+) -> None:
+    out = tmp_path / "summary.json"
+    argv = ["--cpu-dry-run", "--parts", "reads", "--iters", "5", "--json", str(out)]
+    assert gpu_check.main(argv) == 0
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["misses"] == [] and data["parts"]["reads"]["status"] == "ok"
+    assert [r["reads"] for r in data["parts"]["reads"]["reads"]] == [1, 5]  # stack, seeds
+    assert "parts: reads ok" in capsys.readouterr().out

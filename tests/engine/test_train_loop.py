@@ -1573,6 +1573,8 @@ def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(m
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# torch (2.11 at least) warns once per process, at the first set_sync_debug_mode
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_cuda_steps_make_no_synchronization_until_the_storage_is_read():
     model = LinearModel().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -3,6 +3,9 @@ PYTHON ?= python3
 
 .PHONY: install install-demo demo test test-rust test-python lint bench bench-quick gpu-wheel
 
+install-demo:       ## build the extension (release) and install hookloop with what the demo uses
+	$(PYTHON) -m pip install -e ".[progress]"
+
 install:            ## build the extension (release) and install hookloop with its test deps
 	$(PYTHON) -m pip install -e ".[test]"
 

@@ -28,8 +28,11 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) at every iteration. On
    CUDA they stay deferred (the direct path of ``LossMetrics.read_every_step`` is for CPU
    losses) and are read in one batched copy per read: with the sync debug mode in ``"warn"``
-   from ``before_train`` to the end of the last iteration, exactly one synchronization per read
-   must be counted (each is the loss copy; where they come from is listed).
+   from ``before_train`` to the end of the last iteration, at most one synchronization per read
+   may be counted (each is the loss copy; where they come from is listed). The default stack
+   counts none: at the 20-iteration cap its copy is started without blocking, and the write
+   waits on that copy's event, which torch's sync debug mode does not report (seen on an
+   H200, torch 2.11); the seeds' stack, read before any copy started, counts one per read.
 3. **Speed** (``speed``). steps/s of hookloop's trainer, the pure-Python detectron2-semantics
    reference's and a hand-written loop making the same model calls, with and without AMP
    (float16 with a GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of
@@ -477,7 +480,7 @@ def _print_report(
     print(f"hookloop's non-write iterations synchronized with the device: {verdict}")
     print()
     if reads:
-        print("## Synchronizations over the whole loop: one per read of the losses expected")
+        print("## Synchronizations over the whole loop: at most one per read of the losses")
         print()
         print("| run | iterations | reads | syncs counted | per read | where (count) |")
         print("|---|---|---|---|---|---|")
@@ -676,7 +679,7 @@ def _misses(parts: Dict[str, Dict[str, Any]], iters: int, dry_run: bool) -> List
     reads = parts.get("reads")
     if reads is not None and reads["status"] == "ok" and not dry_run:
         for r in reads["reads"]:
-            if r["syncs_counted"] != r["reads"]:
+            if r["syncs_counted"] > r["reads"]:
                 misses.append(f"reads: {r['what']}: {r['syncs_counted']} synchronizations for "
                               f"{r['reads']} reads of the losses")  # fmt: skip
     return misses

@@ -198,7 +198,8 @@ class TrackerWriter(EventWriter):
         self._batch_bytes = 0  # their media bytes
         self._dropped = 0
         self._sent = 0
-        self._refused: Dict[str, int] = {}  # points the tracker refused, by name
+        self._refused: Dict[str, int] = {}  # what the tracker refused, by name
+        self._refused_points = 0
         self._error: Optional[BaseException] = None
         self._backing_off = False  # the thread waits out a backoff: a write does not wake it
         self._closing = False
@@ -422,18 +423,20 @@ class TrackerWriter(EventWriter):
         named in a warning the first time its name is refused."""
         with self._lock:
             for (it, name), _ in call.parts:
-                first = name not in self._refused
-                self._refused[name] = self._refused.get(name, 0) + 1
-                self._in_flight -= 1
+                label = f"param '{name}'" if it is None else f"'{name}'"
+                first = label not in self._refused
+                self._refused[label] = self._refused.get(label, 0) + 1
+                if it is not None:  # a point (a param is none)
+                    self._in_flight -= 1
+                    self._refused_points += 1
                 if first:
-                    at = "" if it is None else f" at iter {it}"
                     logger.warning(
-                        "%s: %s refused '%s'%s, which is dropped (the other points are "
-                        "logged; later ones of that name are dropped and counted): %s: %s",
+                        "%s: %s refused %s%s, which is dropped (the rest is logged; what it "
+                        "refuses of that name again is dropped and counted): %s: %s",
                         self._name,
                         self._where(),
-                        name,
-                        at,
+                        label,
+                        "" if it is None else f" at iter {it}",
                         type(error).__name__,
                         error,
                     )
@@ -494,6 +497,7 @@ class TrackerWriter(EventWriter):
             error = self._error
             alive = thread is not None and thread.is_alive()
             refused = dict(self._refused)
+            lost += self._refused_points
         # A run is ended when the thread is done and the tracker answers (points dropped from
         # a full buffer earlier, or refused, do not keep it open).
         if thread is not None and not alive and error is None:
@@ -502,14 +506,13 @@ class TrackerWriter(EventWriter):
             except Exception as e:
                 error = e
         n_refused = sum(refused.values())
-        lost += n_refused
-        if lost or error is not None:
-            names = ", ".join(f"'{k}' ({v})" for k, v in sorted(refused.items()))
+        if lost or n_refused or error is not None:
+            names = ", ".join(f"{k} ({v})" for k, v in sorted(refused.items()))
             message = (
                 f"{self._name}: {lost} of {lost + self._sent} points were not logged to "
                 f"{self._where()}"
                 + (f" ({self._dropped} dropped from a full buffer)" if self._dropped else "")
-                + (f" ({n_refused} refused by the tracker: {names})" if n_refused else "")
+                + (f"; refused by the tracker and dropped: {names}" if n_refused else "")
                 + (f"; last error: {type(error).__name__}: {error}" if error else "")
             )
             if self._strict:

@@ -664,3 +664,38 @@ def test_rows_written_during_a_backoff_reach_wandb_once(tmp_path, monkeypatch):
     records = _records(writer._wb_run_dir)
     assert _history(records) == _metrics_json(metrics)
     assert any(r["type"] == "exit" for r in records), "the run was not finished"
+
+
+_EXIT_SCRIPT = """
+import sys
+from hookloop.utils.events import EventStorage, WandbWriter
+writer = WandbWriter(project="hookloop-test", mode="offline", dir=sys.argv[1])
+with EventStorage() as storage:
+    for i in range(10):
+        storage.iter = i
+        storage.put_scalar("loss", float(i), smoothing_hint=False)
+        writer.write()
+"""
+
+
+def test_a_writer_left_open_is_closed_at_exit(tmp_path):
+    """Issue 35, case 4, for W&B: ten writes, then a normal interpreter exit without close():
+    the run holds the ten points and is finished (the writer is closed before W&B's own exit
+    handlers end its runs)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=READ_TIMEOUT,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = tmp_path.glob("wandb/offline-run-*")
+    records = _records(run_dir)
+    assert _history(records) == {i: {"loss": float(i)} for i in range(10)}
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"

@@ -193,6 +193,8 @@ class TrackerWriter(EventWriter):
         self._queue: Deque[_Row] = collections.deque()
         self._queued_points = 0
         self._media_bytes = 0  # images' and histograms' bytes queued or in flight
+        # The queued images and histograms, oldest first: (their row's values, key).
+        self._media_order: Deque[Tuple[Dict[Any, Any], Any]] = collections.deque()
         self._in_flight = 0  # points the thread holds, being sent
         self._batch: List[_Row] = []  # those points' rows
         self._batch_bytes = 0  # their media bytes
@@ -254,6 +256,8 @@ class TrackerWriter(EventWriter):
             for it in sorted(rows):
                 self._queue.append((it, now, rows[it]))
                 self._queued_points += len(rows[it])
+            for it in sorted(media):
+                self._media_order.extend((rows[it], key) for key in media[it])
             self._media_bytes += size
             self._bound()
             self._start()
@@ -276,23 +280,18 @@ class TrackerWriter(EventWriter):
         dropped = 0
         while self._queued_points > self._max_buffered and self._queue:
             _, _, values = self._queue.popleft()
+            self._forget_media(values)
             self._queued_points -= len(values)
             self._media_bytes -= sum(media_bytes(k, v) for k, v in values.items())
             dropped += len(values)
         media = 0
-        if self._media_bytes > self._max_bytes:
-            kept: Deque[_Row] = collections.deque()
-            for row in self._queue:
-                values = row[2]
-                for key in [k for k in values if isinstance(k, tuple)]:
-                    if self._media_bytes <= self._max_bytes:
-                        break
-                    self._media_bytes -= media_bytes(key, values.pop(key))
-                    self._queued_points -= 1
-                    media += 1
-                if values:
-                    kept.append(row)
-            self._queue = kept
+        order = self._media_order
+        while self._media_bytes > self._max_bytes and order:
+            # A row left empty stays queued: the sender makes no call for it.
+            values, key = order.popleft()
+            self._media_bytes -= media_bytes(key, values.pop(key))
+            self._queued_points -= 1
+            media += 1
         if dropped or media:
             self._dropped += dropped + media
             logger.warning(
@@ -319,6 +318,7 @@ class TrackerWriter(EventWriter):
             if batch and size + row_size > self._max_bytes:
                 break
             row = self._queue.popleft()
+            self._forget_media(row[2])
             batch.append(row)
             points += len(row[2])
             size += row_size
@@ -326,6 +326,13 @@ class TrackerWriter(EventWriter):
         self._in_flight = points
         self._batch = batch
         self._batch_bytes = size
+
+    def _forget_media(self, values: Dict[Any, Any]) -> None:
+        """A row leaves the queue: its images and histograms leave ``_media_order`` (the
+        oldest entries; lock held)."""
+        order = self._media_order
+        while order and order[0][0] is values:
+            order.popleft()
 
     def _send_loop(self) -> None:
         opened = False
@@ -552,9 +559,11 @@ class TrackerWriter(EventWriter):
             self._resumed = True
         with self._lock:
             for it, wall, values in state.get("pending", ()):
-                self._queue.append((int(it), float(wall), dict(values)))
+                row = (int(it), float(wall), dict(values))
+                self._queue.append(row)
                 self._queued_points += len(values)
                 self._media_bytes += sum(media_bytes(k, v) for k, v in values.items())
+                self._media_order.extend((row[2], k) for k in row[2] if isinstance(k, tuple))
             self._bound()
 
     def _resume_from(self, start_iter: int) -> None:

@@ -274,6 +274,8 @@ class WandbWriter(TrackerWriter):
         run = self._wb_run
         calls = []
         for it, wall, values in rows:
+            if not values:
+                continue  # its images went past max_buffered_bytes
             parts: List[_Part] = []
             names = set()
             for kind in (None, "image", "histogram"):

@@ -357,7 +357,11 @@ mod tests {
         }
         q.unsubscribe(1, 10);
         q.push(10, 10);
-        assert_eq!(q.iter().copied().collect::<Vec<_>>(), vec![10], "no reader: it waits");
+        assert_eq!(
+            q.iter().copied().collect::<Vec<_>>(),
+            vec![10],
+            "no reader: it waits"
+        );
         assert_eq!(q.read(3, 10, |x| *x).0, vec![10]);
     }
 }

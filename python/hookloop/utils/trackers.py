@@ -6,10 +6,14 @@ smoothed scalars, at the same iterations) into the tracker, with the same promis
   thread of the writer's own hands the points to the client. Nothing on the training thread
   waits for the tracker.
 - A tracker that fails (unreachable, hanging, an error of its client) is logged once with its
-  address and the client's error, retried with backoff, and buffers at most ``max_buffered``
-  points (the oldest are dropped, counted). ``close()`` waits at most ``close_timeout``
-  seconds and warns naming what was not logged. It is never a training error unless
-  ``strict=True``.
+  address and the client's error, retried with backoff (from the call that failed: every
+  point goes in once), and buffers at most ``max_buffered`` points and
+  ``max_buffered_bytes`` of images and histograms (the oldest are dropped, counted).
+  ``close()`` waits at most ``close_timeout`` seconds and warns naming what was not logged;
+  a tracker still open at interpreter exit is closed then. It is never a training error
+  unless ``strict=True``.
+- Names are mapped to those the tracker takes (a warning once per renamed name); what it
+  still refuses is dropped alone, counted and named, and the rest is logged.
 - Its state (run id, last step sent) goes into the trainer's checkpoint with
   :class:`~hookloop.engine.hooks.PeriodicWriter`'s, so a resumed run logs into the same run.
 

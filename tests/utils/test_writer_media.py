@@ -321,7 +321,12 @@ def test_a_closed_writer_no_longer_holds_images_back(tmp_path, caplog, closed):
         pytest.importorskip("mlflow")
         from hookloop.utils.events import MLflowWriter
 
-        early = MLflowWriter(f"sqlite:///{tmp_path}/mlflow.db", close_timeout=30)
+        early = MLflowWriter(
+            f"sqlite:///{tmp_path}/mlflow.db",
+            experiment_name="e",
+            artifact_location=str(tmp_path / "art"),
+            close_timeout=30,
+        )
     else:
         early = TensorboardXWriter(tmp_path / "early")
     live = TensorboardXWriter(tmp_path / "live")

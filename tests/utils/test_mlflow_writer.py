@@ -505,14 +505,19 @@ def test_writes_during_an_outage_do_not_wake_the_sender(tmp_path):
         raise ConnectionError("down")
 
     writer._client.log_batch = log_batch
-    start = time.monotonic()
     with EventStorage() as storage:
-        for i in range(300):
+        storage.put_scalar("loss", 0.0)
+        writer.write()
+        deadline = time.monotonic() + 60
+        while not attempts and time.monotonic() < deadline:  # the store opens, then fails
+            time.sleep(0.01)
+        assert attempts, "log_batch was not called"
+        for i in range(1, 300):
             storage.iter = i
             storage.put_scalar("loss", float(i))
             writer.write()
             time.sleep(0.002)
-    tried, elapsed = len(attempts), time.monotonic() - start
+    tried, elapsed = len(attempts), time.monotonic() - attempts[0]
     writer.close()
     # Attempt n + 1 comes at least sum(waits[:n]) after the first: the most that fit.
     allowed, waited, wait = 1, 0.0, writer._BACKOFF[0]

@@ -570,3 +570,30 @@ def test_a_tracker_left_open_is_closed_at_exit(tmp_path, monkeypatch, reachable)
         assert "were not logged" not in proc.stderr
     else:
         assert f"10 of 10 points were not logged to MLflow at {uri}" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_forked_child_does_not_close_its_parents_tracker(tmp_path):
+    """A forked process (a DataLoader worker) that exits runs threading's exit hook too: it
+    must not close the tracker it inherited (end the run, send the queue again)."""
+    import multiprocessing
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(uri)
+    with EventStorage() as storage:
+        storage.put_scalar("loss", 1.0)
+        writer.write()
+        assert writer.flush(30)
+        child = multiprocessing.get_context("fork").Process(target=int)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        client = MlflowClient(uri)
+        assert client.get_run(writer._mlflow_run_id).info.status == "RUNNING"
+        storage.iter = 1
+        storage.put_scalar("loss", 2.0)
+        writer.write()
+    writer.close()
+    run = client.get_run(writer._mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert [p.step for p in _history(client, run.info.run_id, "loss")] == [0, 1]

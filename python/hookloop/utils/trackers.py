@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import os
 import threading
 import time
 import weakref
@@ -130,6 +131,16 @@ def _close_at_exit() -> None:
         except Exception as e:  # strict=True: what was not logged, said at exit
             logger.error("%s", e)
 
+
+def _forget_open_in_child() -> None:
+    """A forked child (a DataLoader worker, a ``multiprocessing`` process) does not own its
+    parent's trackers: their threads are not in it, and its exit (``multiprocessing`` runs
+    ``threading``'s exit hook there too) must not send their queues again or end their runs."""
+    _OPEN.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_open_in_child)
 
 _register_exit = getattr(threading, "_register_atexit", None)
 if _register_exit is not None:

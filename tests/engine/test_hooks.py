@@ -335,6 +335,47 @@ def test_periodic_writer_rejects_non_writer():
         PeriodicWriter([object()])
 
 
+def test_periodic_writer_calls_the_writer_protocol_and_takes_duck_typed_writers():
+    """The optional methods EventWriter declares are called on a subclass that overrides
+    them; a writer that is not an EventWriter (only write() and close()) gets the defaults,
+    and a checkpoint of the trainer holds only the states that are not empty."""
+    log = []
+
+    class Full(EventWriter):
+        def write(self):
+            log.append("write")
+
+        def _bind_trainer(self, trainer):
+            log.append(("bind", trainer.iter))
+
+        def _resume_from(self, start_iter):
+            log.append(("resume", start_iter))
+
+        def _state_dict(self):
+            return {"n": len(log)}
+
+        def _load_state_dict(self, state):
+            log.append(("load", dict(state)))
+
+    class Duck:
+        def write(self):
+            log.append("duck write")
+
+        def close(self):
+            log.append("duck close")
+
+    trainer = NoopTrainer()
+    hook = PeriodicWriter([Full(), Duck()], period=2)
+    trainer.register_hooks([hook])
+    trainer.train(3, 5)
+    assert log[:2] == [("bind", 3), ("resume", 3)]
+    assert log.count("duck write") == 3 and log[-1] == "duck close"
+    state = trainer.state_dict()["hookloop_hooks"]["PeriodicWriter"]
+    assert state == {"writers": {"0:Full": {"n": len(log)}}}
+    hook.load_state_dict(state)
+    assert log[-1] == ("load", {"n": len(log) - 1})
+
+
 @pytest.mark.parametrize("period", [0, -2])
 def test_periodic_writer_rejects_bad_period(period):
     with pytest.raises(ValueError, match="period"):

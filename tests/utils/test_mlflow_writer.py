@@ -1,13 +1,18 @@
 """MLflowWriter against the real mlflow client: a local tracking store read back with
 ``MlflowClient``, an unreachable server, a server that never answers, and resume."""
 
+import io
 import json
 import logging
 import socket
 import sys
+import threading
+import time
+import zlib
 
 import numpy as np
 import pytest
+import torch
 from hookloop.engine import HookBase, PeriodicWriter, TrainerBase
 from hookloop.utils.events import EventStorage, JSONWriter, TensorboardXWriter
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -323,3 +328,272 @@ def test_a_batch_that_fails_part_way_is_not_logged_twice(tmp_path):
             (0, float(key[1:]))
         ]
     assert calls == [0, 1000, 500, 500]
+
+
+# -- issue 35: a refused item never blocks the rest; retries exact; backoff; exit; -------------
+
+LONG = "long_" + "x" * 300
+# MLflow's names for them (docs/trackers.md): a name past 250 characters keeps its first 241,
+# then "-" and its CRC32.
+MAPPED = {
+    "acc@5": "acc_5",
+    "f(x)": "f_x_",
+    "top 50%": "top 50_",
+    "w[0]": "w_0_",
+    "a//b": "a/b",
+    "/lead": "lead",
+    LONG: f"{LONG[:241]}-{zlib.crc32(LONG.encode()):08x}",
+    "retrieval/R@1": "retrieval/R_1",
+    "retrieval/R@5": "retrieval/R_5",
+}
+BAD_NAMES = list(MAPPED)[:7]
+
+
+class Awkward(TrainerBase):
+    """What a user's run puts that MLflow refuses as given: scalar names with ``@ ( ) % [ ]``,
+    ``a//b``, a leading ``/``, over 250 characters; a histogram named ``../../x``; a grey and
+    alpha image."""
+
+    def run_step(self):
+        i, s = self.iter, self.storage
+        s.put_scalar("total_loss", 1.0 / (i + 1))
+        s.put_scalars(**{n: float(i + k) for k, n in enumerate(BAD_NAMES)}, smoothing_hint=False)
+        if i % 10 == 0:
+            g = torch.Generator().manual_seed(i)
+            s.put_histogram("../../x", torch.randn(50, generator=g), bins=4)
+            s.put_image("grey+alpha", torch.rand(2, 3, 4, generator=g))
+
+
+def _messages(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_names_mlflow_refuses_are_mapped_and_nothing_blocks_the_run(tmp_path, caplog):
+    """Issue 35, case 1: an EvalHook's ``{"retrieval": {"R@1": ...}}`` and the other names
+    MLflow refuses are logged under MLflow's names (one warning per renamed name), with every
+    other point, and the run ends FINISHED with nothing lost."""
+    from hookloop.engine import EvalHook
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(
+        uri, params={"lr@base": 0.1}, artifact_location=str(tmp_path / "art"), strict=True
+    )
+    writer._client.create_experiment("e", artifact_location=str(tmp_path / "art"))
+    writer._experiment_name = "e"
+    metrics = tmp_path / "metrics.json"
+    trainer = Awkward()
+    evals = EvalHook(10, lambda: {"retrieval": {"R@1": 0.5, "R@5": 0.75}})
+    tb = TensorboardXWriter(tmp_path / "tb")
+    trainer.register_hooks([evals, PeriodicWriter([JSONWriter(metrics), tb, writer], period=7)])
+    with caplog.at_level(logging.WARNING, logger="hookloop.utils"):
+        trainer.train(0, 40)  # strict: close() raises if a point was not logged
+
+    client = MlflowClient(uri)
+    run = client.get_run(writer._mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr_base": "0.1"}
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    written = {k for r in rows for k in r} - {"iteration"}
+    assert {"retrieval/R@1", "retrieval/R@5", *BAD_NAMES} <= written
+    for key in written:
+        want = [(r["iteration"], r[key]) for r in rows if key in r]
+        name = MAPPED.get(key, key)
+        got = [(p.step, p.value) for p in _history(client, run.info.run_id, name)]
+        assert got == want, key
+    assert len(MAPPED[LONG]) == 250
+    renamed = _messages(caplog, "is logged to MLflow at")
+    # Once each: the scalars, the param, the histogram's path and the image's key.
+    assert len(renamed) == len(BAD_NAMES) + 2 + 1 + 2, renamed
+    assert not _messages(caplog, "failed, retrying") and not _messages(caplog, "refused")
+    hists = client.list_artifacts(run.info.run_id, "histograms/__/__/x")
+    assert len(hists) == 4
+    # The grey and alpha image as TensorBoard shows it: grey in R, G and B, and the alpha.
+    tb_acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    tb_acc.Reload()
+    (first, *_) = tb_acc.Images("grey+alpha")
+    from PIL import Image
+
+    tb_pixels = np.asarray(Image.open(io.BytesIO(first.encoded_image_string)).convert("RGBA"))
+    paths = [a.path for a in client.list_artifacts(run.info.run_id, "images")]
+    (png,) = [p for p in paths if p.endswith(".png") and "+step+0+" in p]
+    local = client.download_artifacts(run.info.run_id, png, str(tmp_path / "dl"))
+    assert np.array_equal(np.asarray(Image.open(local)), tb_pixels)
+
+
+@pytest.mark.slow
+def test_a_param_mlflow_still_refuses_is_dropped_alone(tmp_path, caplog):
+    """Issue 35, case 1: what MLflow refuses after the mapping (a resumed run's param whose
+    value changed) is dropped alone, named in one warning and at close(); the other params
+    and every point are logged, and the run ends FINISHED."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = MLflowWriter(uri, params={"lr": 0.1})
+    with EventStorage() as storage:
+        storage.put_scalar("loss", 1.0)
+        first.write()
+    first.close()
+    run_id = first._mlflow_run_id
+
+    again = MLflowWriter(uri, run_id=run_id, params={"lr": 0.2, "seed": 3, "steps": (1, 2)})
+    with caplog.at_level(logging.WARNING, logger="hookloop.utils"):
+        _train_with(again)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1", "seed": "3", "steps": "(1, 2)"}
+    assert [p.step for p in _history(client, run_id, "loss")] == [0, *range(30)]
+    assert len(_history(client, run_id, "acc")) == 30
+    (refused,) = _messages(caplog, "refused param 'lr'")
+    assert "MlflowException" in refused
+    (summary,) = _messages(caplog, "were not logged")
+    assert summary.startswith("MLflowWriter: 0 of 90 points were not logged")
+    assert summary.endswith("; refused by the tracker and dropped: param 'lr' (1)")
+
+
+@pytest.mark.slow
+def test_rows_written_during_a_backoff_reach_mlflow_once(tmp_path):
+    """Issue 35, case 2: ``log_image`` fails once after the batch's scalars went in; rows
+    written while the writer waits out its backoff are sent after it, and every point and
+    image reaches MLflow once (the retry resumes from the call that failed)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(uri, artifact_location=str(tmp_path / "art"), close_timeout=60)
+    writer._client.create_experiment("e", artifact_location=str(tmp_path / "art"))
+    writer._experiment_name = "e"
+    writer._BACKOFF = (60.0, 60.0)  # the retry comes when close() begins, after the writes
+    failed = threading.Event()
+    real = writer._client.log_image
+
+    def log_image(*args, **kw):
+        if not failed.is_set():
+            failed.set()
+            raise ConnectionError("dropped")
+        return real(*args, **kw)
+
+    writer._client.log_image = log_image
+    with EventStorage() as storage:
+        for i in range(12):
+            storage.iter = i
+            storage.put_scalars(loss=float(i), acc=i / 10, smoothing_hint=False)
+            if i % 3 == 0:
+                storage.put_image("img", torch.full((3, 2, 2), i / 12))
+            writer.write()
+            if i == 0:
+                assert failed.wait(30), "log_image was not called"
+    writer.close()
+    client = MlflowClient(uri)
+    run_id = writer._mlflow_run_id
+    assert client.get_run(run_id).info.status == "FINISHED"
+    for key, scale in (("loss", 1.0), ("acc", 0.1)):
+        got = [(p.step, p.value) for p in _history(client, run_id, key)]
+        assert got == [(i, i * scale if key == "loss" else i / 10) for i in range(12)], key
+    pngs = [a.path for a in client.list_artifacts(run_id, "images") if a.path.endswith(".png")]
+    assert sorted(int(p.split("+")[2]) for p in pngs) == [0, 3, 6, 9]
+
+
+@pytest.mark.slow
+def test_writes_during_an_outage_do_not_wake_the_sender(tmp_path):
+    """Issue 35, case 3: while ``log_batch`` fails, a write every few milliseconds does not
+    make the writer try again: its attempts are at most what the backoff schedule allows in
+    the time the writes took (counted, no timing asserted)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(uri, close_timeout=0.0)
+    writer._BACKOFF = (0.05, 0.4)
+    attempts = []
+
+    def log_batch(*args, **kw):
+        attempts.append(time.monotonic())
+        raise ConnectionError("down")
+
+    writer._client.log_batch = log_batch
+    with EventStorage() as storage:
+        storage.put_scalar("loss", 0.0)
+        writer.write()
+        deadline = time.monotonic() + 60
+        while not attempts and time.monotonic() < deadline:  # the store opens, then fails
+            time.sleep(0.01)
+        assert attempts, "log_batch was not called"
+        for i in range(1, 300):
+            storage.iter = i
+            storage.put_scalar("loss", float(i))
+            writer.write()
+            time.sleep(0.002)
+    tried, elapsed = len(attempts), time.monotonic() - attempts[0]
+    writer.close()
+    # Attempt n + 1 comes at least sum(waits[:n]) after the first: the most that fit.
+    allowed, waited, wait = 1, 0.0, writer._BACKOFF[0]
+    while waited + wait <= elapsed:
+        allowed, waited, wait = allowed + 1, waited + wait, min(wait * 2, writer._BACKOFF[1])
+    assert 1 <= tried <= allowed + 1, (tried, allowed, elapsed)
+
+
+_EXIT_SCRIPT = """
+import sys
+from hookloop.utils.events import EventStorage, MLflowWriter
+writer = MLflowWriter(sys.argv[1], close_timeout=float(sys.argv[2]))
+with EventStorage() as storage:
+    for i in range(10):
+        storage.iter = i
+        storage.put_scalar("loss", float(i), smoothing_hint=False)
+        writer.write()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reachable", [True, False])
+def test_a_tracker_left_open_is_closed_at_exit(tmp_path, monkeypatch, reachable):
+    """Issue 35, case 4: ten writes, then a normal interpreter exit without close(): the
+    points reach the tracker and the run ends FINISHED; an unreachable tracker gives up
+    within its close_timeout and warns naming what was lost."""
+    import os
+    import subprocess
+
+    _quiet_http(monkeypatch)
+    uri = f"sqlite:///{tmp_path}/mlflow.db" if reachable else f"http://127.0.0.1:{_free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, uri, "30" if reachable else "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "exiting"
+    if reachable:
+        client = MlflowClient(uri)
+        (run,) = client.search_runs(["0"])
+        assert run.info.status == "FINISHED"
+        got = [(p.step, p.value) for p in _history(client, run.info.run_id, "loss")]
+        assert got == [(i, float(i)) for i in range(10)]
+        assert "were not logged" not in proc.stderr
+    else:
+        assert f"10 of 10 points were not logged to MLflow at {uri}" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_forked_child_does_not_close_its_parents_tracker(tmp_path):
+    """A forked process (a DataLoader worker) that exits runs threading's exit hook too: it
+    must not close the tracker it inherited (end the run, send the queue again)."""
+    import multiprocessing
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    writer = MLflowWriter(uri)
+    with EventStorage() as storage:
+        storage.put_scalar("loss", 1.0)
+        writer.write()
+        assert writer.flush(30)
+        child = multiprocessing.get_context("fork").Process(target=int)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        client = MlflowClient(uri)
+        assert client.get_run(writer._mlflow_run_id).info.status == "RUNNING"
+        storage.iter = 1
+        storage.put_scalar("loss", 2.0)
+        writer.write()
+    writer.close()
+    run = client.get_run(writer._mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert [p.step for p in _history(client, run.info.run_id, "loss")] == [0, 1]

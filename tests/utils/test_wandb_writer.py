@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import wandb_env
 from hookloop.engine import HookBase, PeriodicWriter, TrainerBase
@@ -536,3 +537,165 @@ def test_an_error_that_clears_while_closing_loses_nothing(tmp_path, monkeypatch)
         if failing.run is not None and writer._error is not None:
             failing.run.finish()  # the writer leaves a run it could not log to open
     assert _history(_records(writer._wb_run_dir)) == _metrics_json(metrics)
+
+
+# -- issue 35 ----------------------------------------------------------------------------------
+
+
+class _Odd(Scripted):
+    """Scripted's scalars, a name W&B keeps for itself (a leading ``_``), and every fifth
+    iteration a grey and alpha image (which ``wandb.Image`` refuses as it is)."""
+
+    def run_step(self):
+        super().run_step()
+        i, s = self.iter, self.storage
+        s.put_scalar("_private", float(i), smoothing_hint=False)
+        if i % 5 == 0:
+            import torch
+
+            s.put_image("mask", torch.full((2, 2, 3), 0.5))
+
+
+def test_what_wandb_refuses_as_given_is_converted_and_nothing_blocks_the_run(tmp_path, caplog):
+    """Issue 35, case 1, for W&B: an EvalHook's ``retrieval/R@1``, a ``_``-name (logged as
+    ``-private``, one warning) and a grey and alpha image (logged as RGBA, as TensorBoard
+    shows it) go into the run with every other point; the run is finished."""
+    from hookloop.engine import EvalHook
+    from PIL import Image
+
+    metrics = tmp_path / "metrics.json"
+    writer = _writer(tmp_path)  # strict: close() raises if a point was not logged
+    trainer = _Odd()
+    evals = EvalHook(5, lambda: {"retrieval": {"R@1": 0.5}})
+    trainer.register_hooks([evals, PeriodicWriter([JSONWriter(metrics, 4), writer], period=3)])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        trainer.train(0, 12)
+    records = _records(writer._wb_run_dir)
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"
+    logged = _history(records)
+    expected = _metrics_json(metrics)
+    assert {k for row in expected.values() for k in row} >= {"retrieval/R@1", "_private"}
+    for step, row in expected.items():
+        got = {("_private" if k == "-private" else k): v for k, v in logged[step].items()}
+        assert {k: v for k, v in got.items() if not k.startswith("mask")} == row, step
+    (renamed,) = _warnings(caplog, "is logged to W&B")
+    assert "'_private' is logged to W&B project hookloop-test" in renamed
+    assert renamed.endswith("as '-private' (the names it takes)")
+    steps = sorted(s for s, row in logged.items() if "mask._type" in row)
+    assert steps == [0, 5, 10]
+    name = logged[5]["mask.path"]  # as the reader prints it: a str, maybe JSON-encoded
+    path = Path(writer._wb_run_dir) / "files" / (json.loads(name) if name[0] == '"' else name)
+    pixels = np.asarray(Image.open(path))
+    assert pixels.shape == (2, 3, 4) and (pixels == 127).all()  # grey 0.5 in R, G, B; alpha
+
+
+def test_a_value_wandb_refuses_is_dropped_alone(tmp_path, monkeypatch, caplog):
+    """Issue 35, case 1, for W&B: a value ``run.log`` refuses (``ValueError``) is dropped
+    alone: the rest of its step is logged (one value at a time, then the step's commit), it
+    is named in one warning and at close(), and the run is finished."""
+
+    def refuse_bad(data):
+        if "loss_cls" in data:
+            raise ValueError("cannot take loss_cls")
+
+    real_init = wandb.init
+
+    def init(**kwargs):
+        run = real_init(**kwargs)
+        real_log = run.log
+
+        def log(data, *args, **kw):
+            refuse_bad(data)
+            return real_log(data, *args, **kw)
+
+        run.log = log
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    metrics = tmp_path / "metrics.json"
+    writer = WandbWriter(
+        project="hookloop-test", mode="offline", dir=tmp_path, window_size=4, close_timeout=60
+    )
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), writer], period=3)])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        trainer.train(0, 12)
+    records = _records(writer._wb_run_dir)
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"
+    expected = _metrics_json(metrics)
+    without = {s: {k: v for k, v in row.items() if k != "loss_cls"} for s, row in expected.items()}
+    assert _history(records) == without
+    (refused,) = _warnings(caplog, "refused 'loss_cls'")
+    assert "ValueError: cannot take loss_cls" in refused
+    n = sum("loss_cls" in row for row in expected.values())
+    (summary,) = _warnings(caplog, "were not logged")
+    assert summary.startswith(f"WandbWriter: {n} of {_points(expected)} points were not logged")
+    assert summary.endswith(f"; refused by the tracker and dropped: 'loss_cls' ({n})")
+
+
+def test_rows_written_during_a_backoff_reach_wandb_once(tmp_path, monkeypatch):
+    """Issue 35, case 2, for W&B: ``run.log`` fails on the second row of the first batch;
+    the rows written while the writer waits out its backoff are sent after the retry, which
+    resumes from the row that failed: every step once, JSONWriter's values."""
+    import threading
+
+    failed = threading.Event()
+
+    def fails(n):
+        if n == 2:
+            failed.set()
+            return True
+        return False
+
+    _FailingLog(monkeypatch, fails)
+    metrics = tmp_path / "metrics.json"
+    writer = _writer(tmp_path)  # strict: close() raises if a point was not logged
+    writer._BACKOFF = (60.0, 60.0)  # the retry comes when close() begins
+
+    class WaitForTheFailure(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 3:
+                assert failed.wait(READ_TIMEOUT), "run.log was not called twice"
+
+    trainer = Scripted()
+    writers = PeriodicWriter([JSONWriter(metrics, 4), writer], period=3)
+    trainer.register_hooks([writers, WaitForTheFailure()])
+    trainer.train(0, 20)
+    records = _records(writer._wb_run_dir)
+    assert _history(records) == _metrics_json(metrics)
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"
+
+
+_EXIT_SCRIPT = """
+import sys
+from hookloop.utils.events import EventStorage, WandbWriter
+writer = WandbWriter(project="hookloop-test", mode="offline", dir=sys.argv[1])
+with EventStorage() as storage:
+    for i in range(10):
+        storage.iter = i
+        storage.put_scalar("loss", float(i), smoothing_hint=False)
+        writer.write()
+"""
+
+
+def test_a_writer_left_open_is_closed_at_exit(tmp_path):
+    """Issue 35, case 4, for W&B: ten writes, then a normal interpreter exit without close():
+    the run holds the ten points and is finished (the writer is closed before W&B's own exit
+    handlers end its runs)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=READ_TIMEOUT,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = tmp_path.glob("wandb/offline-run-*")
+    records = _records(run_dir)
+    assert _history(records) == {i: {"loss": float(i)} for i in range(10)}
+    assert any(r["type"] == "exit" for r in records), "the run was not finished"

@@ -278,3 +278,70 @@ def test_media_not_yet_sent_go_into_the_checkpoint_as_plain_data(monkeypatch):
     fields = values[("histogram", "h")]
     assert fields["bucket_counts"] == [2.0, 2.0]
     assert fields["bucket_limits"] == [1.5, 3.0] and fields["min"] == 0.0
+
+
+@pytest.mark.slow
+def test_queued_media_and_the_checkpointed_state_are_bounded_in_bytes(monkeypatch, caplog):
+    """Issue 35, case 5: with the tracker down, 60 images of 192 KiB each queue; the writer
+    keeps at most ``max_buffered_bytes`` of them (the newest, queued or in flight), drops the
+    oldest with a warning, and a checkpoint of its state holds no more than that."""
+    pytest.importorskip("mlflow")
+    from hookloop.utils.events import MLflowWriter
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    uri = f"http://127.0.0.1:{_free_port()}"
+    bound = 1 << 20
+    writer = MLflowWriter(uri, run_id="0123abcd", max_buffered_bytes=bound, close_timeout=0.0)
+    with caplog.at_level(logging.WARNING, logger="hookloop.utils.trackers"):
+        with EventStorage(0) as storage:
+            for i in range(60):
+                storage.iter = i
+                storage.put_scalar("loss", float(i))
+                storage.put_image("img", torch.zeros(3, 256, 256))  # 192 KiB of pixels
+                writer.write()
+            state = writer._state_dict()
+        writer.close()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert buffer.tell() <= bound + (64 << 10)
+    images = [it for it, _, values in state["pending"] if ("image", "img") in values]
+    assert 0 < len(images) <= bound // (3 << 16) and max(images) == 59  # the newest kept
+    scalars = [it for it, _, values in state["pending"] if "loss" in values]
+    assert scalars == list(range(60))  # only images and histograms are bounded in bytes
+    assert any("images and histograms" in r.getMessage() for r in caplog.records)
+    assert MLflowWriter(uri)._max_bytes == 64 << 20  # the documented default
+
+
+@pytest.mark.parametrize("closed", ["tensorboard", "mlflow"])
+def test_a_closed_writer_no_longer_holds_images_back(tmp_path, caplog, closed):
+    """Issue 35 (item 7): after one media writer is closed, the images put for the other are
+    not kept for it: no "not every writer took" warning, and the live writer gets them all."""
+    if closed == "mlflow":
+        pytest.importorskip("mlflow")
+        from hookloop.utils.events import MLflowWriter
+
+        early = MLflowWriter(
+            f"sqlite:///{tmp_path}/mlflow.db",
+            experiment_name="e",
+            artifact_location=str(tmp_path / "art"),
+            close_timeout=30,
+        )
+    else:
+        early = TensorboardXWriter(tmp_path / "early")
+    live = TensorboardXWriter(tmp_path / "live")
+    with caplog.at_level(logging.WARNING, logger="hookloop.utils.events"):
+        with EventStorage(0, max_images=4, max_histograms=4) as storage:
+            for i in range(20):
+                storage.iter = i
+                storage.put_image("img", torch.zeros(3, 2, 2))
+                storage.put_histogram("h", torch.arange(4.0), bins=2)
+                for w in (early, live) if i < 5 else (live,):
+                    w.write()
+                if i == 4:
+                    early.close()
+            live.close()
+    assert not [r for r in caplog.records if "not every writer took" in r.getMessage()]
+    assert [e.step for e in _tb(tmp_path / "live").Images("img")] == list(range(20))
+    assert [e.step for e in _tb(tmp_path / "live").Histograms("h")] == list(range(20))
+    assert storage._pending_images() == 0

@@ -29,6 +29,7 @@ from hookloop.engine.stop import Preempted
 from hookloop.engine.train_loop import HookBase
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm
+from hookloop.utils._base import writer_protocol
 from hookloop.utils.events import EventStorage, EventWriter
 
 __all__ = [
@@ -187,8 +188,11 @@ class PeriodicWriter(HookBase):
     ``hooks/<HookClass>/<stage>_ms`` (``<HookClass>.1`` for a second hook of one class): the
     writers then show them (TensorBoard plots them next to the losses).
 
-    In ``before_train`` it gives each writer that has ``_bind_trainer`` the trainer (a weak
-    proxy): :class:`CommonMetricPrinter` then shows the trainer's epoch.
+    It calls the writers' optional methods (:class:`EventWriter` lists them): in
+    ``before_train`` ``_bind_trainer`` (the trainer, a weak proxy: :class:`CommonMetricPrinter`
+    then shows the epoch), ``_resume_from`` and ``_subscribe_media``; ``_unsubscribe_media``
+    after ``close()``; ``_state_dict``/``_load_state_dict`` with its own state. A writer that is
+    not an EventWriter but has ``write()`` and ``close()`` is taken too, with the defaults.
     """
 
     def __init__(
@@ -209,8 +213,13 @@ class PeriodicWriter(HookBase):
         self._stats_seen: Dict[Any, Any] = {}
         writers = list(writers)
         for w in writers:
-            if not isinstance(w, EventWriter):
-                raise TypeError(f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter")
+            if not isinstance(w, EventWriter) and not (
+                callable(getattr(w, "write", None)) and callable(getattr(w, "close", None))
+            ):
+                raise TypeError(
+                    f"PeriodicWriter got {type(w).__name__!r}, not an EventWriter (nor an object "
+                    "with write() and close())"
+                )
         if isinstance(period, bool) or not isinstance(period, int):
             raise TypeError(f"PeriodicWriter period must be an int, got {type(period).__name__}")
         if period <= 0:
@@ -226,26 +235,20 @@ class PeriodicWriter(HookBase):
             self._metrics.read_every_step()
         for writer in self._writers:
             # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
-            bind = getattr(writer, "_bind_trainer", None)
-            if bind is not None:
-                bind(self.trainer)
+            writer_protocol(writer)._bind_trainer(self.trainer)
         # Drop what an earlier run wrote for iterations >= start_iter (a killed run's steps
         # after its checkpoint; at 0, a fresh start's output replaces the earlier run's), so
         # no output mixes two runs' steps (TensorBoard: its purge marker).
         start_iter = self.trainer.start_iter
         for writer in self._writers:
-            resume = getattr(writer, "_resume_from", None)
-            if resume is not None:
-                resume(start_iter)
+            writer_protocol(writer)._resume_from(start_iter)
         # Writers that take the storage's images and histograms (TensorBoard, the trackers)
-        # each get every one, also with a period longer than another writer's.
+        # each get every one, also with a period longer than another writer's. (A trainer's
+        # storage may be a stand-in without a media queue.)
         storage = getattr(self.trainer, "storage", None)
-        subscribe = getattr(storage, "_subscribe", None)
-        if subscribe is not None:
+        if hasattr(storage, "_subscribe"):
             for writer in self._writers:
-                reader = getattr(writer, "_media_reader", None)
-                if reader is not None:
-                    subscribe(reader)
+                writer_protocol(writer)._subscribe_media(storage)
 
     # Writers with a resume state (the trackers' run ids) save it in the trainer state's
     # "hookloop_hooks": detectron2's PeriodicWriter has no load_state_dict.
@@ -256,8 +259,7 @@ class PeriodicWriter(HookBase):
         when no writer has one (a checkpoint then has no entry for this hook)."""
         states = {}
         for i, writer in enumerate(getattr(self, "_writers", ())):
-            get = getattr(writer, "_state_dict", None)
-            state = get() if get is not None else None
+            state = writer_protocol(writer)._state_dict()
             if state:
                 states[f"{i}:{type(writer).__name__}"] = state
         return {"writers": states} if states else {}
@@ -266,11 +268,10 @@ class PeriodicWriter(HookBase):
         writers = {f"{i}:{type(w).__name__}": w for i, w in enumerate(self._writers)}
         for key, state in state_dict.get("writers", {}).items():
             writer = writers.get(key)
-            load = getattr(writer, "_load_state_dict", None)
-            if load is None:
+            if writer is None:
                 logger.warning(f"PeriodicWriter has no writer '{key}'; its state is ignored")
                 continue
-            load(state)
+            writer_protocol(writer)._load_state_dict(state)
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
         if "_period" not in self.__dict__:
@@ -329,7 +330,9 @@ class PeriodicWriter(HookBase):
         # raised, the others logged and attached to it as notes.
         first: Optional[BaseException] = None
         for writer in self._writers:
-            for step in (writer.write, writer.close):
+            # A closed writer's media reader is forgotten: nothing waits for it any more.
+            unsubscribe = writer_protocol(writer)._unsubscribe_media
+            for step in (writer.write, writer.close, unsubscribe):
                 # If any new data is found (e.g. produced by other after_train), write them
                 # before closing
                 try:

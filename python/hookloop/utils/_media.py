@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hookloop import _core
@@ -78,12 +79,28 @@ def take_media(
 
 
 def image_array(item: Tuple[Any, ...]) -> Any:
-    """A queued image as a numpy array: ``(H, W, C)`` uint8, ``(H, W)`` for one channel."""
+    """A queued image as a numpy array that both trackers take: ``(H, W)`` uint8 for one
+    channel, ``(H, W, 3)`` and ``(H, W, 4)`` as they are, and two channels (grey and alpha, as
+    TensorBoard's PNG shows them) as ``(H, W, 4)`` RGBA with the grey in R, G and B."""
     import numpy as np
 
     h, w, c, data = item
     arr = np.frombuffer(data, dtype=np.uint8).reshape(h, w, c)
-    return arr[:, :, 0] if c == 1 else arr
+    if c == 1:
+        return arr[:, :, 0]
+    if c == 2:
+        return arr[:, :, [0, 0, 0, 1]]
+    return arr
+
+
+def media_bytes(key: Any, item: Any) -> int:
+    """What a queued item holds, in bytes: an image's pixels, a histogram's buckets (8 bytes
+    a number); 0 for a scalar (its key is a str)."""
+    if not isinstance(key, tuple):
+        return 0
+    if key[0] == "image":
+        return len(item[3])
+    return 8 * (len(item["bucket_limits"]) + len(item["bucket_counts"]) + 5)
 
 
 def histogram_edges(fields: Dict[str, Any]) -> Tuple[List[float], List[float]]:
@@ -106,7 +123,33 @@ def rebinned(
     return merged, [float(edges[min(i, n)]) for i in range(0, n + k, k)][: len(merged) + 1]
 
 
+_KEY_CHARS = re.compile(r"[^a-zA-Z0-9_\-./ ]")
+_NAME_CHARS = re.compile(r"[^\w\-./: ]")
+
+
+def valid_name(name: str, bad: "re.Pattern[str]", limit: int) -> str:
+    """``name`` with the characters ``bad`` matches as ``_``, as a relative path whose parts
+    are neither empty nor ``.`` or ``..`` (``a//b`` becomes ``a/b``, ``/x`` becomes ``x``,
+    ``../x`` becomes ``__/x``), at most ``limit`` characters (a longer one keeps its start
+    and ends with ``-`` and the 8 hex digits of the whole name's CRC32, so that two long names
+    stay apart)."""
+    out = bad.sub("_", name)
+    parts = ["_" * len(p) if p in (".", "..") else p for p in out.split("/") if p]
+    out = "/".join(parts) or "_"
+    if len(out) > limit:
+        out = f"{out[: limit - 9]}-{zlib.crc32(name.encode('utf-8', 'replace')):08x}"
+    return out
+
+
 def safe_key(name: str) -> str:
     """A name as MLflow takes it in an image key and an artifact path: characters other than
-    letters, digits, ``_ - . / `` and space become ``_``."""
-    return re.sub(r"[^a-zA-Z0-9_\-./ ]", "_", name) or "_"
+    ASCII letters, digits, ``_ - . /`` and space become ``_``, the path rule of
+    :func:`valid_name`, at most 100 characters (the key is part of a file's name)."""
+    return valid_name(name, _KEY_CHARS, 100)
+
+
+def mlflow_name(name: str) -> str:
+    """A scalar's or a param's name as MLflow takes it (its client's rule): characters other
+    than letters, digits, ``_ - . : /`` and space become ``_``, the path rule of
+    :func:`valid_name`, at most 250 characters."""
+    return valid_name(name, _NAME_CHARS, 250)

@@ -285,6 +285,7 @@ class _NativeFileWriter(EventWriter):
 
     def close(self) -> None:
         self._native.close()
+        self._unsubscribe_media()  # nothing waits for a closed writer's reader
 
 
 class JSONWriter(_NativeFileWriter):
@@ -485,6 +486,7 @@ class TensorboardXWriter(_NativeFileWriter):
 
     def write(self) -> None:
         storage = get_event_storage()
+        self._note_media_storage(storage)  # its reader, forgotten at close()
         if self._native.write(storage):
             # Images are the caller's tensors until now: convert them here, in one batch. One
             # that fails is skipped (the others are written) and named in the error.

@@ -7,6 +7,7 @@ The client is optional: ``pip install "hookloop[wandb]"``. Importing hookloop ne
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import os
@@ -15,7 +16,7 @@ import string
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 from hookloop.utils._media import histogram_edges, image_array, rebinned
-from hookloop.utils.trackers import TrackerWriter, _Row, flatten_config
+from hookloop.utils.trackers import TrackerWriter, _Call, _Part, _Row, flatten_config
 
 __all__ = ["WandbWriter"]
 
@@ -42,29 +43,54 @@ def _config_value(value: Any) -> Any:
     return str(value)
 
 
-def _wandb_values(values: Dict[Any, Any]) -> Dict[str, Any]:
-    """A row's values as ``run.log`` takes them: images as ``wandb.Image``, histograms as
-    ``wandb.Histogram`` (merged to W&B's 512 buckets at most, see ``_media.rebinned``). W&B
-    has one value per key and step: a histogram whose name an image or a scalar of the same
-    step has is logged as ``<name>/histogram`` (an image, as ``<name>/image``, beside a
-    scalar)."""
-    if not any(isinstance(k, tuple) for k in values):
-        return values
+def _wandb_name(name: str) -> str:
+    """A name as the writer logs it to W&B, which takes any string key but keeps those that
+    start with ``_`` for itself (``_step``, ``_timestamp``, ``_runtime``): their leading
+    underscores become ``-`` (``_x`` is logged as ``-x``; an empty name as ``-``)."""
+    if name and not name.startswith("_"):
+        return name
+    stripped = name.lstrip("_")
+    return "-" * (len(name) - len(stripped) or 1) + stripped
+
+
+def _wandb_value(key: Any, value: Any) -> Any:
+    """A queued value as ``run.log`` takes it: a scalar as it is, an image as ``wandb.Image``,
+    a histogram as ``wandb.Histogram`` (merged to W&B's 512 buckets at most, see
+    ``_media.rebinned``)."""
+    if not isinstance(key, tuple):
+        return value
     import numpy as np
     import wandb
 
-    out: Dict[str, Any] = {k: v for k, v in values.items() if not isinstance(k, tuple)}
-    for kind in ("image", "histogram"):
-        for key, value in values.items():
-            if not isinstance(key, tuple) or key[0] != kind:
-                continue
-            name = key[1] if key[1] not in out else f"{key[1]}/{kind}"
-            if kind == "image":
-                out[name] = wandb.Image(image_array(value))
-            else:
-                counts, edges = rebinned(*histogram_edges(value), wandb.Histogram.MAX_LENGTH)
-                out[name] = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
-    return out
+    if key[0] == "image":
+        return wandb.Image(image_array(value))
+    counts, edges = rebinned(*histogram_edges(value), wandb.Histogram.MAX_LENGTH)
+    return wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+
+
+def _log_row(run: Any, it: int, wall: float, parts: List[Any]) -> None:
+    """One step's values in one ``run.log``; ``commit=True``: the row goes to the run now, not
+    when a later step comes (or never, if the process dies first)."""
+    values = {name: _wandb_value(key, value) for name, key, value in parts}
+    run.log({**values, "_timestamp": wall}, step=it, commit=True)
+
+
+def _log_part(run: Any, it: int, parts: List[Any]) -> None:
+    ((name, key, value),) = parts
+    run.log({name: _wandb_value(key, value)}, step=it, commit=False)
+
+
+def _commit(run: Any, it: int, wall: float, parts: List[Any]) -> None:
+    run.log({"_timestamp": wall}, step=it, commit=True)
+
+
+def _split_row(run: Any, it: int, wall: float, call: _Call) -> List[_Call]:
+    """A refused row as one call per value (``commit=False``: they gather in the step), then
+    one that commits the step."""
+    one = functools.partial(_log_part, run, it)
+    return [_Call(one, [part]) for part in call.parts] + [
+        _Call(functools.partial(_commit, run, it, wall), [])
+    ]
 
 
 class WandbWriter(TrackerWriter):
@@ -112,6 +138,7 @@ class WandbWriter(TrackerWriter):
         window_size: int = 20,
         *,
         max_buffered: int = 100_000,
+        max_buffered_bytes: int = 64 << 20,
         strict: bool = False,
         close_timeout: float = 30.0,
     ) -> None:
@@ -128,6 +155,8 @@ class WandbWriter(TrackerWriter):
                 working directory); made if missing
             window_size (int): the scalars' smoothing window, as ``JSONWriter``'s
             max_buffered (int): points kept while the tracker does not take them
+            max_buffered_bytes (int): bytes of images and histograms kept while the tracker
+                does not take them (64 MiB); also what a checkpoint holds of them at most
             strict (bool): raise at ``close()`` what was not logged, instead of a warning
             close_timeout (float): seconds ``close()`` waits for the queue to drain
         """
@@ -150,7 +179,11 @@ class WandbWriter(TrackerWriter):
         except Exception as e:
             raise ValueError(f"WandbWriter: {e}") from e
         super().__init__(
-            window_size, max_buffered=max_buffered, strict=strict, close_timeout=close_timeout
+            window_size,
+            max_buffered=max_buffered,
+            max_buffered_bytes=max_buffered_bytes,
+            strict=strict,
+            close_timeout=close_timeout,
         )
         self._wb_project = project
         self._wb_entity = entity
@@ -232,12 +265,45 @@ class WandbWriter(TrackerWriter):
                 )
             self._skip_through = max(self._skip_through, starting - 1)
 
-    def _send(self, rows: List[_Row]) -> None:
+    def _calls(self, rows: List[_Row]) -> List[_Call]:
+        """One ``run.log`` per row. W&B has one value per key and step: a histogram whose name
+        an image or a scalar of the same step has is logged as ``<name>/histogram`` (an
+        image, as ``<name>/image``, beside a scalar). A row W&B refuses is logged again one
+        value at a time (``commit=False``, then a commit of the step), so that only the value
+        it refuses is dropped."""
         run = self._wb_run
+        calls = []
         for it, wall, values in rows:
-            # commit=True: the row goes to the run now, not when a later step comes (or never,
-            # if the process dies first).
-            run.log({**_wandb_values(values), "_timestamp": wall}, step=it, commit=True)
+            if not values:
+                continue  # its images went past max_buffered_bytes
+            parts: List[_Part] = []
+            names = set()
+            for kind in (None, "image", "histogram"):
+                for key, value in values.items():
+                    if (key[0] if isinstance(key, tuple) else None) != kind:
+                        continue
+                    written = key[1] if isinstance(key, tuple) else key
+                    name = self._tracker_name(written)
+                    if name in names and kind is not None:
+                        name = f"{name}/{kind}"
+                    names.add(name)
+                    parts.append(((it, written), (name, key, value)))
+            calls.append(
+                _Call(
+                    functools.partial(_log_row, run, it, wall),
+                    parts,
+                    functools.partial(_split_row, run, it, wall),
+                )
+            )
+        return calls
+
+    def _refuses(self, error: BaseException) -> bool:
+        """W&B refuses a value it cannot convert (``ValueError``, ``TypeError``); anything else
+        (``wandb.Error``, an ``OSError``) is a failure."""
+        return isinstance(error, (ValueError, TypeError))
+
+    def _valid_name(self, name: str) -> str:
+        return _wandb_name(name)
 
     def _finish(self) -> None:
         if self._wb_run is not None:

@@ -13,6 +13,8 @@
 //!   `for w in writers: w.write()`) each get the items, whoever reads first.
 //! - At most `max` items wait (retired ones aside); past that the oldest is dropped, so a
 //!   reader that stopped reading holds no more than the bound.
+//! - A reader that unsubscribes ([`MediaQueue::unsubscribe`], a closed writer) is forgotten:
+//!   nothing waits for it any more (what the remaining readers have all read is retired).
 //! - `take` (detectron2's `clear_images`, a writer of its own that reads `_vis_data`) empties
 //!   the queue for everyone.
 
@@ -131,13 +133,30 @@ impl<T> MediaQueue<T> {
                 *cursor = next;
             }
         }
-        let oldest_unread = self.readers.iter().map(|(_, c)| *c).min().unwrap_or(next);
+        self.retire_read(iter);
+        (read, out)
+    }
+
+    /// Retires, at iteration `iter`, the items every known reader has read.
+    fn retire_read(&mut self, iter: i64) {
+        let first = self.first_seq;
+        let oldest_unread = self.readers.iter().map(|(_, c)| *c).min();
+        let oldest_unread = oldest_unread.unwrap_or_else(|| self.next_seq());
         let read_by_all = (oldest_unread.max(first) - first) as usize;
         if read_by_all > self.retired {
             self.retired = read_by_all;
             self.retired_iter = iter;
         }
-        (read, out)
+    }
+
+    /// Forgets `reader` (a closed writer) at iteration `iter`: nothing waits for it any more,
+    /// and what the remaining readers have all read is retired. With no reader left, the
+    /// waiting items stay waiting (for a writer that comes, or detectron2's `_vis_data`).
+    pub fn unsubscribe(&mut self, reader: u64, iter: i64) {
+        self.readers.retain(|(r, _)| *r != reader);
+        if !self.readers.is_empty() {
+            self.retire_read(iter);
+        }
     }
 
     /// How many items `reader` would get from [`Self::read`] at iteration `iter`.
@@ -319,5 +338,30 @@ mod tests {
         q.push(4, 1);
         assert_eq!(q.read(1, 1, |x| *x).0, vec![4]);
         assert_eq!(q.read(2, 1, |x| *x).0, vec![4]);
+    }
+
+    #[test]
+    fn an_unsubscribed_reader_holds_nothing_back() {
+        let mut q = MediaQueue::new(2);
+        q.subscribe(1, 0);
+        q.subscribe(2, 0);
+        q.push(1u32, 0);
+        assert_eq!(q.read(1, 0, |x| *x).0, vec![1]);
+        assert_eq!(q.len(), 1, "reader 2 has not read it");
+        q.unsubscribe(2, 0);
+        assert!(q.is_empty(), "read by every reader left: retired");
+        for i in 2..10u32 {
+            let (_, first_drop) = q.push(i, i64::from(i));
+            assert!(!first_drop, "reader 1 reads each one: none dropped");
+            assert_eq!(q.read(1, i64::from(i), |x| *x).0, vec![i]);
+        }
+        q.unsubscribe(1, 10);
+        q.push(10, 10);
+        assert_eq!(
+            q.iter().copied().collect::<Vec<_>>(),
+            vec![10],
+            "no reader: it waits"
+        );
+        assert_eq!(q.read(3, 10, |x| *x).0, vec![10]);
     }
 }

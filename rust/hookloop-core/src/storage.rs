@@ -424,6 +424,12 @@ impl Storage {
         self.histograms.subscribe(reader, iter);
     }
 
+    /// Forgets a reader of the histograms (see [`MediaQueue::unsubscribe`]).
+    pub fn unsubscribe_histograms(&mut self, reader: u64) {
+        let iter = self.iter;
+        self.histograms.unsubscribe(reader, iter);
+    }
+
     /// Heap bytes held by all histories (for the memory benchmark and `__sizeof__`).
     pub fn heap_bytes(&self) -> usize {
         self.scalars.values().map(|s| s.history.heap_bytes()).sum()

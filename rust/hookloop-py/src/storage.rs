@@ -609,6 +609,15 @@ impl PyEventStorage {
         });
     }
 
+    /// Forgets a writer's `reader` (a closed writer): nothing waits for it any more.
+    fn _unsubscribe(&self, reader: u64) {
+        self.state().with(|s| {
+            let iter = s.core.iter();
+            s.images.unsubscribe(reader, iter);
+            s.core.unsubscribe_histograms(reader);
+        });
+    }
+
     /// Drops the queued images (the TensorBoard writer calls this after writing them).
     fn clear_images(&self) {
         let taken = self.state().with(|s| s.images.take());

@@ -475,3 +475,31 @@ def test_hook_stats_carry_over_an_edit_of_the_hook_list_in_the_middle_of_a_run()
     t._hooks.remove(late)
     t.train(0, 10)
     assert [(r.stage, r.calls) for r in t.hook_stats()] == [("after_step", 10)]
+
+
+def test_periodic_checkpointer_runs_after_the_evaluation_and_the_best_record(tmp_path):
+    """PeriodicCheckpointer's priority is LOW (the one ordering knob): registered before
+    EvalHook and BestCheckpointer, as DefaultTrainer and detectron2 register them, its stages
+    still run after theirs, so the checkpoint of an iteration holds that iteration's best
+    record."""
+    import torch
+    from hookloop.checkpoint import Checkpointer
+    from hookloop.engine import SimpleTrainer, hooks
+
+    model = torch.nn.Linear(2, 1)
+    t = SimpleTrainer(model, [torch.zeros(1, 2)], torch.optim.SGD(model.parameters(), 0.1))
+    ckpt = Checkpointer(model, str(tmp_path), trainer=t)
+    t.register_hooks(
+        [
+            hooks.IterationTimer(),
+            hooks.PeriodicCheckpointer(ckpt, period=10),
+            hooks.EvalHook(10, lambda: {"val": {"mse": 1.0}}),
+            hooks.BestCheckpointer(10, ckpt, "val/mse", mode="min"),
+            hooks.PeriodicWriter([], period=5),
+        ]
+    )
+    table = {k: [type(h).__name__ for h in v] for k, v in t.hooks_table().items()}
+    assert table["after_step"] == [
+        "IterationTimer", "EvalHook", "BestCheckpointer", "PeriodicWriter", "PeriodicCheckpointer"
+    ]  # fmt: skip
+    assert table["after_train"][-1] == "PeriodicCheckpointer"

@@ -763,3 +763,24 @@ def test_storage_and_history_ints_beyond_int64_name_the_argument():
     ]:
         with pytest.raises(OverflowError, match=f"{name} is out of range"):
             call()
+
+
+def test_a_float_among_the_loss_tensors_is_a_type_error_naming_it():
+    """``{"a": loss, "b": 1.0}`` sums to a tensor, but ``b`` is not a loss tensor: run_step
+    says so (as documented), instead of storing it (detectron2 fails at ``.detach()``)."""
+    import torch
+    from hookloop.engine import SimpleTrainer
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return {"a": self.w * x, "b": 1.0}
+
+    model = Model()
+    trainer = SimpleTrainer(model, [torch.tensor(1.0)] * 2, torch.optim.SGD(model.parameters()))
+    with pytest.raises(TypeError, match=r"\[SimpleTrainer\] the model's loss 'b' must be a tensor"):
+        trainer.train(0, 1)
+    assert "b" not in trainer.storage.histories()

@@ -816,7 +816,15 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     Across processes it saves on the main process only, whatever the checkpointer's
     ``save_to_disk``: registered on every rank (or, as detectron2 does, on the main process
     only), each checkpoint is written once.
+
+    It runs after the other hooks of normal priority (detectron2 runs it in registration
+    order, before the evaluation and the writers): its checkpoint of an iteration then holds
+    that iteration's evaluation and best-model record, which a resumed run would otherwise
+    lose, and its ``after_train`` saves the stop checkpoint after the final evaluation.
     """
+
+    #: mmengine's word (:data:`hookloop.engine.dispatch.PRIORITIES`): after NORMAL hooks.
+    priority = "LOW"
 
     def before_train(self) -> None:
         self.max_iter = self.trainer.max_iter

@@ -1,7 +1,10 @@
 """What hookloop adds to detectron2's trainers, beside the stages: stopping a run cleanly, the
 hook table and its timings (``TrainerBase``), and the epochs of a finite loader
 (``SimpleTrainer``). None of these names is detectron2's: a subclass may assign its own, which
-reads then give (the loop never reads them)."""
+reads then give (the loop never reads them). An assigned value is kept in the trainer's parts
+(``assigned``), not in the instance's ``__dict__``: reading an instance's ``__dict__`` makes
+every later attribute read of that object slower in CPython 3.11 (no specialized lookup),
+and the trainer's attributes are read at every step."""
 
 from __future__ import annotations
 
@@ -38,21 +41,21 @@ class TrainerAdditions:
     @property
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
-        return self.__dict__.get("stop_requested", self._hookloop.stop.requested)  # type: ignore[no-any-return]
+        return self._hookloop.assigned.get("stop_requested", self._hookloop.stop.requested)  # type: ignore[no-any-return]
 
     @stop_requested.setter
     def stop_requested(self, value: Any) -> None:
-        self.__dict__["stop_requested"] = value
+        self._hookloop.assigned["stop_requested"] = value
 
     @property
     def stopped_early(self) -> bool:
         """Whether the current (or last) ``train()`` ended through :meth:`request_stop` before
         ``max_iter``."""
-        return self.__dict__.get("stopped_early", self._hookloop.stopped_early)  # type: ignore[no-any-return]
+        return self._hookloop.assigned.get("stopped_early", self._hookloop.stopped_early)  # type: ignore[no-any-return]
 
     @stopped_early.setter
     def stopped_early(self, value: Any) -> None:
-        self.__dict__["stopped_early"] = value
+        self._hookloop.assigned["stopped_early"] = value
 
     def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
         """Ends training cleanly after the current step: every hook's ``after_step`` of the
@@ -110,21 +113,21 @@ class EpochAdditions:
     @property
     def epoch(self) -> int:
         """The epoch of a finite data loader (0 for the first pass)."""
-        if "epoch" in self.__dict__:
-            return self.__dict__["epoch"]  # type: ignore[no-any-return]
-        return self._hookloop.data.epoch  # type: ignore[no-any-return]
+        assigned = self._hookloop.assigned
+        return assigned["epoch"] if "epoch" in assigned else self._hookloop.data.epoch  # type: ignore[no-any-return]
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.__dict__["epoch"] = value
+        self._hookloop.assigned["epoch"] = value
 
     @property
     def iters_per_epoch(self) -> Optional[int]:
         """``len(data_loader)`` when the loader has a length, else None."""
-        if "iters_per_epoch" in self.__dict__:
-            return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
+        assigned = self._hookloop.assigned
+        if "iters_per_epoch" in assigned:
+            return assigned["iters_per_epoch"]  # type: ignore[no-any-return]
         return iters_per_epoch(self.data_loader)
 
     @iters_per_epoch.setter
     def iters_per_epoch(self, value: Optional[int]) -> None:
-        self.__dict__["iters_per_epoch"] = value
+        self._hookloop.assigned["iters_per_epoch"] = value

@@ -536,9 +536,6 @@ def _weak_after_backward(trainer: TrainerBase) -> Any:
     """``trainer.after_backward`` for another object to call, holding no strong reference to
     ``trainer``: the dispatcher's stage itself when TrainerBase bound it on the instance (no
     extra frame per step), else a call through a weak reference to a subclass's method."""
-    own = vars(trainer).get("after_backward")
-    if own is not None:
-        return own
     method = weakref.WeakMethod(trainer.after_backward)
 
     def after_backward() -> None:
@@ -799,22 +796,24 @@ class DefaultTrainer(TrainerBase):
     @property
     def epoch(self) -> int:
         """The wrapped trainer's epoch (0 for the first pass over a finite loader)."""
-        return self.__dict__.get("epoch", self._trainer.epoch)  # type: ignore[no-any-return]
+        assigned = self._hookloop.assigned
+        return assigned["epoch"] if "epoch" in assigned else self._trainer.epoch  # type: ignore[no-any-return]
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.__dict__["epoch"] = value
+        self._hookloop.assigned["epoch"] = value
 
     @property
     def iters_per_epoch(self) -> Optional[int]:
         """The wrapped trainer's ``iters_per_epoch``: ``len(data_loader)``, or None."""
-        if "iters_per_epoch" in self.__dict__:
-            return self.__dict__["iters_per_epoch"]  # type: ignore[no-any-return]
+        assigned = self._hookloop.assigned
+        if "iters_per_epoch" in assigned:
+            return assigned["iters_per_epoch"]  # type: ignore[no-any-return]
         return self._trainer.iters_per_epoch
 
     @iters_per_epoch.setter
     def iters_per_epoch(self, value: Optional[int]) -> None:
-        self.__dict__["iters_per_epoch"] = value
+        self._hookloop.assigned["iters_per_epoch"] = value
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -59,10 +59,14 @@ def base_stage(method: Any) -> Any:
 
 
 def overrides(hook: Any, stage: str) -> bool:
-    """Whether ``hook`` has its own ``stage`` method (its class's or set on the instance)."""
-    if stage in getattr(hook, "__dict__", {}):
+    """Whether ``hook`` has its own ``stage`` method (its class's or set on the instance). The
+    instance's ``__dict__`` is not read: that would make every later attribute read of the
+    hook slower (CPython 3.11 specializes reads only of objects whose ``__dict__`` was never
+    asked for)."""
+    own = getattr(type(hook), stage, None)
+    if not getattr(own, "_base_stage", False):
         return True
-    return not getattr(getattr(type(hook), stage, None), "_base_stage", False)
+    return getattr(getattr(hook, stage, None), "__func__", None) is not own
 
 
 def priority_of(hook: Any) -> int:
@@ -146,13 +150,14 @@ def run_loop(trainer: Any, start_iter: int, max_iter: int) -> None:
 
 
 def _overridden(trainer: Any, stage: str) -> Optional[Any]:
-    """The bound stage method if ``trainer`` replaces TrainerBase's, else None: the loop then
-    runs the dispatcher's stage directly (the same code as TrainerBase's method, without its
-    Python frame)."""
+    """The bound stage method if ``trainer`` replaces TrainerBase's (in its class or on the
+    instance), else None: the loop then runs the dispatcher's stage directly (the same code as
+    TrainerBase's method, without its Python frame)."""
+    method = getattr(trainer, stage)
     own = getattr(type(trainer), stage)
-    if getattr(own, "_base_stage", False) and stage not in vars(trainer):
+    if getattr(own, "_base_stage", False) and getattr(method, "__func__", None) is own:
         return None
-    return getattr(trainer, stage)  # type: ignore[no-any-return]
+    return method  # type: ignore[no-any-return]
 
 
 def run_on_exception(hooks: List[Any], exc: BaseException) -> None:

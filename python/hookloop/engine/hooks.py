@@ -274,7 +274,7 @@ class PeriodicWriter(HookBase):
             writer_protocol(writer)._load_state_dict(state)
 
     def _dispatch_period(self, stage: str) -> Optional[int]:
-        if "_period" not in self.__dict__:
+        if getattr(self, "_period", None) is None:  # not its __dict__: see dispatch.overrides
             raise TypeError(
                 f"{type(self).__name__} was not initialized: its __init__ must call "
                 "PeriodicWriter.__init__ (super().__init__(writers, period))"

@@ -75,7 +75,8 @@ class LossMetrics:
         for, for asynchronous writes, and across processes (whose reduction is per write)."""
         self.deferring = not (
             trainer.check_finite_every_step
-            or trainer.async_write_metrics
+            # detectron2's name, set in __init__ (a subclass may skip it)
+            or getattr(trainer, "async_write_metrics", False)
             or (comm._initialized() and comm.get_world_size() > 1)
         )
         # Whether a reader comes at every step (read_every_step), and, decided at the first

@@ -27,7 +27,6 @@ from hookloop.engine.parts import (
     NO_MAX_ITER,
     OWN_HOOK_STATE,
     RESUME_HISTORY,
-    PartsSlot,
     SimpleTrainerParts,
     TrainerParts,
     check_iters,
@@ -148,8 +147,15 @@ class TrainerBase(TrainerAdditions):
 
     max_iter: int
     storage: EventStorage
-    #: hookloop's own state (:class:`~hookloop.engine.parts.TrainerParts`), made on first use.
-    _hookloop = PartsSlot(TrainerParts)
+    #: What ``__new__`` makes ``_hookloop``: hookloop's own state of the trainer.
+    _parts_class = TrainerParts
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TrainerBase":
+        # Here, not in __init__: a subclass may skip every __init__ (detectron2's trainers
+        # need nothing of the kind) and still train.
+        trainer = super().__new__(cls)
+        trainer._hookloop = cls._parts_class()
+        return trainer
 
     def __init__(self) -> None:
         self._hooks: List[HookBase] = []
@@ -351,10 +357,7 @@ class SimpleTrainer(EpochAdditions, TrainerBase):
     step_optimizer = True
     #: Read in before_train (a subclass may skip __init__): the deferred reads by default.
     check_finite_every_step = False
-    #: detectron2 sets it in __init__; read in before_train (a subclass may skip __init__).
-    async_write_metrics = False
-    #: hookloop's own state, with SimpleTrainer's collaborators, made on first use.
-    _hookloop = PartsSlot(SimpleTrainerParts)
+    _parts_class = SimpleTrainerParts  # with SimpleTrainer's collaborators
 
     def __init__(
         self,
@@ -423,7 +426,7 @@ class SimpleTrainer(EpochAdditions, TrainerBase):
     @property
     def _data_loader_iter(self) -> Any:
         # only create the data loader iterator when it is used
-        if self.__dict__.get("_data_loader_iter_obj") is None:
+        if self._data_loader_iter_obj is None:
             self._data_loader_iter_obj = self._hookloop.data.new_iterator(self)
         return self._data_loader_iter_obj
 

@@ -172,9 +172,9 @@ class EventStorage:
 
 _Entry = Tuple[int, int, Callable[..., Any], Any, int]
 
-@final
 class StopTraining(BaseException): ...
 
+@final
 class Dispatcher:
     def __new__(cls) -> Dispatcher: ...
     def set_table(
@@ -201,7 +201,7 @@ class Dispatcher:
         run_step: Any,
         before_step: Optional[Any] = None,
         after_step: Optional[Any] = None,
-        resume: int = 2,
+        resume: int = ...,
     ) -> Optional[Tuple[int, int]]: ...
     def __reduce__(self) -> NoReturn: ...
 

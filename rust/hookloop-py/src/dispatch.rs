@@ -18,10 +18,10 @@ use std::sync::{Arc, Mutex};
 
 use hookloop_core::dispatch::{now_ticks, start_clock, Stage, Table, STAGES};
 use hookloop_core::Error;
-use pyo3::intern;
-use pyo3::prelude::*;
 use pyo3::create_exception;
 use pyo3::exceptions::PyBaseException;
+use pyo3::intern;
+use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
@@ -75,6 +75,15 @@ create_exception!(
     "Control flow of a stop, raised before the first hook of the iteration after it and caught \
      in ``train()``. A ``BaseException``, so that a hook's ``except Exception`` does not \
      swallow it."
+);
+
+/// One entry of a table from Python: `(hook_index, stage_index, function, self, period)`.
+type TableEntry<'py> = (
+    usize,
+    usize,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    i64,
 );
 
 /// Where `run_loop` stopped because the hook list changed: the iteration and the stage whose
@@ -183,7 +192,7 @@ impl PyDispatcher {
         &self,
         py: Python<'_>,
         hooks: Bound<'_, PyList>,
-        entries: Vec<(usize, usize, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>, i64)>,
+        entries: Vec<TableEntry<'_>>,
         carry: bool,
     ) -> PyResult<()> {
         let copy = PyList::new(py, hooks.iter())?;
@@ -226,11 +235,7 @@ impl PyDispatcher {
 
     /// Starts a run: the storage whose iteration follows the trainer's, and `max_iter` for
     /// period filters; no stop is requested.
-    fn begin(
-        &self,
-        storage: Py<PyEventStorage>,
-        max_iter: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn begin(&self, storage: Py<PyEventStorage>, max_iter: &Bound<'_, PyAny>) -> PyResult<()> {
         // The last iteration is max_iter - 1: it must be exact like every iteration.
         let max_iter = int64("max_iter", max_iter)?;
         hookloop_core::iter::exact_iter("max_iter", max_iter)

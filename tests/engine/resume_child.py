@@ -140,8 +140,11 @@ def main():
 
         out = os.path.abspath(args.out)
         # Offline, quiet, and nothing of the machine's user: no network, settings or keys.
+        # WANDB_SERVICE: a W&B service of the process that started this one (a test that ran
+        # the client in pytest's process publishes it there), which this run must not share.
         for name in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID"):
             os.environ.pop(name, None)
+        os.environ.pop("WANDB_SERVICE", None)
         os.environ.pop("WANDB_RESUME", None)
         os.environ.update(
             WANDB_MODE="offline",

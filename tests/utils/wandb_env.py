@@ -18,6 +18,12 @@ def isolate(tmp_path, monkeypatch):
     """No network, no console capture, no settings or credentials of the machine's user."""
     for name in _UNSET:
         monkeypatch.delenv(name, raising=False)
+    # The client publishes its service's address in this process's environment
+    # (WANDB_SERVICE); every child process started later would inherit it and talk to this
+    # process's service. Recorded here (set, then removed), monkeypatch removes it again at
+    # the test's end whatever the client wrote meanwhile.
+    monkeypatch.setenv("WANDB_SERVICE", "unset-by-wandb_env")
+    monkeypatch.delenv("WANDB_SERVICE")
     env = {
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path / "wandb_env_dir"),

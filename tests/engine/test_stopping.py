@@ -25,6 +25,7 @@ from hookloop.engine import (
     TrainerBase,
 )
 from hookloop.engine.dispatch import STAGES
+from hookloop.utils.events import EventStorage
 
 torch.set_num_threads(1)
 
@@ -525,3 +526,41 @@ def test_hook_stats_add_up_across_the_stop():
     # Every call is counted, the one that asked for the stop too (iterations 0 to 5).
     assert calls[("StopAt", "after_step")] == 6
     assert {name for name, _ in calls} == {"Recorder", "StopAt"}
+
+
+def test_a_subclass_loop_of_its_own_cannot_be_stopped_and_runs_again():
+    """A subclass's own loop (detectron2's loop body calling the stages) is not a ``train()``:
+    ``request_stop`` there is the documented RuntimeError at every call, never a
+    ``StopTraining`` escaping the loop, and a second own run gets its own storage."""
+
+    class Own(TrainerBase):
+        def run_step(self):
+            pass
+
+        def own_train(self, n):
+            self.max_iter = n
+            with EventStorage(0) as self.storage:
+                self.before_train()
+                for self.iter in range(n):
+                    self.before_step()
+                    self.run_step()
+                    self.after_step()
+                self.after_train()
+
+    class Asker(HookBase):
+        def __init__(self):
+            self.errors, self.storages = [], []
+
+        def after_step(self):
+            self.storages.append(id(self.trainer.storage))
+            with pytest.raises(RuntimeError, match="no training is running"):
+                self.trainer.request_stop()
+            self.errors.append(self.trainer.iter)
+
+    t = Own()
+    asker = Asker()
+    t.register_hooks([asker])
+    t.own_train(3)
+    t.own_train(2)
+    assert asker.errors == [0, 1, 2, 0, 1]
+    assert len(set(asker.storages)) == 2

@@ -95,11 +95,12 @@ class TrainerParts:
             raise after_stop
 
     def begin(self, trainer: Any, storage: Any, max_iter: int) -> None:
-        """A run starts: the dispatcher learns its storage and ``max_iter`` and gets a table for
-        the hook list (statistics start again); no stop is requested."""
+        """A run starts (``train()``'s, or a subclass's own loop at ``before_train``): the
+        dispatcher learns its storage and ``max_iter``, clears its stop flag, and gets a table
+        for the hook list (statistics start again). The stop controller starts only with
+        ``train()`` (:meth:`start_run`): an own loop cannot be stopped by ``request_stop``."""
         self.dispatcher.begin(storage, max_iter)
         dispatch.set_table(trainer, carry=False)
-        self.stop.begin()
 
 
 class SimpleTrainerParts(TrainerParts):

@@ -137,7 +137,9 @@ def test_the_programs_own_safe_globals_are_left_as_they_were(tmp_path):
     Checkpointer(_model(), str(tmp_path)).save("np", ap=np.float64(0.5))
     before = list(torch.serialization.get_safe_globals())  # torch adds some of its own
     Checkpointer(_model()).load(str(tmp_path / "np.pth"))
-    assert torch.serialization.get_safe_globals() == before
+    # The same globals (torch keeps no order that a restore could keep: its own DTensor
+    # entries come back in another order after a load, depending on earlier tests).
+    assert set(torch.serialization.get_safe_globals()) == set(before)
     # One of those a load adds, allowed by the program before: still allowed after.
     torch.serialization.add_safe_globals([np.ndarray, _Note])
     try:

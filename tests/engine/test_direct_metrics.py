@@ -1,13 +1,14 @@
-"""The direct path of the trainer's losses (a PeriodicWriter of period 1 reads every step:
-CPU losses are put at once) writes what the deferred path writes: metrics.json byte for byte,
-and TensorBoard's events, the same tags, steps and values in the same order."""
+"""The trainer's losses through the storage's pending queue, read at every step by a
+PeriodicWriter of period 1, write what the per-step path (``check_finite_every_step``, each loss
+read at its step) writes: metrics.json byte for byte, and TensorBoard's events, the same tags,
+steps and values in the same order."""
 
 from __future__ import annotations
 
 import itertools
 
 import torch
-from hookloop.engine import HookBase, SimpleTrainer
+from hookloop.engine import SimpleTrainer
 from hookloop.engine.hooks import LRScheduler, PeriodicWriter
 from hookloop.utils.events import JSONWriter, TensorboardXWriter
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -24,22 +25,6 @@ class Model(torch.nn.Module):
         return {"loss_mse": (err * err).mean(), "loss_l1": err.abs().mean()}
 
 
-class EveryStep(HookBase):
-    """Writes every step without a PeriodicWriter: nothing tells the losses a reader comes,
-    so they take the deferred path (settled by each write)."""
-
-    def __init__(self, writers):
-        self.writers = writers
-
-    def after_step(self):
-        for w in self.writers:
-            w.write()
-
-    def after_train(self):
-        for w in self.writers:
-            w.close()
-
-
 class Clock:
     """The data loader's times made deterministic (one fixed step each)."""
 
@@ -51,7 +36,7 @@ class Clock:
         return self.t
 
 
-def _run(out, direct, monkeypatch):
+def _run(out, every_step, monkeypatch):
     out.mkdir()
     monkeypatch.setattr("time.perf_counter", Clock())
     torch.manual_seed(0)
@@ -61,9 +46,9 @@ def _run(out, direct, monkeypatch):
     g = torch.Generator().manual_seed(1)
     data = itertools.cycle([(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
                             for _ in range(5)])  # fmt: skip
-    trainer = SimpleTrainer(model, data, opt)
+    trainer = SimpleTrainer(model, data, opt, check_finite_every_step=every_step)
     writers = [JSONWriter(out / "metrics.json", window_size=1), TensorboardXWriter(out, 1)]
-    write = PeriodicWriter(writers, period=1) if direct else EveryStep(writers)
+    write = PeriodicWriter(writers, period=1)
     # (no IterationTimer: its times are the machine's)
     trainer.register_hooks([LRScheduler(opt, sched), write])
     trainer.train(0, 12)
@@ -76,11 +61,10 @@ def _events(log_dir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_direct_and_deferred_paths_write_the_same_bytes(tmp_path, monkeypatch):
+def test_queued_and_per_step_losses_write_the_same_bytes(tmp_path, monkeypatch):
     direct = _run(tmp_path / "direct", True, monkeypatch)
     deferred = _run(tmp_path / "deferred", False, monkeypatch)
-    assert direct._hookloop.metrics._direct is True
-    assert deferred._hookloop.metrics._direct is None  # never asked: deferred
+    assert not direct._hookloop.metrics.deferring and deferred._hookloop.metrics.deferring
     a = (tmp_path / "direct" / "metrics.json").read_bytes()
     b = (tmp_path / "deferred" / "metrics.json").read_bytes()
     assert a == b and a.count(b"\n") == 12

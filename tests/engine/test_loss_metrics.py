@@ -70,9 +70,9 @@ def test_deferred_losses_wait_until_the_storage_is_read():
         for i in range(3):
             storage.iter = i
             m.write(t, losses(i), 0.01, "", i)
-        assert len(m._pending) == 3  # nothing read yet
+        assert storage._pending_counts() == (6, 0)  # two losses of 3 iterations, unread
         assert storage.latest()["total_loss"] == (2.0, 2)  # the read settles every one
-        assert m._pending == []
+        assert storage._pending_counts() == (0, 0)
         assert iters(storage) == [0, 1, 2]
         assert [v for v, _ in storage.history("total_loss").values()] == [1.0, 1.5, 2.0]
 
@@ -82,11 +82,11 @@ def test_at_the_bound_the_pending_losses_are_read_without_a_storage_read():
     m.deferring = True
     with EventStorage(0) as storage:
         t = trainer(storage)
-        m.READ_EVERY = 4
+        storage._set_pending_limits(read_every=4, max_started=50, max_values=1024)
         for i in range(6):
             m.write(t, losses(i), 0.0, "", i)
-            assert len(m._pending) == (i + 1) % 4
-        m.settle()
+            assert storage._pending_counts() == (2 * ((i + 1) % 4), 0)  # CPU: read, not started
+        storage._settle()
         assert iters(storage) == list(range(6))
 
 
@@ -99,7 +99,7 @@ def test_only_iterations_of_the_gather_period_are_written():
             for i in range(9):
                 storage.iter = i
                 m.write(t, losses(i), 0.0, "", i)
-            m.settle()
+            storage._settle()
             assert iters(storage) == [2, 5, 8], deferring
 
 
@@ -114,7 +114,7 @@ def test_a_non_finite_loss_names_its_iteration_on_either_path():
                     storage.iter = i
                     bad = {"loss_a": torch.tensor(math.inf if i == 4 else 1.0)}
                     m.write(t, bad, 0.0, "", i)
-                m.settle()
+                storage._settle()
 
 
 def test_asynchronous_writes_run_in_order_and_their_errors_reach_the_training_thread():
@@ -164,41 +164,33 @@ def test_metrics_of_finds_a_simple_trainers_own_and_none_elsewhere():
     assert metrics_of(TrainerBase()) is None and metrics_of(object()) is None
 
 
-def _read_every_step():
-    """LossMetrics configured for one process, told that a reader comes at every step."""
-    m = LossMetrics()
-    m.configure(trainer(None))
-    m.read_every_step()
-    return m
+def test_the_pending_limits_are_checked():
+    storage = EventStorage(0)
+    for bad in ({"read_every": 0}, {"max_started": -1}, {"max_values": 0}):
+        kw = {"read_every": 20, "max_started": 50, "max_values": 1024, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            storage._set_pending_limits(**kw)
 
 
-def test_with_a_reader_at_every_step_cpu_losses_are_put_at_once():
-    m = _read_every_step()
-    with EventStorage(0) as storage:
-        t = trainer(storage)
-        for i in range(3):
-            storage.iter = i
-            m.write(t, losses(i), 0.01, "", i)
-            assert m._pending == []  # nothing kept: put now
-            assert storage.latest()["total_loss"] == (0.5 * i + 1.0, i)
-    assert m._direct is True
+def test_at_the_value_bound_what_waits_is_read_whatever_it_is(monkeypatch):
+    """A storage that is never read holds a bounded number of tensors: at max_values waiting
+    values, one batched read, before read_every iterations (device losses simulated with meta
+    tensors and a patched read)."""
+    from hookloop.utils import _tensors
 
+    reads = []
 
-def test_with_a_reader_at_every_step_device_losses_stay_deferred():
-    m = _read_every_step()
-    with EventStorage(0) as storage:
-        meta = {"loss_a": torch.tensor(1.0, device="meta")}  # not on the CPU, never read here
-        m.write(trainer(storage), meta, 0.0, "", 0)
-        assert m._direct is False and len(m._pending) == 1
-        m._pending.clear()
+    def read_scalars(tensors):
+        reads.append(len(tensors))
+        return [1.0] * len(tensors)
 
-
-def test_a_non_finite_loss_names_its_iteration_on_the_direct_path():
-    m = _read_every_step()
-    with EventStorage(0) as storage:
-        t = trainer(storage)
-        with pytest.raises(FloatingPointError, match="iteration=4"):
-            for i in range(6):
-                storage.iter = i
-                m.write(t, {"loss_a": torch.tensor(math.inf if i == 4 else 1.0)}, 0.0, "", i)
-        assert iters(storage) == [0, 1, 2, 3]
+    monkeypatch.setattr(_tensors, "read_scalars", read_scalars)
+    storage = EventStorage(0)
+    storage._set_pending_limits(read_every=20, max_started=50, max_values=5)
+    meta = {"a": torch.empty((), device="meta"), "b": torch.empty((), device="meta")}
+    counts = []
+    for i in range(4):
+        storage._record_losses(i, 0.0, meta)
+        counts.append(storage._pending_counts())
+    assert counts == [(2, 0), (4, 0), (0, 0), (2, 0)] and reads == [6]
+    assert iters(storage) == [0, 1, 2, 3] and reads == [6, 2]

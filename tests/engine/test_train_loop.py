@@ -949,7 +949,7 @@ def test_non_finite_loss_deferred_names_its_iteration(caplog, bad):
 
 
 def test_non_finite_loss_deferred_surfaces_within_one_read_period():
-    n = LossMetrics.READ_EVERY
+    n = 20  # the storage's pending queue reads at least every 20 iterations (core pending)
     trainer = scalar_trainer([1.0] * 3 + [float("nan")] + [1.0] * (3 * n))
     with pytest.raises(FloatingPointError, match=r"iteration=3!"):
         trainer.train(0, 3 * n)
@@ -1050,39 +1050,43 @@ def test_a_hook_holding_a_history_buffer_sees_this_steps_losses():
     assert seen == [(i + 1, i) for i in range(5)]
 
 
-def test_a_settle_between_reading_the_pending_list_and_appending_loses_nothing():
-    """Another thread that reads the storage may settle the pending losses at any moment of
-    the training thread's step, also between the lines of ``LossMetrics.write`` (the GIL switches
-    between bytecodes). Made deterministic with a line tracer: a settle runs right before the
-    training thread appends each step's losses, after it has read the pending list. Every
-    iteration must still be stored once, in order."""
-    trainer = simple_trainer()
-    code = LossMetrics.write.__code__
-    lines = inspect.getsource(code).splitlines()
-    append = next(
-        code.co_firstlineno + i for i, line in enumerate(lines) if "pending.append(" in line
-    )
-    settles = []
+def test_a_reader_waits_for_a_settle_under_way_on_another_thread(monkeypatch):
+    """Another thread may read the storage while a settle is under way (its device read
+    releases the GIL): that reader waits for it, then stores what was recorded since, so no
+    read ever sees the storage without values a settle already took. Made deterministic with
+    events (each wait bounded): the first settle is held inside its read until the second
+    reader has started."""
+    from hookloop.utils import _tensors
 
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
+    entered, release = threading.Event(), threading.Event()
 
-        def on_line(frame, event, arg):
-            if event == "line" and frame.f_lineno == append and trainer.iter % 2:
-                settles.append(trainer.iter)
-                trainer.storage.latest()  # "another thread" settles now
-            return on_line
+    def read_scalars(tensors):
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(10)
+        return [1.0] * len(tensors)
 
-        return on_line
+    monkeypatch.setattr(_tensors, "read_scalars", read_scalars)
+    meta = {"loss": torch.empty((), device="meta")}
+    storage = EventStorage(0)
+    storage._record_losses(0, 0.0, meta)
+    seen = {}
 
-    sys.settrace(tracer)
-    try:
-        trainer.train(0, 6)
-    finally:
-        sys.settrace(None)
-    assert settles == [1, 3, 5]
-    assert [it for _, it in trainer.storage.history("total_loss").values()] == list(range(6))
+    def read(name):
+        seen[name] = storage.latest()["total_loss"]
+
+    first = threading.Thread(target=read, args=("first",))
+    first.start()
+    assert entered.wait(10)
+    storage._record_losses(1, 0.0, meta)  # recorded while the first settle holds iteration 0
+    second = threading.Thread(target=read, args=("second",))
+    second.start()
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert not first.is_alive() and not second.is_alive()
+    assert seen["second"] == (1.0, 1)
+    assert [it for _, it in storage.history("total_loss").values()] == [0, 1]
 
 
 def test_deferred_losses_make_no_torch_call_between_reads(monkeypatch):
@@ -1114,7 +1118,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
     """Losses that are not on the CPU are read with one stack and one copy (one
     synchronization), not one item() each. Simulated with tensors whose device is not the
     CPU: the meta device, whose values read_scalars is patched to supply."""
-    from hookloop.engine import metrics as engine_metrics
+    from hookloop.utils import _tensors
 
     batches = []
 
@@ -1122,7 +1126,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
         batches.append(len(tensors))
         return [0.5] * len(tensors)
 
-    monkeypatch.setattr(engine_metrics, "read_scalars", read_all)
+    monkeypatch.setattr(_tensors, "read_scalars", read_all)
     _Trainer = functools.partial(types.SimpleNamespace, gather_metric_period=1)
     metrics = LossMetrics()
     metrics.deferring = True
@@ -1132,7 +1136,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
             storage.iter = i
             metrics.write(_Trainer(storage=storage), meta, 0.01, "", i)
         assert batches == []
-        metrics.settle()
+        storage._settle()
         assert batches == [6]
         assert storage.history("loss_a").values() == [(0.5, 0), (0.5, 1), (0.5, 2)]
         assert storage.history("total_loss").latest() == 1.0
@@ -1527,25 +1531,24 @@ def test_amp_trainer_cuda_float16():
 
 
 def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(monkeypatch):
-    """At METRICS_READ_EVERY recorded iterations, CUDA losses start a non-blocking copy to the
+    """At 20 recorded iterations (the storage's read_every), CUDA losses start a non-blocking copy to the
     host instead of being read (no synchronization on an iteration nothing reads); the first
     read of the storage waits for the copies, in order. Simulated on the CPU: the CUDA test is
     the one below, and benches/gpu_check.py checks it with torch's sync debug mode."""
-    from hookloop.engine import metrics as engine_metrics
+    from hookloop.utils import _tensors
 
     started, waited = [], []
 
     class FakeCopy:
         def __init__(self, tensors):
             started.append(len(tensors))
-            self._tensors = tensors
+            self._tensors = list(tensors)
 
         def values(self):
             waited.append(len(self._tensors))
             return [t.item() for t in self._tensors]
 
-    monkeypatch.setattr(engine_metrics, "_is_cuda", lambda v: isinstance(v, torch.Tensor))
-    monkeypatch.setattr(engine_metrics, "_HostCopy", FakeCopy)
+    monkeypatch.setattr(_tensors, "start_read", FakeCopy)
     reads = []
 
     class Reader(HookBase):
@@ -1558,8 +1561,7 @@ def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(m
     trainer = simple_trainer()
     trainer.register_hooks([Reader()])
     trainer.train(0, 50)
-    metrics = trainer._hookloop.metrics
-    assert metrics._pending == [] and metrics._in_flight == []  # nothing left after training
+    assert trainer.storage._pending_counts() == (0, 0)  # nothing left after training
     per_iter = started[0] // 20
     assert started == [20 * per_iter, 20 * per_iter]  # at iterations 19 and 39
     # Nothing waited for until the hook read the storage at 44; then both copies, in order.

@@ -682,23 +682,24 @@ def test_heap_bytes_default_max_length_and_irregular_iterations():
     assert s2._heap_bytes() <= 2 * 20_000 * 24 + 1024
 
 
-def test_write_metrics_batch_puts_each_iteration_as_write_metrics_does():
-    """The deferred-loss path: several iterations in one call, the same puts as one
-    _write_metrics call per iteration; bad input is a clear error, not a panic."""
+def test_recorded_losses_are_stored_as_write_metrics_stores_them():
+    """The pending queue's losses: several iterations recorded, then read in one batch, make
+    the same puts as one _write_metrics call per iteration; bad input is a clear error."""
     one, many = EventStorage(0), EventStorage(0)
     pending = [(i, 0.01 * i, {"a": float(i), "b": torch.tensor(2.0 * i)}, "") for i in range(4)]
     for it, dt, losses, prefix in pending:
         one._write_metrics(losses, dt, dt, it, prefix)
-    many._write_metrics_batch(pending)
-    assert one._state() == many._state()
-    given = EventStorage(0)
-    given._write_metrics_batch(pending, [float(i) for p in pending for i in (p[0], 2 * p[0])])
-    assert given._state() == one._state()
-    with pytest.raises(ValueError, match="for more losses"):
-        EventStorage(0)._write_metrics_batch(pending, [1.0])
-    with pytest.raises(ValueError, match="for fewer losses"):
-        EventStorage(0)._write_metrics_batch(pending, [1.0] * 9)
+        many._record_losses(it, dt, losses, prefix)
+    assert many._pending_counts() == (8, 0)
+    assert one._state() == many._state()  # _state reads the storage: the queue is read first
     with pytest.raises(TypeError, match="keys"):
-        EventStorage(0)._write_metrics_batch([(0, 0.0, {1: 1.0}, "")])
+        EventStorage(0)._record_losses(0, 0.0, {1: 1.0})
+    bad = EventStorage(0)
+    bad._record_losses(2, 0.0, {"a": float("nan")})
     with pytest.raises(FloatingPointError, match="iteration=2"):
-        EventStorage(0)._write_metrics_batch([(2, 0.0, {"a": float("nan")}, "")])
+        bad.latest()
+    assert bad._pending_counts() == (0, 0)  # a failed read drops its batch
+    strange = EventStorage(0)
+    strange._record_losses(0, 0.0, {"a": "one"})
+    with pytest.raises(TypeError, match="'a'"):
+        strange.latest()

@@ -230,9 +230,6 @@ class PeriodicWriter(HookBase):
     def before_train(self) -> None:
         self._stats_seen = {}  # hook_stats() counts from each train()'s start
         self._metrics = metrics_of(self.trainer)
-        if self._period == 1 and self._writers and self._metrics is not None:
-            # Every iteration is read: the trainer's losses take the direct path.
-            self._metrics.read_every_step()
         for writer in self._writers:
             # Writers that show the trainer's state (CommonMetricPrinter: its epoch).
             writer_protocol(writer)._bind_trainer(self.trainer)

@@ -1,12 +1,13 @@
 """The trainer's losses on their way into the storage: ``SimpleTrainer._write_metrics``'s work.
 
 detectron2 reads every loss at every step (``v.detach().cpu().item()``, a device
-synchronization each). :class:`LossMetrics`, ``SimpleTrainer``'s collaborator, keeps them as
-tensors instead and reads them in one batch, before anything reads the storage (a writer, a
-hook's ``latest()``) and at least every ``LossMetrics.READ_EVERY`` recorded iterations. The
-values, iterations and key order stored are those of the per-step path, which runs when asked
-for (``check_finite_every_step``), for asynchronous writes and across processes. Across
-processes every loss of every rank travels in one packed collective, which also carries the
+synchronization each). By default hookloop hands them, as tensors, to the storage's pending
+queue (``EventStorage._record_losses``: core ``pending``), which reads them in one batch before
+anything reads the storage (a writer, a hook's ``latest()``) and at least every 20 recorded
+iterations, and stores them by the one ``write_metrics`` rule at their own iterations.
+:class:`LossMetrics` keeps only what is its own: choosing that path or the per-step one (asked
+for with ``check_finite_every_step``, and taken for asynchronous writes and across processes),
+the asynchronous writes, and the packed collective across processes, which also carries the
 stop protocol's codes (:mod:`hookloop.engine.stop`).
 """
 
@@ -15,15 +16,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-import threading
-import weakref
 from collections import deque
-from typing import Any, Deque, List, Mapping, Optional, Tuple
+from typing import Any, Deque, List, Mapping, Optional
 
 import torch
 
 from hookloop.utils import comm
-from hookloop.utils._tensors import read_scalars, stack_scalars
+from hookloop.utils._tensors import read_scalars
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, get_event_storage
 
 __all__ = ["LossMetrics", "metrics_of", "write_metrics_across"]
@@ -32,94 +31,42 @@ __all__ = ["LossMetrics", "metrics_of", "write_metrics_across"]
 # corpus match them by logger name).
 logger = logging.getLogger("hookloop.engine.train_loop")
 
-# One recorded iteration: (iteration, data_time, loss_dict, prefix).
-_Entry = Tuple[int, float, Mapping[str, Any], str]
-
 
 class LossMetrics:
-    """The losses a trainer recorded but has not read yet, and its asynchronous writes."""
-
-    #: At most this many recorded iterations of losses wait, as tensors, for one batched read.
-    READ_EVERY = 20
-    #: At most this many batches of CUDA losses are copied to the host without being waited
-    #: for (until something reads the storage); then they are read.
-    MAX_IN_FLIGHT = 50
+    """How a trainer's losses reach the storage, and its asynchronous writes."""
 
     def __init__(self) -> None:
-        #: Read the losses in batches (set at ``before_train``).
+        #: Hand the losses to the storage's pending queue (set at ``before_train``).
         self.deferring = False
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
-        # Losses recorded but not read yet. The training thread appends to this one list
-        # without a lock (an append is atomic); a settle, which any thread reading the storage
-        # may run, removes what it takes, under _lock. The list is never replaced: an append
-        # made while a settle runs lands either in what it takes or in a list it left empty
-        # (and that append sets the storage's flag again).
-        self._pending: List[_Entry] = []
-        self._lock = threading.RLock()
-        # Losses of earlier iterations on their way to the host (a CUDA copy not waited for).
-        self._in_flight: List[Tuple[List[_Entry], _HostCopy]] = []
-        self._storage: Any = None
-        self._every_step = False  # see read_every_step
-        self._direct: Optional[bool] = None
-        this = weakref.ref(self)  # the storage holds this function: no cycle through it
-
-        def settle() -> None:
-            metrics = this()
-            if metrics is not None:
-                metrics.settle()
-
-        self._settler = settle
 
     def configure(self, trainer: Any) -> None:
-        """At ``before_train``: deferred reads in one process; the per-step path when asked
-        for, for asynchronous writes, and across processes (whose reduction is per write)."""
+        """At ``before_train``: the storage's pending queue in one process; the per-step path
+        when asked for, for asynchronous writes, and across processes (whose reduction is per
+        write)."""
         self.deferring = not (
             trainer.check_finite_every_step
             # detectron2's name, set in __init__ (a subclass may skip it)
             or getattr(trainer, "async_write_metrics", False)
             or (comm._initialized() and comm.get_world_size() > 1)
         )
-        # Whether a reader comes at every step (read_every_step), and, decided at the first
-        # write then, whether the losses are on the CPU (read at once) or not (deferred).
-        self._every_step = False
-        self._direct = None
-
-    def read_every_step(self) -> None:
-        """Something reads the storage at every iteration (a ``PeriodicWriter`` of period 1
-        says so at its ``before_train``). Losses on the CPU are then put at once, in one call
-        into the core, instead of kept for a read that comes at the same step anyway: no
-        pending list, no copy of the loss dict, no settle. Losses on a device stay deferred:
-        their one batched copy to the host then waits until the writer reads, after the
-        optimizer's step was queued."""
-        self._every_step = True
 
     def write(
         self, trainer: Any, loss_dict: Mapping[str, Any], data_time: float, prefix: str, it: int
     ) -> None:
-        """``_write_metrics`` of iteration ``it``: kept for a batched read, or put now."""
+        """``_write_metrics`` of iteration ``it``: queued for a batched read, or put now."""
         if (it + 1) % trainer.gather_metric_period:
             return
         if self.deferring:
-            if self._every_step and not self._pending:
-                direct = self._direct
-                if direct is None:
-                    direct = self._direct = not any(_off_cpu(v) for v in loss_dict.values())
-                if direct:
-                    try:
-                        trainer.storage._write_metrics_batch([(it, data_time, loss_dict, prefix)])
-                    except Exception:
-                        logger.exception("Exception in writing metrics: ")
-                        raise
-                    return
-            # Kept as tensors: no device synchronization, no torch call, this step. The dict
-            # is copied: a model may return the same dict every step, refilled.
-            pending = self._pending
-            pending.append((it, data_time, dict(loss_dict), prefix))
-            if len(pending) == 1:
-                self._storage = storage = trainer.storage
-                storage._defer(self._settler)
-            elif len(pending) >= self.READ_EVERY:
-                self._read_pending(self.MAX_IN_FLIGHT)
+            # Kept as tensors: no device synchronization, no torch call, this step. The
+            # queue copies the dict's items (a model may return the same dict refilled).
+            if type(loss_dict) is not dict:
+                loss_dict = _as_dict(loss_dict)
+            try:
+                trainer.storage._record_losses(it, data_time, loss_dict, prefix)
+            except Exception:
+                logger.exception("Exception in writing metrics: ")
+                raise
             return
         stop = trainer._hookloop.stop
         try:
@@ -128,55 +75,6 @@ class LossMetrics:
             logger.exception("Exception in writing metrics: ")
             raise
         stop.agreed(agreed)
-
-    def _read_pending(self, max_in_flight: int) -> None:
-        """The pending losses are READ_EVERY iterations long. CUDA losses start their
-        copy to the host (one stack, one non-blocking copy into pinned memory, an event after
-        it) without waiting for it, so no iteration synchronizes until something reads the
-        storage; other losses are put now."""
-        with self._lock:
-            pending = self._pending
-            tensors = (
-                _losses_if(pending, _is_cuda) if len(self._in_flight) < max_in_flight else None
-            )
-            flat = stack_scalars(tensors) if tensors else None
-            if flat is not None:
-                self._in_flight.append((self._take_pending(), _HostCopy(flat)))
-                return  # the storage's deferred flag stays set: a read completes the copy
-        self._storage._settle()
-
-    def _take_pending(self) -> List[_Entry]:
-        """The pending entries, removed from the list in place (under the lock): what the
-        training thread appends meanwhile stays for the next settle."""
-        pending = self._pending
-        taken = pending[:]
-        del pending[: len(taken)]
-        return taken
-
-    def settle(self) -> None:
-        """Puts the pending losses of every recorded iteration with the one write_metrics
-        rule, in one call into the core per batch. Losses on a device are read in one batch
-        (one stack, one copy to the host: one synchronization, or a wait for a copy started
-        earlier); on the CPU the core reads each with ``item()``, which costs less than
-        stacking many small tensors."""
-        with self._lock:
-            in_flight, self._in_flight = self._in_flight, []
-            pending = self._take_pending()
-            batches: List[Tuple[List[_Entry], Optional[List[float]]]] = [
-                (entries, copy.values()) for entries, copy in in_flight
-            ]
-            if pending:
-                # The first loss on the CPU (every settle of a CPU run): _losses_if stops
-                # there and the core reads them all (a stray device tensor is still read, with
-                # item()).
-                tensors = _losses_if(pending, _off_cpu)
-                batches.append((pending, read_scalars(tensors) if tensors else None))
-            try:
-                for entries, values in batches:
-                    self._storage._write_metrics_batch(entries, values)
-            except Exception:
-                logger.exception("Exception in writing metrics: ")
-                raise
 
     # Asynchronous writes (async_write_metrics)
 
@@ -233,11 +131,12 @@ class LossMetrics:
             pending.popleft().result()
 
     def settle_last(self, storage: Any) -> Optional[BaseException]:
-        """At ``after_train``, before the hooks read the storage: the last deferred losses are
-        put; the error of that settle is returned, for :meth:`take_errors`."""
+        """At ``after_train``, before the hooks read the storage: what waits in its pending
+        queue is stored; the error of that read is returned, for :meth:`take_errors`."""
         try:
             storage._settle()
         except Exception as error:
+            logger.exception("Exception in writing metrics: ")
             return error
         return None
 
@@ -298,11 +197,7 @@ def write_metrics_across(
     # get_event_storage(), inlined: this runs every step.
     storage = _CURRENT_STORAGE_STACK[-1] if _CURRENT_STORAGE_STACK else get_event_storage()
     if type(loss_dict) is not dict:
-        if not isinstance(loss_dict, Mapping):
-            raise TypeError(
-                f"write_metrics() needs a dict of losses, got {type(loss_dict).__name__}"
-            )
-        loss_dict = dict(loss_dict)
+        loss_dict = _as_dict(loss_dict)
     if not comm._initialized() or comm.get_world_size() == 1:
         # One process: the reduced values are its own; the core reads each loss with
         # item() (what detectron2's v.detach().cpu().item() computes, without the copies).
@@ -363,36 +258,7 @@ def _mean(values: List[float]) -> float:
     return float(np.mean(values))
 
 
-def _losses_if(pending: List[_Entry], accept: Any) -> Optional[List[Any]]:
-    """Every loss of the ``pending`` iterations, when ``accept`` takes each of them (tried on
-    the first one before the list is built), else None."""
-    if not accept(next(iter(pending[0][2].values()), None)):
-        return None
-    values = [v for _, _, losses, _ in pending for v in losses.values()]
-    return values if all(map(accept, values)) else None
-
-
-def _off_cpu(value: Any) -> bool:
-    # is_cpu, not .device.type: a device object per call costs seven times as much
-    return isinstance(value, torch.Tensor) and not value.is_cpu
-
-
-def _is_cuda(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_cuda
-
-
-class _HostCopy:
-    """Losses stacked on a CUDA device (``stack_scalars``) on their way to the host, copied
-    without blocking into pinned memory, with an event recorded after the copy.
-    :meth:`values` waits for that event only (not for the whole device)."""
-
-    def __init__(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            self._host.copy_(flat, non_blocking=True)
-            # On the stream of the losses' device (the copy's), not the current device's.
-            self._event = torch.cuda.current_stream(flat.device).record_event()
-
-    def values(self) -> List[float]:
-        self._event.synchronize()
-        return self._host.reshape(-1).tolist()
+def _as_dict(loss_dict: Mapping[str, Any]) -> dict:
+    if not isinstance(loss_dict, Mapping):
+        raise TypeError(f"write_metrics() needs a dict of losses, got {type(loss_dict).__name__}")
+    return dict(loss_dict)

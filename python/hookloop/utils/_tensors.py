@@ -1,5 +1,7 @@
-"""Reading single-element tensors in batches: the values hookloop keeps unread until something
-needs them (``SimpleTrainer``'s losses, ``EventStorage.put_scalar`` of a device tensor).
+"""Reading single-element tensors in batches: the values the storage's pending queue keeps
+unread until something needs them (``SimpleTrainer``'s losses, ``EventStorage.put_scalar`` of a
+device tensor). The queue (core ``pending``, binding ``pending.rs``) calls :func:`read_scalars`
+and :func:`start_read`; nothing here touches the storage.
 
 One mechanism for both: per device, one stack of the values as float64 and one copy to the
 host, so a batch costs one device synchronization per device instead of one per value. The
@@ -9,11 +11,11 @@ through float32 by type promotion).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["read_scalars", "stack_scalars"]
+__all__ = ["read_scalars", "stack_scalars", "start_read"]
 
 
 def stack_scalars(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -70,3 +72,30 @@ def _as_0d(t: torch.Tensor) -> torch.Tensor:
             f"a scalar must be a single-element tensor, got one with shape {tuple(t.shape)}"
         )
     return t.detach().reshape(())
+
+
+def start_read(values: List[Any]) -> Optional["HostCopy"]:
+    """A started read of ``values`` when every one is a single-element CUDA tensor on one
+    device: one stack, one non-blocking copy into pinned memory and an event after it (no
+    synchronization now); None otherwise (the caller reads them at once)."""
+    if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in values):
+        return None
+    flat = stack_scalars(values)
+    return None if flat is None else HostCopy(flat)
+
+
+class HostCopy:
+    """Values stacked on a CUDA device (:func:`stack_scalars`) on their way to the host,
+    copied without blocking into pinned memory, with an event recorded after the copy.
+    :meth:`values` waits for that event only (not for the whole device)."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            # On the stream of the values' device (the copy's), not the current device's.
+            self._event = torch.cuda.current_stream(flat.device).record_event()
+
+    def values(self) -> List[float]:
+        self._event.synchronize()
+        return self._host.reshape(-1).tolist()

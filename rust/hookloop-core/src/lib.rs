@@ -10,6 +10,7 @@ pub mod iter;
 pub mod jsonl;
 pub mod media;
 pub mod metrics;
+pub mod pending;
 pub mod printer;
 pub mod pyexact;
 pub mod record;

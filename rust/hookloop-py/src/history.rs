@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::convert::{iter_to_py, scalar_value};
-use crate::deferred::Deferred;
+use crate::pending::Waiting;
 use crate::errors::{to_py, IntoPyResult};
 use crate::state::Shared;
 
@@ -21,7 +21,7 @@ enum Source {
     /// One scalar of a storage: a read settles what the storage has not read yet first, as
     /// a read through the storage does.
     View {
-        deferred: Arc<Deferred>,
+        waiting: Arc<Waiting>,
         name: String,
     },
 }
@@ -35,9 +35,9 @@ pub struct PyHistoryBuffer {
 
 impl PyHistoryBuffer {
     /// A live view of `name` inside a storage.
-    pub fn view(deferred: Arc<Deferred>, name: String) -> Self {
+    pub fn view(waiting: Arc<Waiting>, name: String) -> Self {
         PyHistoryBuffer {
-            source: Source::View { deferred, name },
+            source: Source::View { waiting, name },
         }
     }
 
@@ -49,9 +49,9 @@ impl PyHistoryBuffer {
     ) -> PyResult<T> {
         match &self.source {
             Source::Owned(h) => Ok(h.with(f)),
-            Source::View { deferred, name } => {
-                deferred.settle(py)?;
-                deferred
+            Source::View { waiting, name } => {
+                waiting.settle(py)?;
+                waiting
                     .state()
                     .with(|s| s.core.history_mut(name).map(f))
                     .py_err()

@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 
 mod convert;
-mod deferred;
+mod pending;
 mod dispatch;
 mod errors;
 mod history;

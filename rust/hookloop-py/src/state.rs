@@ -37,6 +37,12 @@ impl<T> Shared<T> {
     pub fn try_with<R>(&self, f: impl FnOnce(&mut T) -> R + Send) -> Option<R> {
         self.inner.try_lock().ok().map(|mut g| f(&mut g))
     }
+
+    /// For the garbage collector's traversal only: `f` may hold a `PyVisit` (not `Send`),
+    /// whose calls run no Python code. `None` while another thread holds the lock.
+    pub fn try_visit<R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
+        self.inner.try_lock().ok().map(|g| f(&g))
+    }
 }
 
 /// An image put with `put_image`, held as the caller's object until a writer converts it
@@ -53,6 +59,8 @@ pub struct PendingImage {
 /// Everything behind an `EventStorage`'s lock.
 pub struct State {
     pub core: Storage,
+    /// The values put but not read yet (core `pending`; read by `crate::pending`).
+    pub pending: crate::pending::Queue,
     pub images: MediaQueue<PendingImage>,
 }
 

@@ -18,9 +18,9 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::{intern, PyTraverseError, PyVisit};
 
 use crate::convert::{int64, is_device_scalar, iter_to_py, iteration, scalar_value};
-use crate::deferred::Deferred;
 use crate::errors::{to_py, IntoPyResult};
 use crate::history::{history_state_from_py, history_to_py, item, PyHistoryBuffer};
+use crate::pending::Waiting;
 use crate::state::{PendingImage, Shared, SharedState, State};
 
 /// detectron2's `EventStorage`; `hookloop.utils.events.EventStorage` subclasses it to add the
@@ -33,22 +33,21 @@ use crate::state::{PendingImage, Shared, SharedState, State};
     weakref
 )]
 pub struct PyEventStorage {
-    /// The state (`Deferred::state`) and what is put but not read yet, shared with the
+    /// The state (`Waiting::state`) with what is put but not read yet, shared with the
     /// storage's `HistoryBuffer` views (a view read later settles it too).
-    pub deferred: Arc<Deferred>,
+    pub waiting: Arc<Waiting>,
 }
 
 impl PyEventStorage {
-    /// Puts the values deferred with `_defer` and the waiting device tensors before anything
-    /// reads the scalars: every read (histories, latest values, writers) sees the same storage
+    /// Stores the pending values (core `pending`) before anything reads the scalars: every read (histories, latest values, writers) sees the same storage
     /// as without deferral.
     pub fn settle(&self, py: Python<'_>) -> PyResult<()> {
-        self.deferred.settle(py)
+        self.waiting.settle(py)
     }
 
     /// The storage's state, behind its one lock.
     pub fn state(&self) -> &SharedState {
-        self.deferred.state()
+        self.waiting.state()
     }
 
     /// Runs `f` on the core storage under the lock.
@@ -79,10 +78,11 @@ impl PyEventStorage {
         let core = Storage::new(start_iter, max_length, max_histograms).py_err()?;
         let state = State {
             core,
+            pending: Default::default(),
             images: MediaQueue::new(max_images),
         };
         Ok(PyEventStorage {
-            deferred: Arc::new(Deferred::new(Arc::new(Shared::new(state)))),
+            waiting: Arc::new(Waiting::new(Arc::new(Shared::new(state)))),
         })
     }
 
@@ -101,12 +101,12 @@ impl PyEventStorage {
         if is_device_scalar(value) {
             let it = iteration("cur_iter", cur_iter)?;
             return self
-                .deferred
-                .defer_device(py, vec![(name, value.clone())], smoothing_hint, it);
+                .waiting
+                .put_device(py, vec![(name, value.clone())], smoothing_hint, it);
         }
         let v = scalar_value(name, value)?;
         let it = iteration("cur_iter", cur_iter)?;
-        self.deferred.settle_device_of(py, &[name])?;
+        self.waiting.settle_of(py, &[name])?;
         self.with(|s| s.put_scalar(name, v, smoothing_hint, it))
             .py_err()
     }
@@ -148,12 +148,10 @@ impl PyEventStorage {
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.clone()))
                 .collect();
-            self.deferred.defer_device(py, device, smoothing_hint, it)?;
+            self.waiting.put_device(py, device, smoothing_hint, it)?;
         }
-        if self.deferred.device_pending() {
-            let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
-            self.deferred.settle_device_of(py, &names)?;
-        }
+        let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+        self.waiting.settle_of(py, &names)?;
         self.with(|s| {
             items
                 .iter()
@@ -163,13 +161,58 @@ impl PyEventStorage {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Marks values as pending: before the next read of the scalars, `settle()` is called
-    /// once (it puts them). One call per batch of deferred values, not per value.
-    fn _defer(&self, settle: Py<PyAny>) {
-        self.deferred.defer(settle);
+    /// Queues one iteration's losses of one process (`loss_dict` kept as given: tensors are
+    /// not read) for `write_metrics`' rule at the next read of the storage, which comes at
+    /// the latest after `read_every` recorded iterations (`_set_pending_limits`). One crossing
+    /// per step.
+    #[pyo3(signature = (cur_iter, data_time, losses, prefix = ""))]
+    fn _record_losses(
+        &self,
+        py: Python<'_>,
+        cur_iter: &Bound<'_, PyAny>,
+        data_time: f64,
+        losses: &Bound<'_, PyDict>,
+        prefix: &str,
+    ) -> PyResult<()> {
+        let it = iteration("cur_iter", Some(cur_iter))?.unwrap_or(Iter::Int(0));
+        self.waiting.record_losses(py, it, data_time, losses, prefix)
     }
 
-    /// Puts what is pending now (what every read does first).
+    /// The pending queue's limits (core `pending::Limits`): a read is due every `read_every`
+    /// recorded iterations; at most `max_started` reads are started without being waited
+    /// for; at `max_values` waiting values a read is due whatever they are.
+    #[pyo3(signature = (*, read_every, max_started, max_values))]
+    fn _set_pending_limits(
+        &self,
+        read_every: i64,
+        max_started: i64,
+        max_values: i64,
+    ) -> PyResult<()> {
+        let read_every = positive("read_every", read_every).py_err()?;
+        // 0 started reads: every due read is done at once.
+        let max_started = usize::try_from(max_started).map_err(|_| {
+            to_py(Error::bad_value(
+                "max_started",
+                format!("must be a non-negative integer, got {max_started}"),
+            ))
+        })?;
+        let max_values = positive("max_values", max_values).py_err()?;
+        self.state().with(|s| {
+            s.pending.limits = hookloop_core::pending::Limits {
+                read_every,
+                max_started,
+                max_values,
+            }
+        });
+        Ok(())
+    }
+
+    /// How many values and started reads wait (for tests and diagnostics).
+    fn _pending_counts(&self) -> (usize, usize) {
+        self.state().with(|s| s.pending.counts())
+    }
+
+    /// Stores what is pending now (what every read does first).
     fn _settle(&self, py: Python<'_>) -> PyResult<()> {
         self.settle(py)
     }
@@ -202,72 +245,6 @@ impl PyEventStorage {
         };
         self.with(|s| write_metrics(s, it, prefix, rank_data_time, reduced))
             .py_err()
-    }
-
-    /// The deferred losses of several iterations of one process, `write_metrics`'s rule for
-    /// each, in one crossing: `pending` is `[(iteration, data_time, losses, prefix)]`.
-    /// `values`, when given, holds every loss value in order (the caller read them in one
-    /// batch: one copy from a device); otherwise each is read here (`item()` for a tensor, which
-    /// on the CPU costs less than stacking many small tensors). Everything is read before the
-    /// storage is locked, then written under one lock.
-    #[pyo3(signature = (pending, values = None))]
-    fn _write_metrics_batch(
-        &self,
-        pending: &Bound<'_, PyList>,
-        values: Option<Vec<f64>>,
-    ) -> PyResult<()> {
-        struct Read<'py> {
-            it: Iter,
-            data_time: f64,
-            prefix: Bound<'py, PyString>,
-            losses: Vec<(Bound<'py, PyString>, f64)>,
-        }
-        let given = values.as_ref().map_or(0, Vec::len);
-        let mut values = values.map(Vec::into_iter);
-        let mut read = Vec::with_capacity(pending.len());
-        for entry in pending.iter() {
-            let (it, data_time, losses, prefix): (
-                Bound<'_, PyAny>,
-                f64,
-                Bound<'_, PyDict>,
-                Bound<'_, PyString>,
-            ) = entry.extract()?;
-            let it = iteration("cur_iter", Some(&it))?.unwrap_or(Iter::Int(0));
-            let losses = read_losses(&losses, values.as_mut().map(|v| (v, given)))?;
-            read.push(Read {
-                it,
-                data_time,
-                prefix,
-                losses,
-            });
-        }
-        if values.is_some_and(|mut v| v.next().is_some()) {
-            return Err(to_py(Error::bad_value(
-                "_write_metrics_batch values",
-                format!("{given} values for fewer losses than that"),
-            )));
-        }
-        // The names as the dicts' own strings (no copy), the batch under one lock.
-        let mut batch = Vec::with_capacity(read.len());
-        for r in &read {
-            batch.push((r.it, r.data_time, r.prefix.to_str()?, names_of(&r.losses)?));
-        }
-        self.with(move |s| {
-            let first_new = s.len();
-            let written = batch
-                .iter()
-                .try_for_each(|(it, data_time, prefix, losses)| {
-                    let reduced = Reduced {
-                        data_time: *data_time,
-                        losses,
-                    };
-                    write_metrics(s, *it, prefix, *data_time, Some(reduced))
-                });
-            // The names keep the place of the step that put them, not of this read.
-            s.place_deferred(first_new);
-            written
-        })
-        .py_err()
     }
 
     /// Queues an image (kept as given: a CUDA tensor is not read) for the TensorBoard writer,
@@ -347,7 +324,7 @@ impl PyEventStorage {
             return Err(to_py(Error::UnknownMetric(name.to_owned())));
         }
         Ok(PyHistoryBuffer::view(
-            self.deferred.clone(),
+            self.waiting.clone(),
             name.to_owned(),
         ))
     }
@@ -357,7 +334,7 @@ impl PyEventStorage {
     fn _read_history(&self, name: &str) -> PyResult<PyHistoryBuffer> {
         self.with(|s| s.read_history(name)).py_err()?;
         Ok(PyHistoryBuffer::view(
-            self.deferred.clone(),
+            self.waiting.clone(),
             name.to_owned(),
         ))
     }
@@ -368,7 +345,7 @@ impl PyEventStorage {
         let names = self.with(|s| s.history_names());
         let out = PyDict::new(py);
         for name in names {
-            let view = PyHistoryBuffer::view(self.deferred.clone(), name.to_string());
+            let view = PyHistoryBuffer::view(self.waiting.clone(), name.to_string());
             out.set_item(&*name, Py::new(py, view)?)?;
         }
         Ok(out)
@@ -677,7 +654,7 @@ impl PyEventStorage {
         for image in &images {
             visit.call(&**image)?;
         }
-        self.deferred.traverse(&visit)
+        self.waiting.traverse(&visit)
     }
 
     fn __clear__(&self) {
@@ -686,7 +663,7 @@ impl PyEventStorage {
             .try_with(|s| s.images.take())
             .unwrap_or_default();
         drop(taken);
-        self.deferred.clear();
+        self.waiting.clear();
     }
 }
 

@@ -136,7 +136,7 @@ impl PyNativeWriter {
 }
 
 impl PyNativeWriter {
-    /// The start of every write: settle the storage's deferred values, report an earlier
+    /// The start of every write: settle the storage's pending values, report an earlier
     /// error, and take under one lock the smoothed scalars newer than `last_write` (advancing
     /// it) and whatever else `take` takes from the state. Returns the sink handle, still locked.
     fn take_new<T: Send>(

@@ -1,0 +1,447 @@
+//! The storage's one queue of scalars put but not read yet.
+//!
+//! A value that would cost a device synchronization to read now (a trainer's losses kept as
+//! tensors, `put_scalar` of a CUDA tensor, later a CUDA graph's ring buffer) waits here with
+//! the name and iteration fixed when it was put. Its value is read later, in one batch with
+//! every other waiting value, and then stored by the same rules as an immediate put:
+//! [`crate::metrics::write_metrics`] for a trainer's losses, [`Storage::put_at`] for a put.
+//!
+//! The queue does not read values itself (they are the caller's objects: `V` is a Python
+//! tensor in the binding); it says when a read is due ([`Due`]) and applies the values read
+//! ([`apply`]). A read of a whole waiting batch may also be *started* (a copy to the host not
+//! waited for, handle `H`) and finished at the next read of the storage.
+//!
+//! Invariant: batches are applied in the order their values were put, so each history keeps
+//! its values in order, and the names they create keep the place of their put
+//! ([`Storage::mark_deferred`]).
+
+use std::collections::HashSet;
+
+use crate::iter::Iter;
+use crate::metrics::{write_metrics, Reduced};
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// One waiting put.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    /// One iteration's losses of one process (`SimpleTrainer.write_metrics`'s rule at the
+    /// read): `data_time`, then the names in the loss dict's order, one value each.
+    Losses {
+        iter: Iter,
+        data_time: f64,
+        prefix: String,
+        names: Vec<String>,
+    },
+    /// A `put_scalar` of one value: its full name (name scope applied) and iteration, as
+    /// [`Storage::resolve_put`] fixed them when it was made.
+    Put { name: String, hint: bool, iter: Iter },
+}
+
+impl Record {
+    /// How many values the record waits for.
+    pub fn len(&self) -> usize {
+        match self {
+            Record::Losses { names, .. } => names.len(),
+            Record::Put { .. } => 1,
+        }
+    }
+
+    /// Whether the record waits for no value (a trainer's empty loss dict still records its
+    /// data time).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// When the queue reads what waits, besides every read of the storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// At this many waiting iterations of losses, their read is due (started, or done).
+    pub read_every: usize,
+    /// At most this many started reads wait to be finished; past that, a due read is done.
+    pub max_started: usize,
+    /// At this many waiting values, a read is due whatever they are: a storage that is never
+    /// read holds a bounded number of tensors.
+    pub max_values: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            read_every: 20,
+            max_started: 50,
+            max_values: 1024,
+        }
+    }
+}
+
+/// What a put asks of the caller after queueing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// Nothing: the values wait.
+    Nothing,
+    /// The waiting batch's read is due: start it if its values allow (a copy not waited for),
+    /// else read everything now.
+    Start,
+    /// Read everything now.
+    Read,
+}
+
+/// Records waiting with their values, in put order.
+#[derive(Debug)]
+pub struct Batch<V> {
+    pub records: Vec<Record>,
+    pub values: Vec<V>,
+}
+
+impl<V> Default for Batch<V> {
+    fn default() -> Self {
+        Batch {
+            records: Vec::new(),
+            values: Vec::new(),
+        }
+    }
+}
+
+/// A batch whose read was started: its records and the read's handle.
+#[derive(Debug)]
+pub struct Started<H> {
+    pub records: Vec<Record>,
+    pub read: H,
+}
+
+/// Everything a read takes from the queue: the started reads first, then the waiting batch.
+#[derive(Debug)]
+pub struct Taken<V, H> {
+    pub started: Vec<Started<H>>,
+    pub waiting: Batch<V>,
+}
+
+/// The queue. `V`: a value not read yet; `H`: a started read.
+#[derive(Debug)]
+pub struct Pending<V, H> {
+    waiting: Batch<V>,
+    /// `Losses` records in `waiting`.
+    waiting_iterations: usize,
+    started: Vec<Started<H>>,
+    /// The names of the waiting and started `Put`s: a plain put under one of them must read
+    /// the queue first, so its history keeps the order of the puts.
+    put_names: HashSet<String>,
+    pub limits: Limits,
+}
+
+impl<V, H> Default for Pending<V, H> {
+    fn default() -> Self {
+        Pending {
+            waiting: Batch::default(),
+            waiting_iterations: 0,
+            started: Vec::new(),
+            put_names: HashSet::new(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl<V, H> Pending<V, H> {
+    /// Whether nothing waits (no value, no started read).
+    pub fn is_empty(&self) -> bool {
+        self.waiting.records.is_empty() && self.started.is_empty()
+    }
+
+    /// Queues one iteration's losses (names and values in the same order); `storage` marks
+    /// where the names they create belong.
+    pub fn push_losses(
+        &mut self,
+        storage: &mut Storage,
+        iter: Iter,
+        data_time: f64,
+        prefix: String,
+        names: Vec<String>,
+        values: Vec<V>,
+    ) -> Result<Due> {
+        if names.len() != values.len() {
+            return Err(Error::bad_value(
+                "pending losses",
+                format!("{} names for {} values", names.len(), values.len()),
+            ));
+        }
+        storage.mark_deferred();
+        self.waiting.records.push(Record::Losses {
+            iter,
+            data_time,
+            prefix,
+            names,
+        });
+        self.waiting.values.extend(values);
+        self.waiting_iterations += 1;
+        Ok(self.due())
+    }
+
+    /// Queues a put of one value under the full name and iteration fixed now.
+    pub fn push_put(
+        &mut self,
+        storage: &mut Storage,
+        name: String,
+        hint: bool,
+        iter: Iter,
+        value: V,
+    ) -> Due {
+        storage.mark_deferred();
+        self.put_names.insert(name.clone());
+        self.waiting.records.push(Record::Put { name, hint, iter });
+        self.waiting.values.push(value);
+        self.due()
+    }
+
+    fn due(&self) -> Due {
+        if self.waiting.values.len() >= self.limits.max_values {
+            Due::Read
+        } else if self.waiting_iterations >= self.limits.read_every {
+            Due::Start
+        } else {
+            Due::Nothing
+        }
+    }
+
+    /// Whether a put under the full name `name` waits.
+    pub fn waits_for(&self, name: &str) -> bool {
+        !self.put_names.is_empty() && self.put_names.contains(name)
+    }
+
+    /// Whether a started read may be added (fewer than `max_started` wait).
+    pub fn may_start(&self) -> bool {
+        self.started.len() < self.limits.max_started
+    }
+
+    /// Takes everything for a read.
+    pub fn take(&mut self) -> Taken<V, H> {
+        self.waiting_iterations = 0;
+        self.put_names.clear();
+        Taken {
+            started: std::mem::take(&mut self.started),
+            waiting: std::mem::take(&mut self.waiting),
+        }
+    }
+
+    /// How many values wait, and how many started reads.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.waiting.values.len(), self.started.len())
+    }
+
+    /// The values and started reads held (for a garbage collector's traversal).
+    pub fn held(&self) -> (impl Iterator<Item = &V>, impl Iterator<Item = &H>) {
+        (
+            self.waiting.values.iter(),
+            self.started.iter().map(|s| &s.read),
+        )
+    }
+
+    /// Gives back what [`Pending::take`] took when the waiting batch's read was started
+    /// instead of done: `started` (the reads started earlier, then this one) go ahead of
+    /// anything queued since the take. Their put names wait again.
+    pub fn restore_started(&mut self, mut started: Vec<Started<H>>) {
+        for s in &started {
+            for r in &s.records {
+                if let Record::Put { name, .. } = r {
+                    self.put_names.insert(name.clone());
+                }
+            }
+        }
+        started.append(&mut self.started);
+        self.started = started;
+    }
+}
+
+/// Stores `values` (read from a batch's values, in order) under `records` by the rules of an
+/// immediate put, then moves the names they created to where the puts were made. Stops at the
+/// first error (a non-finite total loss is `Error::NonFiniteLoss` naming its iteration); the
+/// values before it are stored.
+pub fn apply(storage: &mut Storage, records: &[Record], values: &[f64]) -> Result<()> {
+    let wanted: usize = records.iter().map(Record::len).sum();
+    if wanted != values.len() {
+        return Err(Error::bad_value(
+            "pending values",
+            format!("{} values read for {wanted} waiting", values.len()),
+        ));
+    }
+    let first_new = storage.len();
+    let mut rest = values;
+    let mut result = Ok(());
+    for record in records {
+        let (mine, after) = rest.split_at(record.len());
+        rest = after;
+        result = match record {
+            Record::Losses {
+                iter,
+                data_time,
+                prefix,
+                names,
+            } => {
+                let losses: Vec<(&str, f64)> =
+                    names.iter().map(String::as_str).zip(mine.iter().copied()).collect();
+                let reduced = Reduced {
+                    data_time: *data_time,
+                    losses: &losses,
+                };
+                write_metrics(storage, *iter, prefix, *data_time, Some(reduced))
+            }
+            Record::Put { name, hint, iter } => storage.put_at(name, mine[0], *hint, *iter),
+        };
+        if result.is_err() {
+            break;
+        }
+    }
+    storage.place_deferred(first_new);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn storage() -> Storage {
+        Storage::new(0, 100, 10).unwrap()
+    }
+
+    fn losses(q: &mut Pending<f64, ()>, s: &mut Storage, it: i64, v: f64) -> Due {
+        let names = vec!["a".to_owned(), "b".to_owned()];
+        q.push_losses(s, Iter::Int(it), 0.5, String::new(), names, vec![v, 2.0 * v])
+            .unwrap()
+    }
+
+    fn read_all(q: &mut Pending<f64, ()>, s: &mut Storage) -> Result<()> {
+        let taken = q.take();
+        let r = apply(s, &taken.waiting.records, &taken.waiting.values);
+        if q.is_empty() {
+            s.end_deferred();
+        }
+        r
+    }
+
+    #[test]
+    fn losses_are_stored_with_write_metrics_rule_at_their_iterations() {
+        let mut s = storage();
+        let mut q = Pending::default();
+        for it in 0..3 {
+            assert_eq!(losses(&mut q, &mut s, it, it as f64), Due::Nothing);
+        }
+        assert!(s.is_empty(), "nothing is stored before the read");
+        read_all(&mut q, &mut s).unwrap();
+        assert!(q.is_empty());
+        let names: Vec<_> = s.history_names().into_iter().map(|n| n.to_string()).collect();
+        assert_eq!(
+            names,
+            ["rank_data_time", "data_time", "total_loss", "a", "b"]
+        );
+        let total = s.scalar("total_loss").unwrap().history.values();
+        let it = Iter::Int;
+        assert_eq!(total, [(0.0, it(0)), (3.0, it(1)), (6.0, it(2))]);
+    }
+
+    #[test]
+    fn the_read_is_due_every_read_every_iterations_and_at_the_value_bound() {
+        let mut s = storage();
+        let mut q: Pending<f64, ()> = Pending::default();
+        q.limits = Limits {
+            read_every: 3,
+            max_started: 1,
+            max_values: 7,
+        };
+        assert_eq!(losses(&mut q, &mut s, 0, 1.0), Due::Nothing);
+        assert_eq!(losses(&mut q, &mut s, 1, 1.0), Due::Nothing);
+        assert_eq!(losses(&mut q, &mut s, 2, 1.0), Due::Start);
+        let taken = q.take();
+        assert_eq!(taken.waiting.records.len(), 3);
+        q.restore_started(vec![Started {
+            records: taken.waiting.records,
+            read: (),
+        }]);
+        assert!(!q.may_start(), "one started read is the bound here");
+        assert_eq!(losses(&mut q, &mut s, 3, 1.0), Due::Nothing);
+        // Puts count as values, not iterations: the 7th value makes a read due.
+        for i in 0..4 {
+            let due = q.push_put(&mut s, "x".into(), true, Iter::Int(3), i as f64);
+            assert_eq!(due, if i == 4 { Due::Read } else { Due::Nothing }, "put {i}");
+        }
+        assert_eq!(q.push_put(&mut s, "x".into(), true, Iter::Int(3), 9.0), Due::Read);
+    }
+
+    #[test]
+    fn started_reads_go_ahead_of_what_was_queued_since() {
+        let mut s = storage();
+        let mut q: Pending<f64, &str> = Pending::default();
+        let names = || vec!["a".to_owned()];
+        q.push_losses(&mut s, Iter::Int(0), 0.0, String::new(), names(), vec![1.0])
+            .unwrap();
+        let first = q.take();
+        // queued while the first read was being started
+        q.push_losses(&mut s, Iter::Int(1), 0.0, String::new(), names(), vec![2.0])
+            .unwrap();
+        q.restore_started(vec![Started {
+            records: first.waiting.records,
+            read: "copy of iteration 0",
+        }]);
+        let taken = q.take();
+        assert_eq!(taken.started.len(), 1);
+        assert_eq!(taken.started[0].read, "copy of iteration 0");
+        assert_eq!(taken.waiting.values, [2.0]);
+    }
+
+    #[test]
+    fn a_plain_put_finds_the_waiting_put_of_its_name() {
+        let mut s = storage();
+        let mut q: Pending<f64, ()> = Pending::default();
+        q.push_put(&mut s, "lr".into(), false, Iter::Int(0), 0.1);
+        assert!(q.waits_for("lr") && !q.waits_for("loss"));
+        let taken = q.take();
+        assert!(!q.waits_for("lr"));
+        q.restore_started(vec![Started {
+            records: taken.waiting.records,
+            read: (),
+        }]);
+        assert!(q.waits_for("lr"), "a started put still waits");
+    }
+
+    #[test]
+    fn names_keep_the_place_of_their_put() {
+        let mut s = storage();
+        let mut q: Pending<f64, ()> = Pending::default();
+        losses(&mut q, &mut s, 0, 1.0);
+        s.put_scalar("lr", 0.1, false, None).unwrap(); // put while the losses wait
+        read_all(&mut q, &mut s).unwrap();
+        let names: Vec<_> = s.history_names().into_iter().map(|n| n.to_string()).collect();
+        assert_eq!(
+            names,
+            ["rank_data_time", "data_time", "total_loss", "a", "b", "lr"]
+        );
+    }
+
+    #[test]
+    fn a_non_finite_total_stops_the_read_at_its_iteration() {
+        let mut s = storage();
+        let mut q: Pending<f64, ()> = Pending::default();
+        losses(&mut q, &mut s, 0, 1.0);
+        losses(&mut q, &mut s, 1, f64::NAN);
+        losses(&mut q, &mut s, 2, 1.0);
+        let err = read_all(&mut q, &mut s).unwrap_err();
+        assert!(
+            matches!(err, Error::NonFiniteLoss { iter: Iter::Int(1), .. }),
+            "{err:?}"
+        );
+        assert_eq!(s.scalar("total_loss").unwrap().history.values().len(), 1);
+    }
+
+    #[test]
+    fn a_read_of_the_wrong_length_is_an_error() {
+        let mut s = storage();
+        let mut q: Pending<f64, ()> = Pending::default();
+        losses(&mut q, &mut s, 0, 1.0);
+        let taken = q.take();
+        let err = apply(&mut s, &taken.waiting.records, &[1.0]).unwrap_err();
+        assert!(err.to_string().contains("1 values read for 2 waiting"), "{err}");
+        assert!(q
+            .push_losses(&mut s, Iter::Int(1), 0.0, String::new(), vec![], vec![1.0])
+            .is_err());
+    }
+}

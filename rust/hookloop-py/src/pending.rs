@@ -1,0 +1,322 @@
+//! The binding side of the storage's one pending-scalar queue (core `pending`): converting the
+//! Python values put, and reading them. The queue itself (what waits, when a read is due, how
+//! values are stored) is the core's and lives in the storage's state; this module holds only
+//! what needs Python.
+//!
+//! How a batch is read (`hookloop.utils._tensors`): values on the host with `item()` each
+//! (cheaper than stacking small tensors); device values with one stack and one copy per
+//! device (`read_scalars`); a due read of CUDA values is only *started* (`start_read`: a copy
+//! into pinned memory and an event, not waited for) and finished at the next read.
+//!
+//! Shared by the storage and its `HistoryBuffer` views, so that every read of the scalars,
+//! through either, settles first.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
+
+use hookloop_core::iter::Iter;
+use hookloop_core::pending::{apply, Batch, Due, Record, Started, Taken};
+use hookloop_core::Storage;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::{intern, PyTraverseError, PyVisit};
+
+use crate::convert::scalar_value;
+use crate::errors::{to_py, IntoPyResult};
+use crate::state::SharedState;
+
+/// The queue's type in the storage's state: values and started reads are Python objects.
+pub type Queue = hookloop_core::pending::Pending<Py<PyAny>, Py<PyAny>>;
+
+thread_local! {
+    /// Whether this thread is inside a settle (a value's `item()` that reads the storage again
+    /// finds nothing to wait for, instead of a deadlock).
+    static SETTLING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A storage's state with its pending values.
+pub struct Waiting {
+    state: SharedState,
+    /// Whether anything may wait in the queue: every read checks this without the lock.
+    any: AtomicBool,
+    /// One settle at a time: a reader on another thread waits for a settle under way, so it
+    /// never sees the storage without the values that settle took.
+    settling: Mutex<()>,
+}
+
+impl Waiting {
+    pub fn new(state: SharedState) -> Self {
+        Waiting {
+            state,
+            any: AtomicBool::new(false),
+            settling: Mutex::new(()),
+        }
+    }
+
+    /// The storage's state.
+    pub fn state(&self) -> &SharedState {
+        &self.state
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Storage, &mut Queue) -> R + Send) -> R {
+        self.state.with(|s| f(&mut s.core, &mut s.pending))
+    }
+
+    /// Queues one iteration's losses (`SimpleTrainer`'s, read later by `write_metrics`' rule).
+    pub fn record_losses(
+        &self,
+        py: Python<'_>,
+        iter: Iter,
+        data_time: f64,
+        losses: &Bound<'_, PyDict>,
+        prefix: &str,
+    ) -> PyResult<()> {
+        let mut names = Vec::with_capacity(losses.len());
+        let mut values = Vec::with_capacity(losses.len());
+        for (k, v) in losses.iter() {
+            let k = k.cast_into::<PyString>().map_err(|_| {
+                to_py(hookloop_core::Error::wrong_type(
+                    "loss_dict keys",
+                    "str",
+                    "another type",
+                ))
+            })?;
+            names.push(k.to_str()?.to_owned());
+            values.push(v.unbind());
+        }
+        let prefix = prefix.to_owned();
+        let due = self
+            .with(|s, q| {
+                let due = q.push_losses(s, iter, data_time, prefix, names, values);
+                self.any.store(true, Ordering::Release);
+                due
+            })
+            .py_err()?;
+        self.on_due(py, due)
+    }
+
+    /// Queues device tensors put with `put_scalar`, each with the name and iteration of this
+    /// moment (a read now would wait for the device).
+    pub fn put_device(
+        &self,
+        py: Python<'_>,
+        items: Vec<(&str, Bound<'_, PyAny>)>,
+        hint: bool,
+        it: Option<Iter>,
+    ) -> PyResult<()> {
+        // Kept detached: a tensor that requires grad would keep its autograd graph (and the
+        // activations it saved) alive until the read.
+        let mut puts = Vec::with_capacity(items.len());
+        for (name, v) in items {
+            let v = if v.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
+                v.call_method0(intern!(py, "detach"))?
+            } else {
+                v
+            };
+            puts.push((name, v.unbind()));
+        }
+        let due = self
+            .with(|s, q| {
+                let mut due = Due::Nothing;
+                for (name, value) in puts {
+                    let (full, iter) = s.resolve_put(name, hint, it)?;
+                    due = q.push_put(s, full, hint, iter, value);
+                    self.any.store(true, Ordering::Release);
+                }
+                Ok(due)
+            })
+            .py_err()?;
+        self.on_due(py, due)
+    }
+
+    /// Before plain values are put under `names`: a waiting put of the same full name is read
+    /// first, so its history keeps the order of the puts.
+    #[inline]
+    pub fn settle_of(&self, py: Python<'_>, names: &[&str]) -> PyResult<()> {
+        if !self.any.load(Ordering::Acquire) {
+            return Ok(()); // every put of a plain number while nothing waits
+        }
+        let waits = self.with(|s, q| names.iter().any(|n| q.waits_for(&s.full_name(n))));
+        if waits {
+            self.settle(py)?;
+        }
+        Ok(())
+    }
+
+    fn on_due(&self, py: Python<'_>, due: Due) -> PyResult<()> {
+        match due {
+            Due::Nothing => Ok(()),
+            Due::Read => self.settle(py),
+            Due::Start => self.start(py),
+        }
+    }
+
+    /// Stores everything that waits (what every read of the scalars calls first).
+    pub fn settle(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.any.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let Some(_guard) = self.lock_settling(py) else {
+            return Ok(());
+        };
+        let taken = self.with(|_, q| {
+            self.any.store(false, Ordering::Release);
+            q.take()
+        });
+        self.read(py, taken)
+    }
+
+    /// A due read: CUDA values start their copy to the host (not waited for) while fewer
+    /// than the limit's started reads wait; anything else is read now.
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(_guard) = self.lock_settling(py) else {
+            return Ok(());
+        };
+        let (may_start, taken) = self.with(|_, q| (q.may_start(), q.take()));
+        let Taken {
+            mut started,
+            waiting,
+        } = taken;
+        if may_start && !waiting.values.is_empty() {
+            let values = PyList::new(py, waiting.values.iter().map(|v| v.bind(py)))?;
+            let read = tensors(py)?
+                .getattr(intern!(py, "start_read"))?
+                .call1((values,))?;
+            if !read.is_none() {
+                started.push(Started {
+                    records: waiting.records,
+                    read: read.unbind(),
+                });
+                self.with(|_, q| {
+                    q.restore_started(started);
+                    self.any.store(true, Ordering::Release);
+                });
+                return Ok(()); // waiting.values (the tensors) released here, after the lock
+            }
+        }
+        self.any.store(false, Ordering::Release);
+        self.read(py, Taken { started, waiting })
+    }
+
+    /// Reads and stores what was taken: the started reads, then the waiting batch. The first
+    /// error stops it (what comes after is dropped) and is raised.
+    fn read(&self, py: Python<'_>, taken: Taken<Py<PyAny>, Py<PyAny>>) -> PyResult<()> {
+        let Taken { started, waiting } = taken;
+        let mut result = Ok(());
+        for s in started {
+            result = s
+                .read
+                .bind(py)
+                .call_method0(intern!(py, "values"))
+                .and_then(|v| v.extract::<Vec<f64>>())
+                .and_then(|values| self.with(|st, _| apply(st, &s.records, &values)).py_err());
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() && !waiting.records.is_empty() {
+            result = read_values(py, &waiting).and_then(|values| {
+                self.with(|st, _| apply(st, &waiting.records, &values))
+                    .py_err()
+            });
+        }
+        self.with(|s, q| {
+            if q.is_empty() {
+                s.end_deferred();
+            }
+        });
+        drop(waiting); // the tensors, released after the lock
+        result
+    }
+
+    /// The settle lock, waited for without the GIL (the holder may need it to finish); None on
+    /// a thread already settling.
+    fn lock_settling(&self, py: Python<'_>) -> Option<SettleGuard<'_>> {
+        if SETTLING.with(Cell::get) {
+            return None;
+        }
+        let guard = loop {
+            match self.settling.try_lock() {
+                Ok(g) => break g,
+                Err(TryLockError::Poisoned(e)) => break e.into_inner(),
+                Err(TryLockError::WouldBlock) => py.detach(|| {
+                    drop(self.settling.lock());
+                }),
+            }
+        };
+        SETTLING.with(|s| s.set(true));
+        Some(SettleGuard { _lock: guard })
+    }
+
+    /// The Python objects held: the waiting values and started reads.
+    pub fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.state
+            .try_visit(|s| {
+                let (values, reads) = s.pending.held();
+                values.chain(reads).try_for_each(|v| visit.call(v))
+            })
+            .unwrap_or(Ok(()))
+    }
+
+    /// Drops the Python objects held (garbage collection's clear).
+    pub fn clear(&self) {
+        let taken = self.state.try_with(|s| s.pending.take());
+        self.any.store(false, Ordering::Release);
+        drop(taken);
+    }
+}
+
+/// Held while settling: the lock, and this thread's flag (cleared on drop).
+struct SettleGuard<'a> {
+    _lock: MutexGuard<'a, ()>,
+}
+
+impl Drop for SettleGuard<'_> {
+    fn drop(&mut self) {
+        SETTLING.with(|s| s.set(false));
+    }
+}
+
+/// `hookloop.utils._tensors`, imported once.
+fn tensors(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static TENSORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    TENSORS
+        .get_or_try_init(py, || {
+            py.import(intern!(py, "hookloop.utils._tensors"))
+                .map(Bound::unbind)
+        })
+        .map(|m| m.bind(py))
+}
+
+/// The values of a waiting batch, in order. Read on the host (the first value is a number or
+/// a CPU tensor): `item()` each, an error naming the value's metric; else one batched read.
+fn read_values(py: Python<'_>, batch: &Batch<Py<PyAny>>) -> PyResult<Vec<f64>> {
+    let Some(first) = batch.values.first() else {
+        return Ok(Vec::new());
+    };
+    if on_host(first.bind(py)) {
+        let names = batch.records.iter().flat_map(|r| match r {
+            Record::Losses { names, .. } => names.iter().map(String::as_str).collect::<Vec<_>>(),
+            Record::Put { name, .. } => vec![name.as_str()],
+        });
+        return names
+            .zip(&batch.values)
+            .map(|(name, v)| scalar_value(name, v.bind(py)))
+            .collect();
+    }
+    let values = PyList::new(py, batch.values.iter().map(|v| v.bind(py)))?;
+    tensors(py)?
+        .getattr(intern!(py, "read_scalars"))?
+        .call1((values,))?
+        .extract()
+}
+
+/// Whether a value is read on the host: anything but a tensor whose `is_cpu` is false.
+fn on_host(value: &Bound<'_, PyAny>) -> bool {
+    match value.getattr(intern!(value.py(), "is_cpu")) {
+        Ok(cpu) => cpu.is_truthy().unwrap_or(true),
+        Err(_) => true,
+    }
+}

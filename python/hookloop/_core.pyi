@@ -48,13 +48,11 @@ EVENTS_FSYNC_DEFAULT: str
 #   .size and .item() (scalar conversion); a tensor's .is_cpu, .is_meta, .is_sparse,
 #   .numel(), .is_complex(), .requires_grad and .detach() (put_scalar keeps a device
 #   tensor unread, detached), and
-#   hookloop.utils._tensors.read_scalars (which reads those at the next read of the
-#   scalars); image .shape (EventStorage._put_image);
+#   hookloop.utils._tensors.read_scalars and .start_read (the storage's pending queue: its
+#   reads; a started read's .values()); image .shape (EventStorage._put_image);
 #   param_groups[i]["lr"], written (NativeSchedule.step_lrs); a Python schedule's __call__
-#   (warmup_parts); sys.modules["torch.optim.lr_scheduler"].MultiStepLR and .StepLR, and of
-#   an instance of exactly one of them its __dict__'s step, get_lr, _update_lr, _step_count,
-#   last_epoch, milestones, step_size, optimizer.param_groups[i]["lr"], with _step_count,
-#   last_epoch and _last_lr written (torch_step.rs: a step between milestones, as torch's).
+#   (warmup_parts); hookloop.solver.torch_step.step (LRScheduler.after_step's
+#   scheduler.step()).
 
 _Iter = Union[int, float]
 
@@ -102,7 +100,9 @@ class EventStorage:
     def _record_losses(
         self, cur_iter: _Iter, data_time: float, losses: dict[str, Any], prefix: str = ""
     ) -> None: ...
-    def _set_pending_limits(self, *, read_every: int, max_started: int, max_values: int) -> None: ...
+    def _set_pending_limits(
+        self, *, read_every: int, max_started: int, max_values: int
+    ) -> None: ...
     def _pending_counts(self) -> Tuple[int, int]: ...
     def _settle(self) -> None: ...
     def _write_metrics(

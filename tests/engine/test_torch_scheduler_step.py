@@ -1,6 +1,7 @@
 """LRScheduler steps torch's MultiStepLR and StepLR between their milestones without their
-Python (hookloop-py's torch_step): the scheduler's state and the LRs must equal torch's own
-stepping at every step, and anything the shortcut cannot be sure of runs torch's step()."""
+Python (hookloop.solver.torch_step, the one Python function the Rust hook calls): the
+scheduler's state and the LRs must equal torch's own stepping at every step, and anything the
+shortcut cannot be sure of runs torch's step()."""
 
 from __future__ import annotations
 

@@ -7,11 +7,9 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import functools
-import inspect
 import itertools
 import logging
 import math
-import sys
 import threading
 import time
 import types
@@ -1531,10 +1529,11 @@ def test_amp_trainer_cuda_float16():
 
 
 def test_cuda_losses_start_their_copy_at_the_cap_and_are_read_only_when_needed(monkeypatch):
-    """At 20 recorded iterations (the storage's read_every), CUDA losses start a non-blocking copy to the
-    host instead of being read (no synchronization on an iteration nothing reads); the first
-    read of the storage waits for the copies, in order. Simulated on the CPU: the CUDA test is
-    the one below, and benches/gpu_check.py checks it with torch's sync debug mode."""
+    """At 20 recorded iterations (the storage's read_every), CUDA losses start a non-blocking
+    copy to the host instead of being read (no synchronization on an iteration nothing
+    reads); the first read of the storage waits for the copies, in order. Simulated on the
+    CPU: the CUDA test is the one below, and benches/gpu_check.py checks it with torch's sync
+    debug mode."""
     from hookloop.utils import _tensors
 
     started, waited = [], []

@@ -338,8 +338,8 @@ class SimpleTrainer(EpochAdditions, TrainerBase):
             training thread at the next step (detectron2 only logs it).
         check_finite_every_step: bool. By default (False) the losses are kept as tensors and
             read in one batch, without a device synchronization per step: before anything
-            reads the storage (a writer, a hook's ``latest()``) and at least every
-            ``LossMetrics.READ_EVERY`` (20) recorded iterations. The values and iterations
+            reads the storage (a writer, a hook's ``latest()``) and at least every 20
+            recorded iterations (the storage's pending queue). The values and iterations
             stored are the same; a non-finite loss raises ``FloatingPointError`` naming the
             iteration where it appeared, up to that many iterations later. True reads them at
             every step, as detectron2 does.

@@ -12,6 +12,7 @@ use hookloop_core::hooks::{put_lr, IterationTimer};
 use hookloop_core::Error;
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::convert::scalar_value;
@@ -269,8 +270,16 @@ impl PyLRSchedulerBase {
             .get_item(intern!(py, "lr"))?;
         let lr = scalar_value("lr", &lr)?;
         storage.get().with(|core| put_lr(core, lr)).py_err()?;
-        // torch's MultiStepLR/StepLR between their milestones without their Python.
-        crate::torch_step::step(scheduler.bind(py))
+        // scheduler.step(), through the one Python function that may skip torch's Python
+        // between milestones (hookloop.solver.torch_step).
+        static STEP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let step = STEP.get_or_try_init(py, || {
+            py.import(intern!(py, "hookloop.solver.torch_step"))?
+                .getattr(intern!(py, "step"))
+                .map(Bound::unbind)
+        })?;
+        step.bind(py).call1((scheduler,))?;
+        Ok(())
     }
 
     fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {

@@ -12,7 +12,6 @@ mod hooks;
 mod schedule;
 mod state;
 mod storage;
-mod torch_step;
 mod writers;
 
 /// "release" or "debug": benchmarks refuse to quote a debug build.

@@ -1,0 +1,70 @@
+"""``scheduler.step()`` for the LRScheduler hook, with torch's ``MultiStepLR`` and ``StepLR``
+stepped without their Python between the steps that change the LR.
+
+Between milestones their ``step()`` (``LRScheduler.step`` → ``_update_lr`` → ``get_lr``) leaves
+every ``group["lr"]`` as it is and changes three attributes: ``_step_count += 1``,
+``last_epoch += 1`` and ``_last_lr``, a new list of the groups' LRs. That costs ~17.8k
+instructions of Python per step, more than the rest of the default stack's bookkeeping
+(docs/performance.md). Here those three are set to the values torch's step sets, only when the
+outcome is certain: the scheduler is exactly torch's class, no method is replaced on the
+instance, it is past its first ``step()`` (whose call-order warnings stay torch's), the next
+epoch changes no LR, and every LR is a Python number. Otherwise torch's ``step()`` runs.
+Tests compare the state and the LRs with torch's own stepping at every step
+(tests/engine/test_torch_scheduler_step.py).
+
+This is the one place hookloop writes a library's private attributes; the Rust hook calls
+:func:`step` and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+__all__ = ["step"]
+
+_MULTI_STEP, _STEP = 0, 1
+_KINDS: Dict[type, int] = {}
+_REPLACEABLE = ("step", "get_lr", "_update_lr")
+
+
+def step(scheduler: Any) -> None:
+    """``scheduler.step()``, or its three attribute writes when that step changes no LR."""
+    kind = _KINDS.get(type(scheduler)) if _KINDS else _kinds().get(type(scheduler))
+    if kind is None or not _between_changes(scheduler, kind):
+        scheduler.step()
+
+
+def _between_changes(s: Any, kind: int) -> bool:
+    d = vars(s)
+    count, last = d.get("_step_count"), d.get("last_epoch")
+    if type(count) is not int or type(last) is not int or count <= 1:
+        return False
+    if "step" in d or "get_lr" in d or "_update_lr" in d:
+        return False
+    nxt = last + 1
+    if kind == _MULTI_STEP:
+        if nxt in s.milestones:
+            return False
+    else:
+        size = d.get("step_size")
+        if type(size) is not int or size <= 0 or (nxt != 0 and nxt % size == 0):
+            return False
+    lrs = [g["lr"] for g in s.optimizer.param_groups]
+    for lr in lrs:
+        if type(lr) is not float and type(lr) is not int:
+            return False  # a tensor LR is torch's to copy
+    d["_step_count"] = count + 1
+    d["last_epoch"] = nxt
+    d["_last_lr"] = lrs
+    return True
+
+
+def _kinds() -> Dict[type, int]:
+    """torch's two classes, once ``torch.optim.lr_scheduler`` is imported (a scheduler of
+    another class steps with its own ``step()`` meanwhile)."""
+    import sys
+
+    module = sys.modules.get("torch.optim.lr_scheduler")
+    if module is not None:
+        _KINDS.update({module.MultiStepLR: _MULTI_STEP, module.StepLR: _STEP})
+    return _KINDS

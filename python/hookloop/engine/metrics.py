@@ -60,13 +60,11 @@ class LossMetrics:
         if self.deferring:
             # Kept as tensors: no device synchronization, no torch call, this step. The
             # queue copies the dict's items (a model may return the same dict refilled).
+            # A failed read of the queue (here, when one is due) logs detectron2's
+            # "Exception in writing metrics" itself (utils/_tensors.write_failed).
             if type(loss_dict) is not dict:
                 loss_dict = _as_dict(loss_dict)
-            try:
-                trainer.storage._record_losses(it, data_time, loss_dict, prefix)
-            except Exception:
-                logger.exception("Exception in writing metrics: ")
-                raise
+            trainer.storage._record_losses(it, data_time, loss_dict, prefix)
             return
         stop = trainer._hookloop.stop
         try:
@@ -136,7 +134,6 @@ class LossMetrics:
         try:
             storage._settle()
         except Exception as error:
-            logger.exception("Exception in writing metrics: ")
             return error
         return None
 

@@ -11,11 +11,15 @@ through float32 by type promotion).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["read_scalars", "stack_scalars", "start_read"]
+__all__ = ["read_scalars", "stack_scalars", "start_read", "write_failed"]
+
+# The trainer's logger, by name: a failed store of its losses is detectron2's train_loop record.
+_train_logger = logging.getLogger("hookloop.engine.train_loop")
 
 
 def stack_scalars(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -99,3 +103,10 @@ class HostCopy:
     def values(self) -> List[float]:
         self._event.synchronize()
         return self._host.reshape(-1).tolist()
+
+
+def write_failed(error: BaseException) -> None:
+    """A read of the queue that held a trainer's losses failed (a non-finite total, a loss that
+    is not a number): logged as detectron2's ``_write_metrics`` logs it, then raised by the
+    caller wherever the read happened (a writer, a hook's ``latest()``, the next step)."""
+    _train_logger.error("Exception in writing metrics: ", exc_info=error)

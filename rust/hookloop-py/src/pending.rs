@@ -201,18 +201,20 @@ impl Waiting {
     }
 
     /// Reads and stores what was taken: the started reads, then the waiting batch. The first
-    /// error stops it (what comes after is dropped) and is raised.
+    /// error stops it (what comes after is dropped) and is raised; when the batch that failed
+    /// held a trainer's losses, it is logged first as detectron2's `_write_metrics` logs it.
     fn read(&self, py: Python<'_>, taken: Taken<Py<PyAny>, Py<PyAny>>) -> PyResult<()> {
         let Taken { started, waiting } = taken;
         let mut result = Ok(());
-        for s in started {
+        for s in &started {
             result = s
                 .read
                 .bind(py)
                 .call_method0(intern!(py, "values"))
                 .and_then(|v| v.extract::<Vec<f64>>())
                 .and_then(|values| self.with(|st, _| apply(st, &s.records, &values)).py_err());
-            if result.is_err() {
+            if let Err(e) = &result {
+                log_failed_write(py, &s.records, e);
                 break;
             }
         }
@@ -221,13 +223,16 @@ impl Waiting {
                 self.with(|st, _| apply(st, &waiting.records, &values))
                     .py_err()
             });
+            if let Err(e) = &result {
+                log_failed_write(py, &waiting.records, e);
+            }
         }
         self.with(|s, q| {
             if q.is_empty() {
                 s.end_deferred();
             }
         });
-        drop(waiting); // the tensors, released after the lock
+        drop((started, waiting)); // the tensors, released after the lock
         result
     }
 
@@ -276,6 +281,20 @@ struct SettleGuard<'a> {
 impl Drop for SettleGuard<'_> {
     fn drop(&mut self) {
         SETTLING.with(|s| s.set(false));
+    }
+}
+
+/// Logs a failed read of a batch that held a trainer's losses (`_tensors.write_failed`); a
+/// failure to log is reported as unraisable, never instead of the error itself.
+fn log_failed_write(py: Python<'_>, records: &[Record], error: &PyErr) {
+    if !records.iter().any(|r| matches!(r, Record::Losses { .. })) {
+        return;
+    }
+    let logged = tensors(py)
+        .and_then(|m| m.getattr(intern!(py, "write_failed")))
+        .and_then(|f| f.call1((error.value(py),)));
+    if let Err(e) = logged {
+        e.write_unraisable(py, None);
     }
 }
 

@@ -367,9 +367,10 @@ class GraphStep:
             self.seam.reset()
         self.warmups_done = 0
 
-    def prepare(self, trainer: Any, hooks: Sequence[Any]) -> None:
-        """At ``before_train`` (after the hooks'): the step counter at ``trainer.iter``, the LR
-        table of this run, and a new capture at the first steps."""
+    def prepare(self, trainer: Any, hooks: Sequence[Any], start: Optional[int] = None) -> None:
+        """At ``before_train`` (after the hooks'): the step counter at ``start`` (by default
+        ``trainer.iter``), the LR table of this run from the ``LRScheduler`` hooks among
+        ``hooks``, and a new capture at the first steps."""
         self.invalidate()
         if self.eager_reason is None:
             for h in hooks:
@@ -389,7 +390,7 @@ class GraphStep:
                 "SimpleTrainer",
             )
         self.device = self._model_device(trainer)
-        start = int(trainer.iter)
+        start = int(trainer.iter if start is None else start)
         max_iter = int(getattr(trainer, "max_iter", start + 1))
         rows = max(start + 1, min(max_iter, MAX_TABLE_ROWS))
         schedulers = _schedulers_of(hooks, trainer.optimizer)

@@ -165,6 +165,7 @@ def _demo(args: argparse.Namespace) -> int:
         eval_period=args.eval_period,
         log_period=args.period,
         amp=args.amp,
+        cuda_graph=args.cuda_graph,
         base_lr=args.lr,
         weight_decay=0.0,
         warmup_iters=max(1, min(100, args.iters // 10)),
@@ -241,6 +242,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     demo.add_argument("--amp", action="store_true", help="use AMPTrainer (bfloat16 on the CPU)")
     demo.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the whole step as one CUDA graph (CUDAGraphTrainer; needs --device cuda)",
+    )
+    demo.add_argument(
         "--checkpoint-period", type=int, default=1000, help="save a checkpoint every N iterations"
     )
     demo.add_argument(
@@ -301,6 +307,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (RuntimeError, AssertionError, ValueError) as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         demo.error(f"--device {args.device!r} is not usable here: {first_line}")
+    if args.cuda_graph and device.type != "cuda":
+        demo.error(f"--cuda-graph needs a CUDA device (--device cuda), got --device {args.device}")
     logging.basicConfig(
         level=logging.INFO,
         format="[%(asctime)s %(name)s]: %(message)s",

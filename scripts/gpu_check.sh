@@ -34,7 +34,8 @@
 #            syncs per iteration (none on iterations after the capture that write nothing).
 #            Each of its parts runs in a process of its own under a timeout (cut to
 #            what the run has left).
-# (`hookloop bench` has no CUDA option: benches/gpu_check.py gives the CUDA steps/s.)
+# (`hookloop bench --cuda-graph` times CUDAGraphTrainer on the tiny MLP too; benches/gpu_check.py
+# gives the CUDA steps/s here.)
 #
 # Writes to $OUT (the device runner sets it; ./gpu-out otherwise), all small files:
 #   gpu_check.log   everything printed

@@ -169,6 +169,19 @@ def test_a_debug_build_is_refused(monkeypatch: Any, capsys: Any) -> None:
     assert "refusing to benchmark" in _usage_error(capsys, ["bench", "--quick"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_bench_cuda_graph_without_cuda_is_a_usage_error(capsys: Any) -> None:
+    assert "--cuda-graph needs a CUDA device" in _usage_error(capsys, ["bench", "--cuda-graph"])
+
+
+def test_demo_cuda_graph_needs_a_cuda_device(capsys: Any, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--cuda-graph", "--device", "cpu", "--output", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "hookloop demo: error: --cuda-graph needs a CUDA device" in err
+
+
 # A detectron2 that is the tests' reference engine under detectron2's module names: enough to
 # run the detectron2 column's code path here, where detectron2 is not installed.
 FAKE_DETECTRON2 = {

@@ -4,12 +4,14 @@
 cosine schedule, evaluation on held-out data, periodic and best checkpoints), printing
 detectron2-style progress lines (and a live progress bar on a terminal) and writing
 ``metrics.json``, TensorBoard event files and checkpoints into its output directory;
-``--resume`` continues from the last checkpoint.
+``--resume`` continues from the last checkpoint; ``--cuda-graph`` (with ``--device cuda``) trains
+with ``CUDAGraphTrainer``.
 
 ``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop over
 a bare loop, side by side with detectron2 when it is importable; ``--hook MODULE:CLASS`` adds
-that hook's cost per iteration, ``--quick`` makes the runs short, ``--json PATH`` keeps the
-rows (see ``hookloop.bench``).
+that hook's cost per iteration, ``--cuda-graph`` adds ``CUDAGraphTrainer`` over the hand-written
+loop on a GPU, ``--quick`` makes the runs short, ``--json PATH`` keeps the rows (see
+``hookloop.bench``).
 """
 
 from __future__ import annotations
@@ -233,6 +235,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--hook",
         metavar="MODULE:CLASS",
         help="also measure this hook's cost per iteration (the class is made with no arguments)",
+    )
+    bench.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also measure CUDAGraphTrainer over the hand-written loop on the GPU (needs CUDA)",
     )
     demo.add_argument("--output", default="output/demo", help="directory for metrics and events")
     demo.add_argument("--iters", type=int, default=5000, help="iterations to train")

@@ -137,7 +137,10 @@ class CUDAStepGraph:
         side = self._side
         current = torch.cuda.current_stream(self._device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            # A capturable optimizer's step outside a capture warns that capturable=True is
+            # slower: here it is the warm-up the capture needs.
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable")
             fn()
         current.wait_stream(side)
 
@@ -182,15 +185,17 @@ def capture_problem(model: Any, optimizer: Any, graph: str) -> Optional[Tuple[ty
     if graph != "cuda":
         return None
     for i, group in enumerate(getattr(optimizer, "param_groups", [])):
-        if group.get("capturable") or group.get("fused"):
+        # torch refuses to capture the step of a group with capturable=False (fused or not);
+        # an optimizer without that option (SGD) reads a tensor LR on the device when fused.
+        key = "capturable" if "capturable" in group else "fused"
+        if group.get(key):
             continue
         name = type(optimizer).__name__
-        fix = "fused=True" if "capturable" not in group else "capturable=True (or fused=True)"
         return (
             ValueError,
             f"{_WHO} needs a capturable optimizer (its step state on the device, a tensor "
-            f"learning rate read without a host sync); {name} param group {i} has neither "
-            f"capturable nor fused set: build it as {name}(..., {fix})",
+            f"learning rate read without a host sync); {name} param group {i} has "
+            f"{key}={group.get(key)!r}: build it as {name}(..., {key}=True)",
         )
     return None
 

@@ -729,8 +729,9 @@ def _print_graph(part: Dict[str, Any], device: Any) -> None:
                 ", ".join(f"{x:.2f}" for x in r[f"{k}-speedup-per-round"])
                 for k in ("graph-none", "graph-stack")
             )
-            print(f"| {r['model']} | {r['n']} | {sps['hand']:,.1f} | {_fmt(r['graph-none-speedup'])}"
-                  f" | {_fmt(r['graph-stack-speedup'])} | {sps['graph-none']:,.1f}, "
+            print(f"| {r['model']} | {r['n']} | {sps['hand']:,.1f} "
+                  f"| {_fmt(r['graph-none-speedup'])} "
+                  f"| {_fmt(r['graph-stack-speedup'])} | {sps['graph-none']:,.1f}, "
                   f"{sps['graph-stack']:,.1f} | {rounds} |")  # fmt: skip
         print()
     if syncs:

@@ -208,51 +208,37 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
 
 
 def _cuda_graph(n: int, reps: int, writers: Sequence[str], tmpdir: str) -> List[Dict[str, Any]]:
-    """The tiny MLP on CUDA: CUDAGraphTrainer (fused SGD with momentum, MultiStepLR) with no
-    hooks and with the default stack, over the hand-written eager loop; each run is timed
-    from a synchronized start to a synchronized end."""
+    """The tiny MLP on CUDA: CUDAGraphTrainer (fused SGD) with no hooks and with the default
+    stack over the hand-written eager loop, each run timed between two synchronizations."""
     from hookloop.engine import CUDAGraphTrainer
 
-    e = _engine("hookloop")
-    device = torch.device("cuda")
-    batches = make_batches(device)
+    e, dev = _engine("hookloop"), torch.device("cuda")
+    batches = make_batches(dev)
 
     def synced(f: Callable[[], Any]) -> float:
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        f()
-        torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) / n / 1e-6
+        torch.cuda.synchronize(dev)
+        return _per_step(lambda: [f(), torch.cuda.synchronize(dev)], n, 1e-6)  # type: ignore[func-returns-value]
 
     def hand() -> float:
-        model, opt, _ = build(device)
+        model, opt, _ = build(dev)
         return synced(lambda: hand_loop(model, opt, itertools.cycle(batches), n))
 
-    def graphed(stack: bool) -> Callable[[], float]:
-        def timed() -> float:
-            torch.manual_seed(0)
-            model = TinyMLP().to(device)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
-            sched = torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
-            t = CUDAGraphTrainer(model, itertools.cycle(batches), opt)
-            if stack:
-                d = tempfile.mkdtemp(dir=tmpdir)
-                make = {"printer": lambda: e.CommonMetricPrinter(n),
-                        "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json")),
-                        "tb": lambda: e.TensorboardXWriter(d)}  # fmt: skip
-                t.register_hooks([e.IterationTimer(), e.LRScheduler(opt, sched),
-                                  e.PeriodicWriter([make[w]() for w in writers], PERIOD)])  # fmt: skip
-            return synced(functools.partial(t.train, 0, n))
+    def graphed(stack: bool) -> float:
+        model, _, _ = build(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+        t, d = CUDAGraphTrainer(model, itertools.cycle(batches), opt), tempfile.mkdtemp(dir=tmpdir)
+        make = {"printer": lambda: e.CommonMetricPrinter(n), "tb": lambda: e.TensorboardXWriter(d),
+                "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json"))}  # fmt: skip
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
+        t.register_hooks([e.IterationTimer(), e.LRScheduler(opt, sched), e.PeriodicWriter(
+            [make[w]() for w in writers], PERIOD)] if stack else [])  # fmt: skip
+        return synced(functools.partial(t.train, 0, n))
 
-        return timed
-
-    res = _measure({"floor": hand, "graph": graphed(False), "graph+stack": graphed(True)}, reps)
-    what, size = "tiny MLP on CUDA: CUDAGraphTrainer{}, over the hand-written eager loop", (
-        f"{n:,} × {reps}"
-    )
-    return [_row(what.format(", no hooks"), "µs/step", size, res, {"hookloop": "graph"}),
-            _row(what.format(" + default stack"), "µs/step", size, res,
-                 {"hookloop": "graph+stack"})]  # fmt: skip
+    res = _measure({"floor": hand, "graph": functools.partial(graphed, False),
+                    "stack": functools.partial(graphed, True)}, reps)  # fmt: skip
+    what = "tiny MLP on CUDA: CUDAGraphTrainer{}, over the hand-written eager loop"
+    return [_row(what.format(w), "µs/step", f"{n:,} × {reps}", res, {"hookloop": k})
+            for w, k in ((", no hooks", "graph"), (" + default stack", "stack"))]  # fmt: skip
 
 
 def _row(what: str, unit: str, n: str, res: Any, keys: Dict[str, str], floor: str = "floor") -> Any:

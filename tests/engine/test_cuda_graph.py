@@ -20,8 +20,8 @@ from hookloop.engine import graph as graph_module
 from hookloop.engine.graph import EagerStepGraph
 from hookloop.engine.metrics import LossMetrics
 from hookloop.engine.train_loop import HookBase
-from hookloop.solver.param_scheduler import CosineParamScheduler, MultiStepParamScheduler
 from hookloop.solver.lr_scheduler import WarmupParamScheduler
+from hookloop.solver.param_scheduler import CosineParamScheduler, MultiStepParamScheduler
 from hookloop.utils.events import JSONWriter
 from torch import nn
 
@@ -174,9 +174,7 @@ def test_gather_metric_period_and_the_ring_size_invariant():
     trainer = build(CUDAGraphTrainer, gather_metric_period=2)
     assert trainer._hookloop.graph.ring_size == 80
     trainer.train(0, 30)
-    assert [it for _, it in trainer.storage.history("total_loss").values()] == list(
-        range(1, 30, 2)
-    )
+    assert [it for _, it in trainer.storage.history("total_loss").values()] == list(range(1, 30, 2))
 
 
 def test_non_finite_loss_raises_at_the_read_naming_the_iteration():

@@ -140,7 +140,9 @@ class CUDAStepGraph:
         with torch.cuda.stream(side), warnings.catch_warnings():
             # A capturable optimizer's step outside a capture warns that capturable=True is
             # slower: here it is the warm-up the capture needs.
-            warnings.filterwarnings("ignore", message="This instance was constructed with capturable")
+            warnings.filterwarnings(
+                "ignore", message="This instance was constructed with capturable"
+            )
             fn()
         current.wait_stream(side)
 
@@ -327,8 +329,10 @@ class GraphStep:
             self.refuse(*problem)
         if self.eager_reason is None:
             try:
-                self.seam = CUDAStepGraph(self._model_device(trainer)) if graph == "cuda" else (
-                    EagerStepGraph()
+                self.seam = (
+                    CUDAStepGraph(self._model_device(trainer))
+                    if graph == "cuda"
+                    else (EagerStepGraph())
                 )
             except RuntimeError as e:
                 self.refuse(RuntimeError, str(e))
@@ -445,8 +449,7 @@ class GraphStep:
         if self._spec is None:
             self._spec = spec
             self._static = [
-                _empty_like_on(x, self.device) if isinstance(x, torch.Tensor) else x
-                for x in leaves
+                _empty_like_on(x, self.device) if isinstance(x, torch.Tensor) else x for x in leaves
             ]
             self._batch = pytree.tree_unflatten(self._static, spec)
         static = self._static
@@ -454,9 +457,7 @@ class GraphStep:
             return f"a batch of another structure ({spec}) than the captured one ({self._spec})"
         for x, s in zip(leaves, static):
             if isinstance(s, torch.Tensor):
-                if not (
-                    isinstance(x, torch.Tensor) and x.shape == s.shape and x.dtype == s.dtype
-                ):
+                if not (isinstance(x, torch.Tensor) and x.shape == s.shape and x.dtype == s.dtype):
                     return (
                         f"a batch of shapes {_describe(leaves)}, but the step was captured "
                         f"with {_describe(static)}"
@@ -498,7 +499,9 @@ class GraphStep:
                 g["lr"] = lr
         with torch.no_grad():
             ring = self._ring_for(loss_dict)
-            values = torch.stack([v.detach().reshape(()).to(ring.dtype) for v in loss_dict.values()])
+            values = torch.stack(
+                [v.detach().reshape(()).to(ring.dtype) for v in loss_dict.values()]
+            )
             slot = torch.remainder(counter, ring.shape[0])
             ring.index_copy_(0, slot, values.unsqueeze(0))
             counter.add_(1)

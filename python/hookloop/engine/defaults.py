@@ -766,10 +766,30 @@ class DefaultTrainer(TrainerBase):
         self._trainer.start_iter = self.start_iter
         self._trainer.max_iter = self.max_iter
         _share_stop(self)  # the wrapped trainer as it is now (a subclass may assign its own)
+        graphed = isinstance(self._trainer, CUDAGraphTrainer)
+        if graphed:
+            # What the wrapped trainer's own before_train sets up, before the hooks' (a
+            # period-1 writer asks for the direct path there): its losses (the ring's slots)
+            # wait in this run's storage and are read in batches, not one sync per step.
+            self._trainer.storage = self.storage
+            self._trainer._hookloop.metrics.configure(self._trainer)
         super().before_train()
-        if isinstance(self._trainer, CUDAGraphTrainer):
+        if graphed:
             # The LR table from this trainer's LRScheduler hook (their before_train ran).
             self._trainer._hookloop.graph.prepare(self._trainer, self._hooks, self.iter)
+
+    def after_train(self) -> None:
+        if not isinstance(self._trainer, CUDAGraphTrainer):
+            super().after_train()
+            return
+        # As SimpleTrainer.after_train: the last batched losses are put before the hooks read
+        # the storage; a non-finite one fails a run that otherwise ended well.
+        error = self._trainer._hookloop.metrics.settle_last(self.storage)
+        super().after_train()
+        if error is not None:
+            if self.iter == self.max_iter or self.stopped_early:
+                raise error
+            logger.error("Reading the last losses failed after training stopped: %r", error)
 
     def run_step(self) -> None:
         self._trainer.iter = self.iter

@@ -559,6 +559,88 @@ def test_cuda_replays_do_not_synchronize():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_static_batch_buffers_are_what_the_model_sees():
+    class Seen(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ptrs: List[int] = []
+
+        def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+            self.ptrs.append(batch[0].data_ptr())
+            return super().forward(batch)
+
+    model = Seen()
+    data = batches(4)
+    trainer = CUDAGraphTrainer(
+        model, data, torch.optim.SGD(model.parameters(), lr=0.1), graph="eager"
+    )
+    trainer.train(0, 8)
+    # One static buffer, filled with each batch: never a loader's tensor.
+    assert len(set(model.ptrs)) == 1
+    assert model.ptrs[0] not in {x.data_ptr() for x, _ in data}
+
+
+def test_a_different_non_tensor_value_is_refused():
+    class WithFlag(Net):
+        def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+            return super().forward(batch[:2])
+
+    data = [(x, y, "train") for x, y in batches(4)]
+    data[3] = (data[3][0], data[3][1], "other")
+    model = WithFlag()
+    trainer = CUDAGraphTrainer(
+        model, data, torch.optim.SGD(model.parameters(), lr=0.1), graph="eager"
+    )
+    with pytest.raises(ValueError, match="other non-tensor values.*'other'.*'train'"):
+        trainer.train(0, 6)
+
+
+def test_loading_the_optimizer_drops_the_capture():
+    trainer = build(CUDAGraphTrainer)
+    trainer.train(0, 6)
+    step = trainer._hookloop.graph
+    assert step.seam.captured
+    trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())
+    assert not step.seam.captured and step.warmups_done == 0
+
+
+def test_data_parallel_with_fallback_warns_once_and_trains_eagerly(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    build(SimpleTrainer, tmp_path / "a").train(0, 20)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.warns(RuntimeWarning, match="DataParallel model"):
+        trainer = CUDAGraphTrainer(
+            torch.nn.DataParallel(model), batches(), opt, graph="eager", fallback="eager"
+        )
+    assert trainer._hookloop.graph.eager_reason is not None
+    sched = WarmupParamScheduler(CosineParamScheduler(1, 0), 0.01, 0.1)
+    writer = JSONWriter(str(tmp_path / "b" / "metrics.json"))
+    trainer.register_hooks(
+        [hooks.IterationTimer(), hooks.LRScheduler(opt, sched), hooks.PeriodicWriter([writer], 5)]
+    )
+    trainer.train(0, 20)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
+
+
+def test_trainer_freed_by_refcount():
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        trainer = build(CUDAGraphTrainer)
+        trainer.train(0, 6)
+        ref = weakref.ref(trainer)
+        del trainer
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_logging_quiet():
     # The trainer logs nothing at WARNING on an ordinary run.
     log = logging.getLogger("hookloop")

@@ -537,11 +537,21 @@ class GraphStep:
         assert seam is not None
         if seam.captured:
             seam.replay()
-        elif self.warmups_done < self.warmup_iters:
-            seam.warmup(lambda: self.body(trainer))
+            return
+        # The seam keeps the function (EagerStepGraph): weak references, so that the trainer
+        # and this object are still freed by reference counting.
+        this, owner = weakref.ref(self), weakref.ref(trainer)
+
+        def step() -> None:
+            graph, trainer = this(), owner()
+            assert graph is not None and trainer is not None
+            graph.body(trainer)
+
+        if self.warmups_done < self.warmup_iters:
+            seam.warmup(step)
             self.warmups_done += 1
         else:
-            seam.capture(lambda: self.body(trainer))
+            seam.capture(step)
             seam.replay()
 
     def losses_at(self, it: int) -> Dict[str, torch.Tensor]:

@@ -257,7 +257,6 @@ class GraphStep:
     buffer) and the phase of the capture. One per :class:`CUDAGraphTrainer`."""
 
     def __init__(self) -> None:
-        self.mode = "cuda"  # "cuda" or "eager" (the seam); set by configure
         self.fallback: Optional[str] = None
         self.precision: Optional[torch.dtype] = None
         self.warmup_iters = 3
@@ -319,7 +318,6 @@ class GraphStep:
                 f"{RING_SAFETY} * {LossMetrics.READ_EVERY} * {trainer.gather_metric_period} = "
                 f"{need}"
             )
-        self.mode = graph
         self.fallback = fallback
         self.precision = precision
         self.warmup_iters = warmup_iters
@@ -329,11 +327,12 @@ class GraphStep:
             self.refuse(*problem)
         if self.eager_reason is None:
             try:
-                self.seam = (
+                seam: StepGraph = (
                     CUDAStepGraph(self._model_device(trainer))
                     if graph == "cuda"
-                    else (EagerStepGraph())
+                    else EagerStepGraph()
                 )
+                self.seam = seam
             except RuntimeError as e:
                 self.refuse(RuntimeError, str(e))
         # A load replaces the optimizer's state tensors (the graph holds the old ones) and

@@ -559,6 +559,48 @@ def test_cuda_replays_do_not_synchronize():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_bfloat16_capture_matches_the_eager_seam(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _cuda_trainer(tmp_path / "a", graph="eager", precision=torch.bfloat16).train(0, 30)
+    graphed = _cuda_trainer(tmp_path / "b", precision=torch.bfloat16)
+    graphed.train(0, 30)
+    assert graphed._hookloop.graph.seam.captured
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-2)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
+def test_cuda_pinned_host_batches_are_copied_without_a_sync():
+    class NoSync(HookBase):
+        def before_step(self) -> None:
+            if self.trainer.iter == 6:
+                torch.cuda.set_sync_debug_mode("error")
+
+        def after_step(self) -> None:
+            if self.trainer.iter == self.trainer.max_iter - 1:
+                torch.cuda.set_sync_debug_mode("default")
+
+    torch.manual_seed(0)
+    model = Net(bn=True).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    data = [(x.pin_memory(), y.pin_memory()) for x, y in batches()]  # a loader's pinned batches
+    trainer = CUDAGraphTrainer(model, data, opt)
+    trainer.register_hooks([NoSync()])
+    try:
+        trainer.train(0, 30)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    step = trainer._hookloop.graph
+    assert step.seam.captured and step._static[0].is_cuda
+    history = trainer.storage.history("loss_mse").values()
+    assert [it for _, it in history] == list(range(30))
+
+
 def test_static_batch_buffers_are_what_the_model_sees():
     class Seen(Net):
         def __init__(self) -> None:

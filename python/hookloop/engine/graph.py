@@ -530,13 +530,15 @@ class GraphStep:
             self.views = [{n: ring[s, j] for j, n in enumerate(names)} for s in range(size)]
         return self.ring
 
-    def run(self, trainer: Any) -> None:
-        """One step through the seam: warm-up, capture then replay, or replay."""
+    def run(self, trainer: Any) -> bool:
+        """One step through the seam: warm-up, capture then replay, or replay. False when the
+        capture failed and ``fallback="eager"`` (one warning): the caller steps eagerly, as
+        it will for the rest of the run."""
         seam = self.seam
         assert seam is not None
         if seam.captured:
             seam.replay()
-            return
+            return True
         # The seam keeps the function (EagerStepGraph): weak references, so that the trainer
         # and this object are still freed by reference counting.
         this, owner = weakref.ref(self), weakref.ref(trainer)
@@ -549,9 +551,15 @@ class GraphStep:
         if self.warmups_done < self.warmup_iters:
             seam.warmup(step)
             self.warmups_done += 1
-        else:
+            return True
+        try:
             seam.capture(step)
-            seam.replay()
+        except RuntimeError as e:
+            # Nothing of a failed capture ran on the device: the step is still to be made.
+            self.refuse(RuntimeError, str(e))
+            return False
+        seam.replay()
+        return True
 
     def losses_at(self, it: int) -> Dict[str, torch.Tensor]:
         views = self.views
@@ -596,7 +604,7 @@ class CUDAGraphTrainer(SimpleTrainer):
     ``step_optimizer=False``, a host synchronization in the model or loss (at capture), a batch
     whose structure, shapes, dtypes or non-tensor values differ from the captured one (at that
     step). With ``fallback="eager"`` each of these is one ``RuntimeWarning`` and
-    :class:`SimpleTrainer`'s eager step instead (for the run, or for that batch).
+    :class:`SimpleTrainer`'s eager step instead (for the rest of the run, or for that batch).
 
     Shapes: one graph, one batch shape. Use a loader with fixed shapes (``drop_last=True``,
     padding); a different batch is an error naming both shapes, or with ``fallback="eager"``
@@ -696,7 +704,9 @@ class CUDAGraphTrainer(SimpleTrainer):
             self._eager_step(data, data_time)
             return
         step.sync_lr(self.optimizer, self.iter)
-        step.run(self)
+        if not step.run(self):  # the capture failed, fallback="eager"
+            self._eager_step(data, data_time)
+            return
         self._write_metrics(step.losses_at(self.iter), data_time)
 
     def _eager_step(self, data: Any, data_time: float) -> None:

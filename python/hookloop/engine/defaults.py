@@ -564,7 +564,8 @@ def _share_stop(trainer: "DefaultTrainer") -> None:
 class DefaultTrainer(TrainerBase):
     """A trainer with default training logic. It does the following:
 
-    1. Create a :class:`SimpleTrainer` (:class:`AMPTrainer` with ``cfg.amp``) using model,
+    1. Create a :class:`SimpleTrainer` (:class:`AMPTrainer` with ``cfg.amp``,
+       :class:`~hookloop.engine.graph.CUDAGraphTrainer` with ``cfg.cuda_graph``) using model,
        optimizer, dataloader defined by the given config. Create a LR scheduler defined by
        the config.
     2. Load the last checkpoint or ``cfg.weights``, if exists, when :meth:`resume_or_load` is

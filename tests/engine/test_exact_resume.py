@@ -127,10 +127,9 @@ def test_shuffled_loaders_and_precise_bn_resume_exactly(straight, tmp_path, conf
     "config, kill",
     [
         (("--cuda-graph",), ["--kill-at", "14"]),
-        (("--cuda-graph",), ["--kill-in-save", "19"]),
         (("--cuda-graph", "--precise-bn"), ["--kill-at", "33"]),
     ],
-    ids=["mid-period", "during-save", "precise-bn-late"],
+    ids=["mid-period", "precise-bn-late"],
 )
 def test_cuda_graph_trainer_resumes_exactly(straight, tmp_path, config, kill):
     """CUDAGraphTrainer (its eager seam: static buffers, the loss ring buffer, the LR table),

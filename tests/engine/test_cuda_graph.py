@@ -713,6 +713,24 @@ def test_trainer_freed_by_refcount():
         gc.enable()
 
 
+def test_a_subclass_that_skips_init_still_trains():
+    class Own(CUDAGraphTrainer):
+        def __init__(self, model: nn.Module, data: Any, opt: Any) -> None:
+            # detectron2-style: the base's attributes by hand, no CUDAGraphTrainer.__init__
+            HookBase.__init__(self)
+            self._hooks, self.iter, self.start_iter = [], 0, 0
+            self.model, self.data_loader, self.optimizer = model, data, opt
+            self._data_loader_iter_obj = None
+            self.gather_metric_period = 1
+
+    model = Net()
+    trainer = Own(model, batches(), torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+    if HAS_CUDA:
+        pytest.skip("the default seam would need the model on the device")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        trainer.train(0, 3)
+
+
 def test_logging_quiet():
     # The trainer logs nothing at WARNING on an ordinary run.
     log = logging.getLogger("hookloop")

@@ -282,6 +282,7 @@ class GraphStep:
         self.names: Optional[Tuple[str, ...]] = None
         self.views: List[Dict[str, torch.Tensor]] = []
         self.prepared = False
+        self.configured = False
         #: Rows of the LR table written again at a step (an LR set outside the schedule).
         self.rows_rewritten = 0
 
@@ -346,6 +347,7 @@ class GraphStep:
 
         trainer.optimizer.register_load_state_dict_post_hook(invalidate)
         trainer.model.register_load_state_dict_post_hook(invalidate)
+        self.configured = True
 
     def refuse(self, kind: type, message: str) -> None:
         """A problem that makes capture impossible: raised, or with ``fallback="eager"``,
@@ -379,6 +381,8 @@ class GraphStep:
         """At ``before_train`` (after the hooks'): the step counter at ``start`` (by default
         ``trainer.iter``), the LR table of this run from the ``LRScheduler`` hooks among
         ``hooks``, and a new capture at the first steps."""
+        if not self.configured:  # a subclass that skipped CUDAGraphTrainer.__init__
+            self.configure(trainer, "cuda", None, getattr(trainer, "precision", None), 3, None)
         self.invalidate()
         if self.eager_reason is None:
             for h in hooks:
@@ -609,6 +613,9 @@ class CUDAGraphTrainer(SimpleTrainer):
     Shapes: one graph, one batch shape. Use a loader with fixed shapes (``drop_last=True``,
     padding); a different batch is an error naming both shapes, or with ``fallback="eager"``
     one eager step.
+
+    ``zero_grad_before_forward`` is accepted and has no effect: the captured backward writes
+    the gradients afresh at every replay.
 
     Args (beyond :class:`SimpleTrainer`'s):
         precision: None (float32) or ``torch.bfloat16`` (autocast, without its cache).

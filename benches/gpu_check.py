@@ -40,12 +40,23 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    also given as a fraction of a hand-written loop that does its own bookkeeping
    (``tiny_mlp.hand_loop_bookkeeping``: ``scheduler.step()`` every step, the losses read with
    one ``.item()`` and one line logged every 20 steps), as ``bench_mlp_paired.py`` does.
-4. **Host profile** (``profile``, with ``--profile PATH``): cProfile of ``--profile-steps``
+4. **CUDA graph** (``graph``). hookloop's ``CUDAGraphTrainer`` (the whole step captured as one
+   CUDA graph, fused SGD with momentum, MultiStepLR) against the hand-written eager loop, on
+   the tiny MLP (batch 16) and on a small CNN (3 blocks of conv3x3 + BN + ReLU + max-pool, a
+   linear head; batch 128 of 3x32x32, cross-entropy), each without hooks and with the default
+   stack: steps/s and the hand loop's time over the trainer's, formed within each of
+   ``--repeats`` interleaved rounds in one process (``--graph-n`` steps per run). Then the
+   synchronizations per iteration of ``CUDAGraphTrainer`` + default stack (``"warn"`` mode from
+   ``before_train`` to the last iteration, counted by iteration): the warm-up and capture
+   iterations (``torch.cuda.graph`` synchronizes once at the capture), the write iterations
+   (one read of the losses each, at most), and the other iterations after the capture, which
+   must make none.
+5. **Host profile** (``profile``, with ``--profile PATH``): cProfile of ``--profile-steps``
    steps of hookloop's ``SimpleTrainer`` + the default stack and of the bookkeeping hand loop
    (each after an unprofiled run of as many steps, whose steps/s are given), the top 25
    functions by own time written to PATH: where the host time of an eager step goes.
 
-The parts run in the order syncs, reads, profile, speed, each in a child process of its own
+The parts run in the order syncs, graph, reads, profile, speed, each in a child process of its own
 under a timeout (``--timeout-scale`` scales them; ``--budget`` caps the whole run, each part
 leaving 20 s to each one after it), so that a check ends in bounded time whatever fails: a
 part that raises, is killed at its timeout, or does not exit after writing its results is
@@ -87,11 +98,11 @@ NO_CUDA = "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothi
 
 PERIOD = 20
 
-PARTS = ("syncs", "reads", "profile", "speed")  # in the order they run
+PARTS = ("syncs", "graph", "reads", "profile", "speed")  # in the order they run
 # Seconds each part may take in its child process (times --timeout-scale). On an H200 with a
 # slow host (an eager tiny-MLP step ~1.6 ms), the defaults of --iters, and the --n/--repeats
 # of scripts/gpu_check.sh: well under each.
-TIMEOUTS = {"syncs": 90.0, "reads": 60.0, "profile": 45.0, "speed": 200.0}
+TIMEOUTS = {"syncs": 90.0, "graph": 75.0, "reads": 60.0, "profile": 45.0, "speed": 200.0}
 # With --budget, the seconds each part still to run keeps from the ones before it.
 RESERVE = 20.0
 # After a child has written its results, how long it may take to exit.
@@ -513,6 +524,230 @@ def _print_report(
         print(f"- AMP {'on' if r['amp'] else 'off'}: {cells}")
 
 
+# -- the CUDA graph part ---------------------------------------------------------------------
+
+
+class SmallCNN(torch.nn.Module):
+    """3 blocks of conv3x3 + BN + ReLU + max-pool (3→32→64→128 channels, 32→4 pixels), a
+    linear head to 10 classes; the cross-entropy loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        blocks: List[Any] = []
+        for c_in, c_out in ((3, 32), (32, 64), (64, 128)):
+            blocks += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
+                       nn.ReLU(inplace=True), nn.MaxPool2d(2)]  # fmt: skip
+        self.body = nn.Sequential(*blocks)
+        self.head = nn.Linear(128 * 4 * 4, 10)
+
+    def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self.head(self.body(x).flatten(1))
+        return {"loss_cls": torch.nn.functional.cross_entropy(logits, y)}
+
+
+def _cnn_batches(device: torch.device, count: int = 8, batch: int = 128) -> List[Any]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(batch, 3, 32, 32, generator=g).to(device),
+         torch.randint(0, 10, (batch,), generator=g).to(device))
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def _graph_model(which: str, device: torch.device) -> Tuple[Any, List[Any]]:
+    from lab import tiny_mlp
+
+    torch.manual_seed(0)
+    if which == "mlp":
+        return tiny_mlp.TinyMLP().to(device), tiny_mlp.make_batches(device)
+    # The CPU dry run (the script's own test) takes batches of 8: 128 would take seconds.
+    return SmallCNN().to(device), _cnn_batches(device, batch=128 if device.type == "cuda" else 8)
+
+
+def _graph_hand(which: str, device: torch.device, n: int) -> float:
+    """Seconds for ``n`` steps of the hand-written eager loop (SGD with momentum, torch's
+    default foreach step) on a fresh model."""
+    from lab import tiny_mlp
+
+    model, batches = _graph_model(which, device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    data = itertools.cycle(batches)
+    _sync(device)
+    t0 = time.perf_counter()
+    tiny_mlp.hand_loop(model, opt, data, n)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _graph_trainer(which: str, device: torch.device, n: int, tmpdir: str, hooks: str,
+                   extra: Sequence[Callable[[], Any]] = ()) -> Any:  # fmt: skip
+    """CUDAGraphTrainer (the seam's eager implementation on the CPU) on a fresh model, timed
+    to the end of its last iteration (``loop_end``), with the default stack or no hooks."""
+    from hookloop.engine import CUDAGraphTrainer
+    from lab import overhead
+
+    class Timed(CUDAGraphTrainer):
+        loop_end = 0.0
+
+        def after_train(self) -> None:
+            try:
+                _sync(device)
+                self.loop_end = time.perf_counter()
+            finally:
+                super().after_train()
+
+    model, batches = _graph_model(which, device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
+    graph = "cuda" if device.type == "cuda" else "eager"
+    t = Timed(model, itertools.cycle(batches), opt, graph=graph)
+    hs: List[Any] = []
+    if hooks == "stack":
+        d = tempfile.mkdtemp(prefix=f"graph-{which}-", dir=tmpdir)
+        hs = overhead.stack_hooks(overhead.engine("hl"), opt, sched, PERIOD, n, d)
+    t.register_hooks(hs + [make() for make in extra])
+    return t
+
+
+def _graph_time(t: Any, n: int, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    t.train(0, n)
+    return float(t.loop_end - t0)
+
+
+def _graph_syncs(which: str, device: torch.device, iters: int, tmpdir: str) -> Dict[str, Any]:
+    """Synchronizations per iteration of CUDAGraphTrainer + default stack, the sync debug mode
+    in "warn" from before_train to the end of the last iteration."""
+    from hookloop.engine.train_loop import HookBase
+
+    current = [-1]
+
+    class Warn(HookBase):  # registered last
+        def before_train(self) -> None:
+            set_mode("warn")
+
+        def before_step(self) -> None:
+            current[0] = self.trainer.iter
+
+        def after_step(self) -> None:
+            if self.trainer.iter == self.trainer.max_iter - 1:
+                set_mode("default")
+                current[0] = -1
+
+    per_iter: collections.Counter = collections.Counter()
+    where: collections.Counter = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if SYNC_MESSAGE not in str(message):
+            show(message, category, filename, lineno, *rest)
+            return
+        stack = traceback.extract_stack(sys._getframe(1))
+        while stack and stack[-1].filename == warnings.__file__:
+            stack.pop()
+        per_iter[current[0]] += 1
+        where[f"iter {current[0]}: {_attribute(stack)}"] += 1
+
+    t = _graph_trainer(which, device, iters, tmpdir, "stack", extra=[Warn])
+    warmup = t._hookloop.graph.warmup_iters  # steps before the capture iteration
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        try:
+            t.train(0, iters)
+        finally:
+            set_mode("default")
+    writes = [i for i in range(iters) if _writes_at(i, iters, PERIOD)]
+    after = [i for i in range(warmup + 1, iters) if i not in writes]
+    return {
+        "what": f"CUDAGraphTrainer + default stack, {which}",
+        "iterations": iters,
+        "warmup_and_capture": sum(per_iter[i] for i in range(warmup + 1)),
+        "before_train": per_iter[-1],
+        "write_iterations": len(writes),
+        "syncs_on_writes": sum(per_iter[i] for i in writes),
+        "non_write_iterations_after_capture": len(after),
+        "syncs_after_capture_non_write": sum(per_iter[i] for i in after),
+        "per_iteration": {str(k): v for k, v in sorted(per_iter.items())},
+        "where": dict(where),
+    }
+
+
+def _graph_part(n: int, repeats: int, iters: int, tmpdir: str,
+                device: torch.device) -> Dict[str, Any]:  # fmt: skip
+    """Speed of CUDAGraphTrainer over the hand-written eager loop, per round, and its
+    synchronizations per iteration."""
+    from lab import overhead
+
+    rows = []
+    for which in ("mlp", "cnn"):
+        variants: Dict[str, Callable[[], float]] = {
+            "hand": lambda which=which: _graph_hand(which, device, n),
+        }
+        for hooks in ("none", "stack"):
+
+            def f(which: str = which, hooks: str = hooks) -> float:
+                return _graph_time(_graph_trainer(which, device, n, tmpdir, hooks), n, device)
+
+            variants[f"graph-{hooks}"] = f
+        for f in variants.values():
+            f()  # untimed: first calls allocate, pick kernels, fill caches
+        res = overhead._interleaved(variants, repeats)
+        hand = res["hand"]
+        row: Dict[str, Any] = {"model": which, "n": n, "repeats": repeats}
+        row["steps_per_s"] = {k: n / statistics.median(v) for k, v in res.items()}
+        for key in ("graph-none", "graph-stack"):
+            ratios = [h / t for h, t in zip(hand, res[key])]
+            row[f"{key}-speedup-per-round"] = ratios
+            row[f"{key}-speedup"] = _figure(ratios)
+        rows.append(row)
+    syncs = [_graph_syncs(which, device, iters, tmpdir) for which in ("mlp", "cnn")]
+    clean = all(r["syncs_after_capture_non_write"] == 0 for r in syncs)
+    return {"graph": rows, "graph_syncs": syncs, "graph_clean": clean}
+
+
+def _print_graph(part: Dict[str, Any], device: Any) -> None:
+    rows, syncs = part.get("graph", []), part.get("graph_syncs", [])
+    if rows:
+        print(f"## CUDAGraphTrainer on {device}, over the hand-written eager loop "
+              "(hand loop's time ÷ the trainer's, median (best) of the rounds)")  # fmt: skip
+        print()
+        print("| model | steps | hand loop steps/s | graph, no hooks | graph + stack "
+              "| graph steps/s (no hooks, stack) | per round (no hooks; stack) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            sps = r["steps_per_s"]
+            rounds = "; ".join(
+                ", ".join(f"{x:.2f}" for x in r[f"{k}-speedup-per-round"])
+                for k in ("graph-none", "graph-stack")
+            )
+            print(f"| {r['model']} | {r['n']} | {sps['hand']:,.1f} "
+                  f"| {_fmt(r['graph-none-speedup'])} "
+                  f"| {_fmt(r['graph-stack-speedup'])} | {sps['graph-none']:,.1f}, "
+                  f"{sps['graph-stack']:,.1f} | {rounds} |")  # fmt: skip
+        print()
+    if syncs:
+        print("## CUDAGraphTrainer + default stack: synchronizations per iteration")
+        print()
+        print("| run | iterations | before_train | warm-up + capture | writes (syncs) "
+              "| other iterations after the capture (syncs) |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for r in syncs:
+            print(f"| {r['what']} | {r['iterations']} | {r['before_train']} "
+                  f"| {r['warmup_and_capture']} | {r['write_iterations']} ({r['syncs_on_writes']}) "
+                  f"| {r['non_write_iterations_after_capture']} "
+                  f"({r['syncs_after_capture_non_write']}) |")  # fmt: skip
+        print()
+
+
 def _write_json(path: str, data: Dict[str, Any]) -> None:
     """Writes ``data`` to ``path`` whole or not at all (a reader never sees half a file)."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -529,6 +764,8 @@ def _run_part(part: str, args: argparse.Namespace, device: torch.device, tmpdir:
         return {"clean": clean, "syncs": rows}
     if part == "reads":
         return {"reads": _reads(args.iters, tmpdir, device)}
+    if part == "graph":
+        return _graph_part(args.graph_n, args.repeats, args.iters, tmpdir, device)
     if part == "speed":
         return {"speed": _speed(args.n, args.repeats, tmpdir, device,
                                 lambda rows: save({"speed": rows, "partial": True}))}  # fmt: skip
@@ -636,10 +873,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=200, help="iterations of each sync check")
     p.add_argument("--n", type=int, default=2000, help="steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
+    p.add_argument("--graph-n", type=int, default=300,
+                   help="steps per timed run of the graph part")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--parts",
-        default="syncs,reads,speed",
+        default="syncs,graph,reads,speed",
         help=f"comma-separated, of {', '.join(PARTS)} (profile: with --profile)",
     )
     p.add_argument("--profile", metavar="PATH", help="run the host profile; its report to PATH")
@@ -673,6 +912,10 @@ def _misses(parts: Dict[str, Dict[str, Any]], iters: int, dry_run: bool) -> List
     for name, r in parts.items():
         if r["status"] != "ok":
             misses.append(f"part {name}: {r['status']}: {r.get('error', '')}")
+    graph = parts.get("graph")
+    if graph is not None and graph["status"] == "ok" and not graph.get("graph_clean"):
+        misses.append("graph: CUDAGraphTrainer synchronized on an iteration after the capture "
+                      "that wrote nothing")  # fmt: skip
     syncs = parts.get("syncs")
     if syncs is not None and syncs["status"] == "ok" and not syncs.get("clean"):
         misses.append("syncs: hookloop synchronized on an iteration that wrote nothing")
@@ -756,6 +999,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         clean = None
     _print_report(clean, syncs_part.get("syncs", []), parts.get("speed", {}).get("speed", []),
                   args.n, device, parts.get("reads", {}).get("reads", ()))  # fmt: skip
+    if parts.get("graph", {}).get("graph"):
+        _print_graph(parts["graph"], device)
     if "profile" in parts and parts["profile"]["status"] == "ok":
         p = parts["profile"]["profile"]
         print(f"\n## host profile: {p['path']} (steps/s unprofiled: "

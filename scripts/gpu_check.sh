@@ -21,15 +21,21 @@
 #   pytest   the CUDA-marked tests (`pytest -m cuda` on the files that hold them)
 #   demo     `python3 -m hookloop demo --device cuda --iters 3000` (SimpleTrainer)
 #   demo-amp the same with --amp (AMPTrainer, float16 with a GradScaler)
+#   demo-graph the same with --cuda-graph and 1000 iterations (CUDAGraphTrainer); skipped on
+#            the CPU (GPU_CHECK_CPU=1: the command needs a CUDA device)
 #   bench    benches/gpu_check.py: sync counts (0 on iterations that write nothing, for
 #            SimpleTrainer and AMPTrainer with the default stack; one per write of the default
 #            stack, one per iteration for the seeds' every-step stack); a cProfile of 500
 #            eager steps of the default stack and of the bookkeeping hand loop (profile.txt);
 #            steps/s of the hand loop, the bookkeeping hand loop, SimpleTrainer/AMPTrainer
 #            with no hooks, the default stack and the seeds' stack, and the reference
-#            engine's. Each of its parts runs in a process of its own under a timeout (cut to
+#            engine's; CUDAGraphTrainer over the hand-written eager loop (tiny MLP batch 16, a
+#            small CNN batch 128 of 3x32x32; the ratio per round, in one process) and its
+#            syncs per iteration (none on iterations after the capture that write nothing).
+#            Each of its parts runs in a process of its own under a timeout (cut to
 #            what the run has left).
-# (`hookloop bench` has no CUDA option: benches/gpu_check.py gives the CUDA steps/s.)
+# (`hookloop bench --cuda-graph` times CUDAGraphTrainer on the tiny MLP too; benches/gpu_check.py
+# gives the CUDA steps/s here.)
 #
 # Writes to $OUT (the device runner sets it; ./gpu-out otherwise), all small files:
 #   gpu_check.log   everything printed
@@ -59,10 +65,10 @@ PARTS_TSV="$WORK/parts.tsv"
 
 if [[ "${GPU_CHECK_CPU:-0}" == 1 ]]; then
     DEVICE=cpu DEMO_ITERS=200
-    BENCH_ARGS=(--cpu-dry-run --iters 45 --n 20 --repeats 1 --profile-steps 50)
+    BENCH_ARGS=(--cpu-dry-run --iters 45 --n 20 --repeats 1 --profile-steps 50 --graph-n 10)
 else
     DEVICE=cuda DEMO_ITERS=3000
-    BENCH_ARGS=(--iters 200 --n 400 --repeats 3 --profile-steps 500)
+    BENCH_ARGS=(--iters 200 --n 400 --repeats 3 --profile-steps 500 --graph-n 300)
 fi
 
 # part NAME CAP_SECONDS COMMAND...: runs COMMAND under `timeout` (CAP, or what the budget has
@@ -148,7 +154,7 @@ EOF
 mapfile -t CUDA_TEST_FILES < <(grep -rl --include='test_*.py' 'pytest.mark.cuda' tests | sort)
 
 bench() {
-    # gpu_check.py's parts have timeouts of their own (syncs 90, reads 60, profile 45,
+    # gpu_check.py's parts have timeouts of their own (syncs 90, graph 75, reads 60, profile 45,
     # speed 200 s), cut by --budget to what this part has
     local left=$((BUDGET - SECONDS - 10))
     local limit=$((left < 260 ? left : 260))
@@ -166,14 +172,20 @@ main() {
     part pytest 90 python3 "$WORK/cuda_tests.py" "$ROOT" -q -p no:cacheprovider -m cuda -rs \
         "${CUDA_TEST_FILES[@]}"
     if [[ "$env_status" == 3 ]]; then
-        for p in demo demo-amp bench; do skip "$p" "no CUDA device"; done
+        for p in demo demo-amp demo-graph bench; do skip "$p" "no CUDA device"; done
     elif [[ "$env_status" != 0 ]]; then
-        for p in demo demo-amp bench; do skip "$p" "env failed"; done
+        for p in demo demo-amp demo-graph bench; do skip "$p" "env failed"; done
     else
         part demo 60 python3 -m hookloop demo --device "$DEVICE" --iters "$DEMO_ITERS" \
             --output "$WORK/demo"
         part demo-amp 60 python3 -m hookloop demo --device "$DEVICE" --amp \
             --iters "$DEMO_ITERS" --output "$WORK/demo_amp"
+        if [[ "$DEVICE" == cuda ]]; then
+            part demo-graph 45 python3 -m hookloop demo --device "$DEVICE" --cuda-graph \
+                --iters 1000 --output "$WORK/demo_graph"
+        else
+            skip demo-graph "no CUDA device"
+        fi
         bench
     fi
     python3 - "$PARTS_TSV" "$OUT/summary.json" "$DEVICE" "$BUDGET" "$SECONDS" <<'EOF'

@@ -169,6 +169,19 @@ def test_a_debug_build_is_refused(monkeypatch: Any, capsys: Any) -> None:
     assert "refusing to benchmark" in _usage_error(capsys, ["bench", "--quick"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_bench_cuda_graph_without_cuda_is_a_usage_error(capsys: Any) -> None:
+    assert "--cuda-graph needs a CUDA device" in _usage_error(capsys, ["bench", "--cuda-graph"])
+
+
+def test_demo_cuda_graph_needs_a_cuda_device(capsys: Any, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--cuda-graph", "--device", "cpu", "--output", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "hookloop demo: error: --cuda-graph needs a CUDA device" in err
+
+
 # A detectron2 that is the tests' reference engine under detectron2's module names: enough to
 # run the detectron2 column's code path here, where detectron2 is not installed.
 FAKE_DETECTRON2 = {
@@ -256,7 +269,8 @@ def test_gpu_check_exits_cleanly_without_cuda(
 def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, capsys: Any) -> None:
     # the sync debug mode is a stand-in that records what the guard hook sets
     monkeypatch.setattr(gpu_check, "dry_run_modes", [])
-    argv = ["--cpu-dry-run", "--in-process", "--iters", "45", "--n", "20", "--repeats", "1"]
+    argv = ["--cpu-dry-run", "--in-process", "--iters", "45", "--n", "20", "--repeats", "1",
+            "--graph-n", "10"]  # fmt: skip
     assert gpu_check.main(argv) == 0
     out = capsys.readouterr().out
     assert "| hookloop SimpleTrainer + default stack | 42 of 45 | 0 | 0 | finished |" in out
@@ -273,9 +287,15 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
         "| hookloop SimpleTrainer + the seeds' stack (every iteration read) | 45 | 45 | 0 |" in out
     )
     assert "| hookloop + seeds' stack |" in out
+    # CUDAGraphTrainer (the seam's eager implementation here) over the hand-written loop, and
+    # its syncs per iteration: 45 iterations, 3 writes, 38 others after the capture (iter 3)
+    assert "## CUDAGraphTrainer on cpu, over the hand-written eager loop" in out
+    assert "| mlp | 10 |" in out and "| cnn | 10 |" in out
+    assert "| CUDAGraphTrainer + default stack, mlp | 45 | 0 | 0 | 3 (0) | 38 (0) |" in out
+    assert "| CUDAGraphTrainer + default stack, cnn | 45 | 0 | 0 | 3 (0) | 38 (0) |" in out
     modes = gpu_check.dry_run_modes
     assert modes.count("error") == 2 * 42
-    assert modes.count("warn") == 2 * 42 + 2 + 2
+    assert modes.count("warn") == 2 * 42 + 2 + 2 + 2
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:

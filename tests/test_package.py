@@ -63,7 +63,8 @@ def test_the_wheel_ships_no_reference_engine_and_no_benchmark_machinery():
     # repository's benches/ or tests/ (the scripts, their lab package, the tests' compat)
     bench = [p.relative_to(PACKAGE).as_posix() for p in files if "bench" in p.name.lower()]
     assert bench == ["bench.py"] and not (PACKAGE / "bench").exists()
-    assert len((PACKAGE / "bench.py").read_text(encoding="utf-8").splitlines()) <= 320
+    # 320 lines, and 40 for the `--cuda-graph` rows (issue 34)
+    assert len((PACKAGE / "bench.py").read_text(encoding="utf-8").splitlines()) <= 360
     outside = {"benches", "tests", "lab", "compat", "conftest"}
     outside |= {p.stem for p in (ROOT / "benches").iterdir() if p.suffix == ".py" or p.is_dir()}
     outside |= {p.stem for p in (ROOT / "tests").iterdir() if p.suffix == ".py" or p.is_dir()}

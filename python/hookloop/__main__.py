@@ -4,12 +4,14 @@
 cosine schedule, evaluation on held-out data, periodic and best checkpoints), printing
 detectron2-style progress lines (and a live progress bar on a terminal) and writing
 ``metrics.json``, TensorBoard event files and checkpoints into its output directory;
-``--resume`` continues from the last checkpoint.
+``--resume`` continues from the last checkpoint; ``--cuda-graph`` (with ``--device cuda``) trains
+with ``CUDAGraphTrainer``.
 
 ``hookloop bench`` measures what the loop's bookkeeping costs on this machine: hookloop over
 a bare loop, side by side with detectron2 when it is importable; ``--hook MODULE:CLASS`` adds
-that hook's cost per iteration, ``--quick`` makes the runs short, ``--json PATH`` keeps the
-rows (see ``hookloop.bench``).
+that hook's cost per iteration, ``--cuda-graph`` adds ``CUDAGraphTrainer`` over the hand-written
+loop on a GPU, ``--quick`` makes the runs short, ``--json PATH`` keeps the rows (see
+``hookloop.bench``).
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ def _demo(args: argparse.Namespace) -> int:
         eval_period=args.eval_period,
         log_period=args.period,
         amp=args.amp,
+        cuda_graph=args.cuda_graph,
         base_lr=args.lr,
         weight_decay=0.0,
         warmup_iters=max(1, min(100, args.iters // 10)),
@@ -233,6 +236,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         metavar="MODULE:CLASS",
         help="also measure this hook's cost per iteration (the class is made with no arguments)",
     )
+    bench.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also measure CUDAGraphTrainer over the hand-written loop on the GPU (needs CUDA)",
+    )
     demo.add_argument("--output", default="output/demo", help="directory for metrics and events")
     demo.add_argument("--iters", type=int, default=5000, help="iterations to train")
     demo.add_argument("--period", type=int, default=20, help="write metrics every N iterations")
@@ -240,6 +248,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     demo.add_argument("--amp", action="store_true", help="use AMPTrainer (bfloat16 on the CPU)")
+    demo.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the whole step as one CUDA graph (CUDAGraphTrainer; needs --device cuda)",
+    )
     demo.add_argument(
         "--checkpoint-period", type=int, default=1000, help="save a checkpoint every N iterations"
     )
@@ -301,6 +314,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (RuntimeError, AssertionError, ValueError) as e:
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         demo.error(f"--device {args.device!r} is not usable here: {first_line}")
+    if args.cuda_graph and device.type != "cuda":
+        demo.error(f"--cuda-graph needs a CUDA device (--device cuda), got --device {args.device}")
     logging.basicConfig(
         level=logging.INFO,
         format="[%(asctime)s %(name)s]: %(message)s",

@@ -18,6 +18,7 @@ __all__ = [
     "JSONWriter",
     "JSON_FSYNC_DEFAULT",
     "NativeSchedule",
+    "PENDING_READ_EVERY",
     "StopTraining",
     "TensorboardXWriter",
     "_IterationTimerBase",
@@ -36,6 +37,8 @@ __all__ = [
 
 __version__: str
 BUILD_PROFILE: str
+# The pending queue's read period (core pending::Limits::default().read_every).
+PENDING_READ_EVERY: int
 # Defaults defined once in the core (History::DEFAULT_MAX_LENGTH, FsyncPolicy::*_DEFAULT).
 DEFAULT_MAX_LENGTH: int
 JSON_FSYNC_DEFAULT: str

@@ -7,7 +7,10 @@ loop calling a no-op ``run_step`` (for ``TrainerBase.train`` with no hooks, and 
 override ``before_step`` and ``after_step``); a hand-written loop making the tiny MLP's model
 calls (for ``SimpleTrainer`` with no hooks, the default stack, and the seeds' stack: it and
 cvpods'/xmodaler's every-step JSON and TensorBoard, ``window_size=1``, period 1); ``SimpleTrainer``
-alone (for it with ``--hook``). The repository's ``benches/`` has the full benchmarks.
+alone (for it with ``--hook``). ``--cuda-graph`` (CUDA only) adds the tiny MLP's
+``CUDAGraphTrainer`` (the whole step as one CUDA graph) with no hooks and with the default stack
+over the hand-written eager loop on the GPU. The repository's ``benches/`` has the full
+benchmarks.
 """
 
 from __future__ import annotations
@@ -204,6 +207,40 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
     return rows
 
 
+def _cuda_graph(n: int, reps: int, writers: Sequence[str], tmpdir: str) -> List[Dict[str, Any]]:
+    """The tiny MLP on CUDA: CUDAGraphTrainer (fused SGD) with no hooks and with the default
+    stack over the hand-written eager loop, each run timed between two synchronizations."""
+    from hookloop.engine import CUDAGraphTrainer
+
+    e, dev = _engine("hookloop"), torch.device("cuda")
+    batches = make_batches(dev)
+
+    def synced(f: Callable[[], Any]) -> float:
+        torch.cuda.synchronize(dev)
+        return _per_step(lambda: [f(), torch.cuda.synchronize(dev)], n, 1e-6)  # type: ignore[func-returns-value]
+
+    def hand() -> float:
+        model, opt, _ = build(dev)
+        return synced(lambda: hand_loop(model, opt, itertools.cycle(batches), n))
+
+    def graphed(stack: bool) -> float:
+        model, _, _ = build(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+        t, d = CUDAGraphTrainer(model, itertools.cycle(batches), opt), tempfile.mkdtemp(dir=tmpdir)
+        make = {"printer": lambda: e.CommonMetricPrinter(n), "tb": lambda: e.TensorboardXWriter(d),
+                "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json"))}  # fmt: skip
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
+        t.register_hooks([e.IterationTimer(), e.LRScheduler(opt, sched), e.PeriodicWriter(
+            [make[w]() for w in writers], PERIOD)] if stack else [])  # fmt: skip
+        return synced(functools.partial(t.train, 0, n))
+
+    res = _measure({"floor": hand, "graph": functools.partial(graphed, False),
+                    "stack": functools.partial(graphed, True)}, reps)  # fmt: skip
+    what = "tiny MLP on CUDA: CUDAGraphTrainer{}, over the hand-written eager loop"
+    return [_row(what.format(w), "µs/step", f"{n:,} × {reps}", res, {"hookloop": k})
+            for w, k in ((", no hooks", "graph"), (" + default stack", "stack"))]  # fmt: skip
+
+
 def _row(what: str, unit: str, n: str, res: Any, keys: Dict[str, str], floor: str = "floor") -> Any:
     """One row's medians: costs of ``res[keys[engine]]`` over ``res[floor]`` and ratios, each
     formed within a repetition (a ratio over a cost at or under zero would be noise: none)."""
@@ -263,6 +300,9 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     """``hookloop bench`` with parsed ``args`` (``quick``, ``json``, ``hook``, and ``argv``:
     the command's own arguments, as given); ``p`` reports usage errors."""
     hook = (args.hook, _hook_class(p, args.hook)) if args.hook else None
+    cuda_graph = getattr(args, "cuda_graph", False)
+    if cuda_graph and not torch.cuda.is_available():
+        p.error("--cuda-graph needs a CUDA device, and torch finds none here")
     if hookloop.BUILD_PROFILE != "release":
         p.error(f"refusing to benchmark: hookloop._core is a {hookloop.BUILD_PROFILE!r} build; "
                 "rebuild with `pip install -e .` or `maturin develop --release`")  # fmt: skip
@@ -295,6 +335,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     tmpdir, t0 = tempfile.mkdtemp(prefix="hookloop-bench-"), time.perf_counter()
     try:
         rows = _dispatch(engines, n, reps) + _mlp(engines, m, reps, writers, tmpdir, hook)
+        if cuda_graph:
+            rows += _cuda_graph(m, reps, writers, tmpdir)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
         for lg, (level, propagate, handlers) in zip(loggers, saved):

@@ -2,6 +2,7 @@
 
     python resume_child.py OUT MAX_ITER [--kill-at N] [--kill-in-save N] [--async-save]
                                         [--loader KIND] [--precise-bn] [--mlflow] [--wandb]
+                                        [--cuda-graph]
 
 It trains a small model with dropout on a seeded random dataset drawn through
 ``hookloop.data.TrainingSampler``, with periodic and best checkpoints, an evaluation, an LR
@@ -15,6 +16,8 @@ written, before the rename). ``--async-save`` saves checkpoints on a background 
 cannot be resumed). ``--precise-bn`` adds a BatchNorm layer and a ``PreciseBN`` hook over a
 shuffled loader of its own. ``--mlflow`` adds an ``MLflowWriter`` (a sqlite store in OUT),
 ``--wandb`` a ``WandbWriter`` (offline, its runs under ``OUT/wandb/offline-run-*``).
+``--cuda-graph`` trains with ``CUDAGraphTrainer`` through its eager seam (``graph="eager"``):
+static buffers, the loss ring buffer, the LR table, and a capture dropped by the resume's load.
 """
 
 import argparse
@@ -25,7 +28,7 @@ import signal
 import torch
 from hookloop.checkpoint import Checkpointer
 from hookloop.data import TrainingSampler
-from hookloop.engine import HookBase, SimpleTrainer, hooks
+from hookloop.engine import CUDAGraphTrainer, HookBase, SimpleTrainer, hooks
 from hookloop.utils.events import JSONWriter, TensorboardXWriter
 
 torch.set_num_threads(1)
@@ -60,6 +63,7 @@ def main():
     p.add_argument("--precise-bn", action="store_true")
     p.add_argument("--mlflow", action="store_true", help="also an MLflowWriter (sqlite in out)")
     p.add_argument("--wandb", action="store_true", help="also a WandbWriter (offline, in out)")
+    p.add_argument("--cuda-graph", action="store_true", help="CUDAGraphTrainer(graph='eager')")
     args = p.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -89,7 +93,10 @@ def main():
         loader = batches()
     else:
         raise SystemExit(f"unknown --loader {args.loader}")
-    trainer = SimpleTrainer(model, loader, opt)
+    if args.cuda_graph:
+        trainer = CUDAGraphTrainer(model, loader, opt, graph="eager")
+    else:
+        trainer = SimpleTrainer(model, loader, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
     ckpt = Checkpointer(model, args.out, trainer=trainer, async_save=args.async_save)
 

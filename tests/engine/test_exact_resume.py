@@ -123,6 +123,22 @@ def test_shuffled_loaders_and_precise_bn_resume_exactly(straight, tmp_path, conf
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, kill",
+    [
+        (("--cuda-graph",), ["--kill-at", "14"]),
+        (("--cuda-graph", "--precise-bn"), ["--kill-at", "33"]),
+    ],
+    ids=["mid-period", "precise-bn-late"],
+)
+def test_cuda_graph_trainer_resumes_exactly(straight, tmp_path, config, kill):
+    """CUDAGraphTrainer (its eager seam: static buffers, the loss ring buffer, the LR table),
+    killed and resumed: the load drops the capture, the resumed run warms up and captures
+    again, and ends as the uninterrupted one."""
+    assert_resumed_equals_straight(straight(*config), tmp_path, kill, config)
+
+
+@pytest.mark.slow
 # Reading the sqlite store back: mlflow's own deprecations (sqlalchemy's, as in
 # tests/utils/test_mlflow_writer.py) are not this test's.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -6,6 +6,7 @@ from hookloop.engine.defaults import (
     create_ddp_model,
     default_writers,
 )
+from hookloop.engine.graph import CUDAGraphTrainer
 from hookloop.engine.hooks import *  # noqa: F403
 from hookloop.engine.hooks import __all__ as _hooks_all
 from hookloop.engine.launch import DEFAULT_TIMEOUT, WorkerError, launch
@@ -13,6 +14,7 @@ from hookloop.engine.train_loop import AMPTrainer, HookBase, HookStat, SimpleTra
 
 __all__ = [
     "AMPTrainer",
+    "CUDAGraphTrainer",
     "DEFAULT_TIMEOUT",
     "DefaultTrainer",
     "HookBase",

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hookloop.engine.hooks as hooks
 from hookloop.checkpoint import Checkpointer
+from hookloop.engine.graph import CUDAGraphTrainer
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 from hookloop.nn.precise_bn import get_bn_modules
 from hookloop.solver import LRMultiplier, WarmupParamScheduler
@@ -69,6 +70,9 @@ class TrainConfig:
         log_period: write metrics (console, metrics.json, TensorBoard) every N iterations.
         window_size: median-smoothing window of the writers.
         amp: train with :class:`AMPTrainer` (bfloat16 autocast on a CPU).
+        cuda_graph: train with :class:`~hookloop.engine.graph.CUDAGraphTrainer` (the whole
+            step as one CUDA graph; needs a CUDA device; with ``amp``, bfloat16 autocast);
+            :meth:`DefaultTrainer.build_optimizer` then builds a fused SGD.
         gather_metric_period: put the losses into the storage every N iterations.
         base_lr, momentum, nesterov, weight_decay: SGD's; ``weight_decay_norm`` is the weight
             decay of normalization layers' parameters (detectron2's default 0).
@@ -95,6 +99,7 @@ class TrainConfig:
     log_period: int = 20
     window_size: int = 20
     amp: bool = False
+    cuda_graph: bool = False
     gather_metric_period: int = 1
     base_lr: float = 0.001
     base_lr_end: float = 0.0
@@ -559,7 +564,8 @@ def _share_stop(trainer: "DefaultTrainer") -> None:
 class DefaultTrainer(TrainerBase):
     """A trainer with default training logic. It does the following:
 
-    1. Create a :class:`SimpleTrainer` (:class:`AMPTrainer` with ``cfg.amp``) using model,
+    1. Create a :class:`SimpleTrainer` (:class:`AMPTrainer` with ``cfg.amp``,
+       :class:`~hookloop.engine.graph.CUDAGraphTrainer` with ``cfg.cuda_graph``) using model,
        optimizer, dataloader defined by the given config. Create a LR scheduler defined by
        the config.
     2. Load the last checkpoint or ``cfg.weights``, if exists, when :meth:`resume_or_load` is
@@ -622,9 +628,19 @@ class DefaultTrainer(TrainerBase):
         data_loader = self.build_train_loader(cfg)
 
         model = create_ddp_model(model, broadcast_buffers=False)
-        self._trainer = (AMPTrainer if cfg.amp else SimpleTrainer)(
-            model, data_loader, optimizer, gather_metric_period=cfg.gather_metric_period
-        )
+        self._trainer: SimpleTrainer
+        if cfg.cuda_graph:
+            self._trainer = CUDAGraphTrainer(
+                model,
+                data_loader,
+                optimizer,
+                gather_metric_period=cfg.gather_metric_period,
+                precision=torch.bfloat16 if cfg.amp else None,
+            )
+        else:
+            self._trainer = (AMPTrainer if cfg.amp else SimpleTrainer)(
+                model, data_loader, optimizer, gather_metric_period=cfg.gather_metric_period
+            )
         # The wrapped trainer runs the backward pass: it calls this trainer's after_backward,
         # so the hooks' after_backward runs (detectron2's calls the wrapped trainer's, which
         # has no hooks). Without a strong reference back to this trainer.
@@ -751,7 +767,30 @@ class DefaultTrainer(TrainerBase):
         self._trainer.start_iter = self.start_iter
         self._trainer.max_iter = self.max_iter
         _share_stop(self)  # the wrapped trainer as it is now (a subclass may assign its own)
+        graphed = isinstance(self._trainer, CUDAGraphTrainer)
+        if graphed:
+            # What the wrapped trainer's own before_train sets up, before the hooks' (a
+            # period-1 writer asks for the direct path there): its losses (the ring's slots)
+            # wait in this run's storage and are read in batches, not one sync per step.
+            self._trainer.storage = self.storage
+            self._trainer._hookloop.metrics.configure(self._trainer)
         super().before_train()
+        if graphed:
+            # The LR table from this trainer's LRScheduler hook (their before_train ran).
+            self._trainer._hookloop.graph.prepare(self._trainer, self._hooks, self.iter)
+
+    def after_train(self) -> None:
+        if not isinstance(self._trainer, CUDAGraphTrainer):
+            super().after_train()
+            return
+        # As SimpleTrainer.after_train: the last batched losses are put before the hooks read
+        # the storage; a non-finite one fails a run that otherwise ended well.
+        error = self._trainer._hookloop.metrics.settle_last(self.storage)
+        super().after_train()
+        if error is not None:
+            if self.iter == self.max_iter or self.stopped_early:
+                raise error
+            logger.error("Reading the last losses failed after training stopped: %r", error)
 
     def run_step(self) -> None:
         self._trainer.iter = self.iter
@@ -853,6 +892,8 @@ class DefaultTrainer(TrainerBase):
             lr=cfg.base_lr,
             momentum=cfg.momentum,
             nesterov=cfg.nesterov,
+            # A CUDA graph reads the LR from a tensor: only the fused SGD does so on the device.
+            **({"fused": True} if cfg.cuda_graph else {}),
         )
 
     @classmethod

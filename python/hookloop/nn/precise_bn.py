@@ -164,8 +164,11 @@ def update_bn_stats(
         for bn, (momentum, mean, var), estimator in zip(bn_layers, saved, estimators):
             bn.momentum = momentum
             if ok and estimator.tot > 0:
-                bn.running_mean = estimator.pop_mean
-                bn.running_var = estimator.pop_var
+                # Into the buffers, not new tensors: a captured CUDA graph (CUDAGraphTrainer)
+                # and anything else holding them keep seeing the model's statistics.
+                running_mean, running_var = _stats(bn)
+                running_mean.copy_(estimator.pop_mean)
+                running_var.copy_(estimator.pop_var)
             else:
                 running_mean, running_var = _stats(bn)
                 running_mean.copy_(mean)

@@ -52,6 +52,12 @@ fn check_chw(tag: String, shape: Vec<i64>) -> PyResult<()> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD_PROFILE", BUILD_PROFILE)?;
+    // The storage's pending queue starts or does a read at least this often (recorded
+    // iterations): what a producer that reuses its buffers (a CUDA graph's ring) relies on.
+    m.add(
+        "PENDING_READ_EVERY",
+        hookloop_core::pending::Limits::default().read_every,
+    )?;
     m.add_class::<history::PyHistoryBuffer>()?;
     m.add_class::<storage::PyEventStorage>()?;
     m.add_class::<dispatch::PyDispatcher>()?;

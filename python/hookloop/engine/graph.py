@@ -1,0 +1,738 @@
+"""The whole training step as one CUDA graph: :class:`CUDAGraphTrainer`'s collaborators.
+
+Capture sits behind one small seam, :class:`StepGraph`: ``warmup(fn)`` runs the step function
+for real (on a side stream for CUDA), ``capture(fn)`` records it without running it, and
+``replay()`` runs what was recorded. :class:`CUDAStepGraph` is torch's machinery
+(``torch.cuda.CUDAGraph``, ``torch.cuda.graph``, a side stream for the warm-up; torch's
+default CUDA generator is graph-safe by itself). :class:`EagerStepGraph` "replays" by calling
+the function again: the CPU tests run every other part (static buffers, the ring buffer and
+its reads, the LR table, hooks, writers, checkpoints) through it, and ``fallback="eager"``
+does not need it.
+
+:class:`GraphStep` holds what the captured function reads and writes, all at fixed
+addresses, so one replay is one training step:
+
+- the static batch: the loader's tensors are copied into buffers of the captured shapes
+  before each replay (``copy_(non_blocking=True)``: a device-to-device copy, or from the
+  loader's (pinned) host memory, without a synchronization);
+- the device step counter: the absolute iteration, incremented by the graph;
+- the LR table: one row per iteration, the values every param group's ``lr`` takes then,
+  evaluated at ``before_train`` from the ``LRScheduler`` hooks' schedulers (a copy of each is
+  stepped; the real ones are untouched). The graph copies ``table[step]`` into the tensor the
+  optimizer reads as its ``lr``. The host still steps the real schedulers as the eager trainer
+  does (so the LR the hook writes is the eager trainer's, as a float, with no read from the
+  device); each step compares the host's LRs with the table's row and, where something
+  changed an LR outside the schedule, writes that row again (a small non-blocking copy).
+- the ring buffer: ``ring[step % R, j]`` is loss ``j`` of that step. Each iteration hands the
+  storage the views of its slot (dicts built once); the storage reads them in one batched
+  copy. **Invariant**: a slot's read is started (its values copied out on the device's
+  stream) before the graph writes that slot again, ``R`` iterations later. The storage's
+  pending queue starts a read at least every ``_core.PENDING_READ_EVERY`` (20) recorded
+  iterations, and records one iteration in ``gather_metric_period``; so
+  ``R >= 2 * PENDING_READ_EVERY * gather_metric_period`` (a safety factor of 2), checked
+  with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from hookloop._core import PENDING_READ_EVERY
+from hookloop.engine.hooks import LRScheduler
+from hookloop.engine.losses import losses_of
+from hookloop.engine.parts import SimpleTrainerParts
+from hookloop.engine.train_loop import HookBase, SimpleTrainer
+
+__all__ = [
+    "CUDAGraphTrainer",
+    "CUDAStepGraph",
+    "EagerStepGraph",
+    "GraphStep",
+    "StepGraph",
+    "capture_problem",
+]
+
+logger = logging.getLogger("hookloop.engine.train_loop")
+
+#: Safety factor of the ring-buffer invariant (see the module docstring).
+RING_SAFETY = 2
+#: At most this many rows in the LR table (beyond it the last row is rewritten as needed).
+MAX_TABLE_ROWS = 1 << 21
+
+_WHO = "CUDAGraphTrainer"
+
+
+class StepGraph(Protocol):
+    """The capture seam: run a step for real, record it, replay it."""
+
+    @property
+    def captured(self) -> bool: ...
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` for real (a training step), as the warm-up before a capture."""
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        """Records ``fn``; nothing of it runs until :meth:`replay`."""
+
+    def replay(self) -> None:
+        """Runs what :meth:`capture` recorded."""
+
+    def reset(self) -> None:
+        """Forgets the recorded step (the next step warms up and captures again)."""
+
+
+class EagerStepGraph:
+    """The seam without a device: a replay calls the step function again."""
+
+    def __init__(self) -> None:
+        self._fn: Optional[Callable[[], None]] = None
+
+    @property
+    def captured(self) -> bool:
+        return self._fn is not None
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def replay(self) -> None:
+        fn = self._fn
+        if fn is None:
+            raise RuntimeError(f"{_WHO}: replay() before capture()")
+        fn()
+
+    def reset(self) -> None:
+        self._fn = None
+
+
+class CUDAStepGraph:
+    """``torch.cuda.CUDAGraph``: the warm-up on a side stream, the capture with
+    ``torch.cuda.graph`` (its private memory pool), the replay on the current stream."""
+
+    def __init__(self, device: Any = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{_WHO}(graph='cuda') needs a CUDA device and torch finds none: train on a "
+                "GPU, use SimpleTrainer/AMPTrainer, or pass fallback='eager' to train eagerly"
+            )
+        self._device = torch.device("cuda") if device is None else torch.device(device)
+        self._side: Optional[torch.cuda.Stream] = None
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self._device)
+        side = self._side
+        current = torch.cuda.current_stream(self._device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            # A capturable optimizer's step outside a capture warns that capturable=True is
+            # slower: here it is the warm-up the capture needs.
+            warnings.filterwarnings(
+                "ignore", message="This instance was constructed with capturable"
+            )
+            fn()
+        current.wait_stream(side)
+
+    def capture(self, fn: Callable[[], None]) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{_WHO}: capturing the step failed: {e}. The usual cause is a host "
+                "synchronization in the model or the loss (.item(), .cpu(), .tolist(), "
+                "printing a tensor, `if tensor:` or other control flow on a tensor's value, "
+                "a nonzero()/masked index with a data-dependent shape). Remove it, or pass "
+                "fallback='eager' to train those steps eagerly"
+            ) from e
+        self._graph = graph
+
+    def replay(self) -> None:
+        graph = self._graph
+        if graph is None:
+            raise RuntimeError(f"{_WHO}: replay() before capture()")
+        graph.replay()
+
+    def reset(self) -> None:
+        self._graph = None
+
+
+def capture_problem(model: Any, optimizer: Any, graph: str) -> Optional[Tuple[type, str]]:
+    """What makes this model/optimizer impossible to capture, as (exception type, message),
+    or None. Checked at construction, before the device (a configuration error is reported
+    the same on every machine)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        return (
+            TypeError,
+            f"{_WHO} does not capture a {type(model).__name__} model: its gradient "
+            "all-reduce runs outside a capturable stream. Train it with SimpleTrainer or "
+            "AMPTrainer, or pass fallback='eager'",
+        )
+    if graph != "cuda":
+        return None
+    for i, group in enumerate(getattr(optimizer, "param_groups", [])):
+        # torch refuses to capture the step of a group with capturable=False (fused or not);
+        # an optimizer without that option (SGD) reads a tensor LR on the device when fused.
+        key = "capturable" if "capturable" in group else "fused"
+        if group.get(key):
+            continue
+        name = type(optimizer).__name__
+        return (
+            ValueError,
+            f"{_WHO} needs a capturable optimizer (its step state on the device, a tensor "
+            f"learning rate read without a host sync); {name} param group {i} has "
+            f"{key}={group.get(key)!r}: build it as {name}(..., {key}=True)",
+        )
+    return None
+
+
+class _LRProbe:
+    """A stand-in optimizer for stepping copies of the schedulers: its param groups hold the
+    hyper-parameters only, and its ``step`` counts as called (torch warns otherwise)."""
+
+    _opt_called = True
+
+    def __init__(self, groups: Sequence[Mapping[str, Any]]) -> None:
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+        def step(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.step = step
+
+
+def lr_rows(
+    optimizer: Any, schedulers: Sequence[Any], start_iter: int, rows: int
+) -> List[List[float]]:
+    """The LR of every param group at iterations ``start_iter .. rows - 1`` (row ``i`` is the
+    LR the optimizer's step of iteration ``i`` uses), stepping deep copies of ``schedulers``
+    over a stand-in optimizer in hook order, as the ``LRScheduler`` hooks step the real ones
+    after each iteration. The real schedulers and the optimizer are not touched."""
+    import copy
+
+    probe = _LRProbe(optimizer.param_groups)
+    copies = copy.deepcopy(list(schedulers), memo={id(optimizer): probe})
+    out: List[List[float]] = []
+    for it in range(start_iter, rows):
+        out.append([float(g["lr"]) for g in probe.param_groups])
+        if it + 1 < rows:
+            for s in copies:
+                s.step()
+    return out
+
+
+def _empty_like_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+
+def _describe(leaves: Sequence[Any]) -> str:
+    return "[" + ", ".join(_leaf_str(x) for x in leaves) + "]"
+
+
+def _leaf_str(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {tuple(x.shape)}"
+    return repr(x)
+
+
+class GraphStep:
+    """What the captured step reads and writes (static batch, step counter, LR table, ring
+    buffer) and the phase of the capture. One per :class:`CUDAGraphTrainer`."""
+
+    def __init__(self) -> None:
+        self.fallback: Optional[str] = None
+        self.precision: Optional[torch.dtype] = None
+        self.warmup_iters = 3
+        self.ring_size: Optional[int] = None
+        self.seam: Optional[StepGraph] = None
+        #: The eager step replaces the graph for this run (fallback="eager" after a problem).
+        self.eager_reason: Optional[str] = None
+        self._warned: set = set()
+        self.warmups_done = 0
+        # Static batch
+        self._spec: Any = None
+        self._static: List[Any] = []  # leaves: static tensors, or the captured non-tensors
+        self._batch: Any = None
+        # Device state
+        self.device: torch.device = torch.device("cpu")
+        self.counter: Optional[torch.Tensor] = None
+        self.table: Optional[torch.Tensor] = None
+        self.host_table: List[List[float]] = []
+        self.table_start = 0
+        self._lr_out: Optional[torch.Tensor] = None
+        self._lr_views: List[torch.Tensor] = []
+        self.ring: Optional[torch.Tensor] = None
+        self.names: Optional[Tuple[str, ...]] = None
+        self.views: List[Dict[str, torch.Tensor]] = []
+        self.prepared = False
+        self.configured = False
+        #: Rows of the LR table written again at a step (an LR set outside the schedule).
+        self.rows_rewritten = 0
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def configure(
+        self,
+        trainer: Any,
+        graph: str,
+        fallback: Optional[str],
+        precision: Optional[torch.dtype],
+        warmup_iters: int,
+        ring_size: Optional[int],
+    ) -> None:
+        if graph not in ("cuda", "eager"):
+            raise ValueError(f"{_WHO} graph must be 'cuda' or 'eager', got {graph!r}")
+        if fallback not in (None, "eager"):
+            raise ValueError(f"{_WHO} fallback must be None or 'eager', got {fallback!r}")
+        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int):
+            raise TypeError(f"{_WHO} warmup_iters must be an int, got {warmup_iters!r}")
+        if warmup_iters < 0:
+            raise ValueError(f"{_WHO} warmup_iters must be >= 0, got {warmup_iters}")
+        need = RING_SAFETY * PENDING_READ_EVERY * trainer.gather_metric_period
+        if ring_size is None:
+            ring_size = need
+        if isinstance(ring_size, bool) or not isinstance(ring_size, int):
+            raise TypeError(f"{_WHO} ring_size must be an int, got {ring_size!r}")
+        if ring_size < need:
+            raise ValueError(
+                f"{_WHO} ring_size={ring_size} is too small: a loss slot must be read before "
+                f"the graph writes it again, and the storage reads at least every "
+                f"{PENDING_READ_EVERY} recorded iterations (one in gather_metric_period="
+                f"{trainer.gather_metric_period}), so ring_size must be at least "
+                f"{RING_SAFETY} * {PENDING_READ_EVERY} * {trainer.gather_metric_period} = "
+                f"{need}"
+            )
+        self.fallback = fallback
+        self.precision = precision
+        self.warmup_iters = warmup_iters
+        self.ring_size = ring_size
+        problem = capture_problem(trainer.model, trainer.optimizer, graph)
+        if problem is not None:
+            self.refuse(*problem)
+        if self.eager_reason is None:
+            try:
+                seam: StepGraph = (
+                    CUDAStepGraph(self._model_device(trainer))
+                    if graph == "cuda"
+                    else EagerStepGraph()
+                )
+                self.seam = seam
+            except RuntimeError as e:
+                self.refuse(RuntimeError, str(e))
+        # A load replaces the optimizer's state tensors (the graph holds the old ones) and
+        # may replace the model's (load_state_dict(assign=True)): capture again after it.
+        this = weakref.ref(self)
+
+        def invalidate(*_: Any) -> None:
+            step = this()
+            if step is not None:
+                step.invalidate()
+
+        trainer.optimizer.register_load_state_dict_post_hook(invalidate)
+        trainer.model.register_load_state_dict_post_hook(invalidate)
+        self.configured = True
+
+    def refuse(self, kind: type, message: str) -> None:
+        """A problem that makes capture impossible: raised, or with ``fallback="eager"``,
+        one warning and eager steps for the rest of the run."""
+        if self.fallback != "eager":
+            raise kind(message)
+        if self.eager_reason is None:
+            warnings.warn(f"{message}. Training eagerly (fallback='eager').", RuntimeWarning, 2)
+        self.eager_reason = message
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, 3)
+
+    @staticmethod
+    def _model_device(trainer: Any) -> torch.device:
+        for p in trainer.model.parameters():
+            return p.device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # -- a run ------------------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """The next step warms up and captures again (after a load)."""
+        if self.seam is not None:
+            self.seam.reset()
+        self.warmups_done = 0
+
+    def prepare(self, trainer: Any, hooks: Sequence[Any], start: Optional[int] = None) -> None:
+        """At ``before_train`` (after the hooks'): the step counter at ``start`` (by default
+        ``trainer.iter``), the LR table of this run from the ``LRScheduler`` hooks among
+        ``hooks``, and a new capture at the first steps."""
+        if not self.configured:  # a subclass that skipped CUDAGraphTrainer.__init__
+            self.configure(trainer, "cuda", None, getattr(trainer, "precision", None), 3, None)
+        self.invalidate()
+        if self.eager_reason is None:
+            for h in hooks:
+                if _overrides(h, "after_backward"):
+                    self.refuse(
+                        TypeError,
+                        f"{_WHO} cannot run {type(h).__name__}.after_backward: it would run "
+                        "between backward and the optimizer step, inside the captured graph. "
+                        "Do that work in after_step, or train with SimpleTrainer",
+                    )
+                    break
+        if self.eager_reason is None and not trainer.step_optimizer:
+            self.refuse(
+                TypeError,
+                f"{_WHO} captures the optimizer's step: step_optimizer=False (an "
+                "OptimizationHook, gradient accumulation) cannot be captured. Train with "
+                "SimpleTrainer",
+            )
+        self.device = self._model_device(trainer)
+        start = int(trainer.iter if start is None else start)
+        max_iter = int(getattr(trainer, "max_iter", start + 1))
+        rows = max(start + 1, min(max_iter, MAX_TABLE_ROWS))
+        schedulers = _schedulers_of(hooks, trainer.optimizer)
+        try:
+            self.host_table = lr_rows(trainer.optimizer, schedulers, start, rows)
+        except Exception as e:  # a scheduler that cannot be copied: rows follow the host
+            logger.info(f"{_WHO}: LR table from the current LRs ({type(e).__name__}: {e})")
+            now = [float(g["lr"]) for g in trainer.optimizer.param_groups]
+            self.host_table = [list(now) for _ in range(start, rows)]
+        self.table_start = start
+        with torch.no_grad():
+            table = torch.zeros(rows, len(trainer.optimizer.param_groups), dtype=torch.float32)
+            table[start:] = torch.tensor(self.host_table, dtype=torch.float32)
+            self.table = table.to(self.device)
+            if self.counter is None or self.counter.device != self.device:
+                self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.counter.fill_(start)
+            self._lr_out = torch.zeros(1, table.shape[1], dtype=torch.float32, device=self.device)
+            self._lr_views = [self._lr_out[0, g] for g in range(table.shape[1])]
+        self.prepared = True
+
+    def sync_lr(self, optimizer: Any, it: int) -> None:
+        """The host's LRs of iteration ``it`` into the table's row where they differ (an LR
+        set outside the schedulers the table was built from); nothing otherwise."""
+        row = it - self.table_start
+        host = self.host_table
+        if row >= len(host):
+            row = len(host) - 1
+        now = [g["lr"] for g in optimizer.param_groups]
+        if now == host[row] or row < 0:
+            return
+        host[row] = [float(x) for x in now]
+        self.rows_rewritten += 1
+        table = self.table
+        assert table is not None
+        with torch.no_grad():
+            table[self.table_start + row].copy_(
+                torch.tensor(host[row], dtype=torch.float32), non_blocking=True
+            )
+
+    # -- the static batch -------------------------------------------------------------------
+
+    def place(self, data: Any) -> Optional[str]:
+        """Copies ``data`` into the static batch (made from the first batch). Returns None, or
+        what differs from the captured batch (then nothing is copied)."""
+        leaves, spec = pytree.tree_flatten(data)
+        if self._spec is None:
+            self._spec = spec
+            self._static = [
+                _empty_like_on(x, self.device) if isinstance(x, torch.Tensor) else x for x in leaves
+            ]
+            self._batch = pytree.tree_unflatten(self._static, spec)
+        static = self._static
+        if spec != self._spec or len(leaves) != len(static):
+            return f"a batch of another structure ({spec}) than the captured one ({self._spec})"
+        for x, s in zip(leaves, static):
+            if isinstance(s, torch.Tensor):
+                if not (isinstance(x, torch.Tensor) and x.shape == s.shape and x.dtype == s.dtype):
+                    return (
+                        f"a batch of shapes {_describe(leaves)}, but the step was captured "
+                        f"with {_describe(static)}"
+                    )
+            elif not (x is s or x == s):
+                return (
+                    f"a batch with other non-tensor values {_describe(leaves)} than the "
+                    f"captured one {_describe(static)}"
+                )
+        with torch.no_grad():
+            for x, s in zip(leaves, static):
+                if isinstance(s, torch.Tensor):
+                    s.copy_(x, non_blocking=True)
+        return None
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def body(self, trainer: Any) -> None:
+        """The step the graph holds: LR from the table, forward, loss sum, backward,
+        optimizer step, the losses into the ring at the counter's slot, counter + 1."""
+        optimizer = trainer.optimizer
+        groups = optimizer.param_groups
+        counter = self.counter
+        table = self.table
+        assert counter is not None and table is not None and self._lr_out is not None
+        with torch.no_grad():
+            index = torch.clamp(counter, max=table.shape[0] - 1)
+            torch.index_select(table, 0, index, out=self._lr_out)
+        saved = [g["lr"] for g in groups]
+        for g, lr in zip(groups, self._lr_views):
+            g["lr"] = lr
+        try:
+            optimizer.zero_grad(set_to_none=True)
+            loss_dict, losses = self._forward(trainer, self._batch)
+            losses.backward()
+            optimizer.step()
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+        with torch.no_grad():
+            ring = self._ring_for(loss_dict)
+            values = torch.stack(
+                [v.detach().reshape(()).to(ring.dtype) for v in loss_dict.values()]
+            )
+            slot = torch.remainder(counter, ring.shape[0])
+            ring.index_copy_(0, slot, values.unsqueeze(0))
+            counter.add_(1)
+
+    def _forward(self, trainer: Any, batch: Any) -> Tuple[Mapping[str, torch.Tensor], Any]:
+        if self.precision is None:
+            return losses_of(trainer.model(batch), _WHO)
+        # No autocast cache: a cached cast made during capture would be a stale tensor.
+        with torch.autocast(self.device.type, dtype=self.precision, cache_enabled=False):
+            return losses_of(trainer.model(batch), _WHO)
+
+    def _ring_for(self, loss_dict: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        names = tuple(loss_dict)
+        if self.ring is None or self.names != names:
+            if self.names is not None and self.names != names:
+                raise ValueError(
+                    f"{_WHO}: the model returned losses {list(names)}, but the step was "
+                    f"captured with {list(self.names)}: the graph holds one set of losses"
+                )
+            dtype = torch.float32
+            for v in loss_dict.values():
+                dtype = torch.promote_types(dtype, v.dtype)
+            size = self.ring_size or RING_SAFETY * PENDING_READ_EVERY
+            self.ring = ring = torch.zeros(size, len(names), dtype=dtype, device=self.device)
+            self.names = names
+            # The storage's views of each slot, made once: a step hands over views[slot].
+            self.views = [{n: ring[s, j] for j, n in enumerate(names)} for s in range(size)]
+        return self.ring
+
+    def run(self, trainer: Any) -> bool:
+        """One step through the seam: warm-up, capture then replay, or replay. False when the
+        capture failed and ``fallback="eager"`` (one warning): the caller steps eagerly, as
+        it will for the rest of the run."""
+        seam = self.seam
+        assert seam is not None
+        if seam.captured:
+            seam.replay()
+            return True
+        # The seam keeps the function (EagerStepGraph): weak references, so that the trainer
+        # and this object are still freed by reference counting.
+        this, owner = weakref.ref(self), weakref.ref(trainer)
+
+        def step() -> None:
+            graph, trainer = this(), owner()
+            assert graph is not None and trainer is not None
+            graph.body(trainer)
+
+        if self.warmups_done < self.warmup_iters:
+            seam.warmup(step)
+            self.warmups_done += 1
+            return True
+        try:
+            seam.capture(step)
+        except RuntimeError as e:
+            # Nothing of a failed capture ran on the device: the step is still to be made.
+            self.refuse(RuntimeError, str(e))
+            return False
+        seam.replay()
+        return True
+
+    def losses_at(self, it: int) -> Dict[str, torch.Tensor]:
+        views = self.views
+        return views[it % len(views)]
+
+
+def _overrides(hook: Any, stage: str) -> bool:
+    fn = getattr(type(hook), stage, None)
+    return fn is not None and fn is not getattr(HookBase, stage)
+
+
+def _schedulers_of(hooks: Sequence[Any], optimizer: Any) -> List[Any]:
+    out = []
+    for h in hooks:
+        if isinstance(h, LRScheduler) and h._optimizer is optimizer and h._scheduler is not None:
+            out.append(h._scheduler)
+    return out
+
+
+class _GraphTrainerParts(SimpleTrainerParts):
+    """:class:`SimpleTrainerParts` with the :class:`GraphStep`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = GraphStep()
+
+
+class CUDAGraphTrainer(SimpleTrainer):
+    """Like :class:`SimpleTrainer`, but the whole step (forward, loss sum, backward, optimizer
+    step, the write of every loss into a device ring buffer) is one CUDA graph, captured after
+    ``warmup_iters`` warm-up steps and replayed at every later iteration. Hooks run on the host
+    between replays, on the same parameters; the losses reach the storage as the eager
+    trainer's do (read in one batched copy when a writer or a reader needs them), at their own
+    iterations; the LR schedule is a device table the graph reads, so it changes without a
+    host sync or a recapture. See ``docs/cuda_graph.md``.
+
+    What cannot be captured raises at construction or at capture (``TypeError``,
+    ``ValueError`` or ``RuntimeError`` naming the cause and the fix): no CUDA device, a
+    ``DistributedDataParallel``/``DataParallel`` model, an optimizer that is not capturable
+    (``Adam(..., capturable=True)``, ``SGD(..., fused=True)``), float16 or a ``GradScaler``
+    (bfloat16 autocast is supported), ``async_write_metrics``, a hook's ``after_backward``,
+    ``step_optimizer=False``, a host synchronization in the model or loss (at capture), a batch
+    whose structure, shapes, dtypes or non-tensor values differ from the captured one (at that
+    step). With ``fallback="eager"`` each of these is one ``RuntimeWarning`` and
+    :class:`SimpleTrainer`'s eager step instead (for the rest of the run, or for that batch).
+
+    Shapes: one graph, one batch shape. Use a loader with fixed shapes (``drop_last=True``,
+    padding); a different batch is an error naming both shapes, or with ``fallback="eager"``
+    one eager step.
+
+    ``zero_grad_before_forward`` is accepted and has no effect: the captured backward writes
+    the gradients afresh at every replay.
+
+    Args (beyond :class:`SimpleTrainer`'s):
+        precision: None (float32) or ``torch.bfloat16`` (autocast, without its cache).
+        grad_scaler: must be None (or a disabled scaler): loss scaling reads the host.
+        warmup_iters: real training steps run eagerly (on a side stream) before the capture.
+        ring_size: slots of the loss ring buffer; at least ``2 * PENDING_READ_EVERY *
+            gather_metric_period`` (the default), so a slot is read before it is written again.
+        graph: ``"cuda"`` (capture with ``torch.cuda.CUDAGraph``) or ``"eager"`` (the seam's
+            CPU implementation: every step runs the captured function eagerly; for tests).
+        fallback: None (raise) or ``"eager"`` (warn once, train eagerly).
+    """
+
+    _parts_class = _GraphTrainerParts
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data_loader: Any,
+        optimizer: torch.optim.Optimizer,
+        gather_metric_period: int = 1,
+        zero_grad_before_forward: bool = False,
+        async_write_metrics: bool = False,
+        *,
+        check_finite_every_step: bool = False,
+        precision: Optional[torch.dtype] = None,
+        grad_scaler: Optional[Any] = None,
+        warmup_iters: int = 3,
+        ring_size: Optional[int] = None,
+        graph: str = "cuda",
+        fallback: Optional[str] = None,
+    ) -> None:
+        if precision is not None and precision not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"{_WHO} precision must be None, torch.float32 or torch.bfloat16, got "
+                f"{precision}: float16 needs a GradScaler, whose inf check and scale update "
+                "read the device on the host every step. Use precision=torch.bfloat16"
+            )
+        if grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)():
+            raise ValueError(
+                f"{_WHO} does not capture a GradScaler: its step reads found_inf on the host "
+                "(a sync per step) and skips steps by a host decision. Use "
+                "precision=torch.bfloat16 without a scaler"
+            )
+        if async_write_metrics:
+            raise ValueError(
+                f"{_WHO} does not take async_write_metrics=True: the ring buffer's batched "
+                "reads are already asynchronous, and a write thread could read a slot after "
+                "the graph rewrote it"
+            )
+        super().__init__(
+            model,
+            data_loader,
+            optimizer,
+            gather_metric_period,
+            zero_grad_before_forward,
+            async_write_metrics,
+            check_finite_every_step=check_finite_every_step,
+        )
+        self.precision = precision
+        self._hookloop.graph.configure(self, graph, fallback, precision, warmup_iters, ring_size)
+
+    def before_train(self) -> None:
+        super().before_train()
+        self._hookloop.graph.prepare(self, self._hooks)
+
+    def run_step(self) -> None:
+        """One replay of the captured step (the first ``warmup_iters`` steps: the same step,
+        run eagerly; then the capture)."""
+        if not self.model.training:
+            raise RuntimeError(f"[{_WHO}] model was changed to eval mode!")
+        start = time.perf_counter()
+        try:
+            data = next(self._data_loader_iter)
+        except StopIteration:  # a finite loader: the next epoch (free while not raised)
+            data = self._hookloop.data.next_epoch(self)
+        data_time = time.perf_counter() - start
+
+        step = self._hookloop.graph
+        if not step.prepared:  # a stage called by someone else's loop (DefaultTrainer)
+            step.prepare(self, self._hooks)
+        if step.eager_reason is not None:
+            self._eager_step(data, data_time)
+            return
+        different = step.place(data)
+        if different is not None:
+            if step.fallback != "eager":
+                raise ValueError(
+                    f"{_WHO} got {different} at iteration {self.iter}: a graph replays one "
+                    "batch shape. Give it batches of one shape (drop_last=True, padding), or "
+                    "pass fallback='eager' to run such batches eagerly"
+                )
+            step.warn_once(different, f"{_WHO}: {different}; this step runs eagerly")
+            self._eager_step(data, data_time)
+            return
+        step.sync_lr(self.optimizer, self.iter)
+        if not step.run(self):  # the capture failed, fallback="eager"
+            self._eager_step(data, data_time)
+            return
+        self._write_metrics(step.losses_at(self.iter), data_time)
+
+    def _eager_step(self, data: Any, data_time: float) -> None:
+        """SimpleTrainer's step (``fallback="eager"``), keeping the device step counter."""
+        step = self._hookloop.graph
+        # After a capture the gradients are the graph's buffers: zeroed in place, kept.
+        self.optimizer.zero_grad(set_to_none=not (step.seam is not None and step.seam.captured))
+        loss_dict, losses = step._forward(self, data)
+        losses.backward()
+        self.after_backward()
+        self._write_metrics(loss_dict, data_time)
+        self.optimizer.step()
+        if step.counter is not None:
+            with torch.no_grad():
+                step.counter.add_(1)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # The optimizer's state tensors were replaced: capture again (the hooks do that too).
+        self._hookloop.graph.invalidate()
+        self._hookloop.graph.prepared = False

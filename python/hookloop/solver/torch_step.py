@@ -28,35 +28,36 @@ _REPLACEABLE = ("step", "get_lr", "_update_lr")
 
 
 def step(scheduler: Any) -> None:
-    """``scheduler.step()``, or its three attribute writes when that step changes no LR."""
+    """``scheduler.step()``, or its three attribute writes when that step changes no LR (one
+    function, no nested call: this runs every iteration)."""
     kind = _KINDS.get(type(scheduler)) if _KINDS else _kinds().get(type(scheduler))
-    if kind is None or not _between_changes(scheduler, kind):
-        scheduler.step()
-
-
-def _between_changes(s: Any, kind: int) -> bool:
-    d = vars(s)
+    if kind is None:
+        return scheduler.step()
+    d = vars(scheduler)
     count, last = d.get("_step_count"), d.get("last_epoch")
     if type(count) is not int or type(last) is not int or count <= 1:
-        return False
+        return scheduler.step()  # torch checks the first step
     if "step" in d or "get_lr" in d or "_update_lr" in d:
-        return False
+        return scheduler.step()  # replaced on the instance
     nxt = last + 1
     if kind == _MULTI_STEP:
-        if nxt in s.milestones:
-            return False
+        milestones = d.get("milestones")
+        if milestones is None or nxt in milestones:
+            return scheduler.step()
     else:
         size = d.get("step_size")
         if type(size) is not int or size <= 0 or (nxt != 0 and nxt % size == 0):
-            return False
-    lrs = [g["lr"] for g in s.optimizer.param_groups]
-    for lr in lrs:
+            return scheduler.step()
+    lrs = []  # a loop, not a comprehension: no function frame per step (CPython 3.11)
+    for g in scheduler.optimizer.param_groups:
+        lr = g["lr"]
         if type(lr) is not float and type(lr) is not int:
-            return False  # a tensor LR is torch's to copy
+            return scheduler.step()  # a tensor LR: torch's
+        lrs.append(lr)
     d["_step_count"] = count + 1
     d["last_epoch"] = nxt
     d["_last_lr"] = lrs
-    return True
+    return None
 
 
 def _kinds() -> Dict[type, int]:

@@ -35,7 +35,11 @@ pub enum Record {
     },
     /// A `put_scalar` of one value: its full name (name scope applied) and iteration, as
     /// [`Storage::resolve_put`] fixed them when it was made.
-    Put { name: String, hint: bool, iter: Iter },
+    Put {
+        name: String,
+        hint: bool,
+        iter: Iter,
+    },
 }
 
 impl Record {
@@ -278,8 +282,11 @@ pub fn apply(storage: &mut Storage, records: &[Record], values: &[f64]) -> Resul
                 prefix,
                 names,
             } => {
-                let losses: Vec<(&str, f64)> =
-                    names.iter().map(String::as_str).zip(mine.iter().copied()).collect();
+                let losses: Vec<(&str, f64)> = names
+                    .iter()
+                    .map(String::as_str)
+                    .zip(mine.iter().copied())
+                    .collect();
                 let reduced = Reduced {
                     data_time: *data_time,
                     losses: &losses,
@@ -306,8 +313,15 @@ mod tests {
 
     fn losses(q: &mut Pending<f64, ()>, s: &mut Storage, it: i64, v: f64) -> Due {
         let names = vec!["a".to_owned(), "b".to_owned()];
-        q.push_losses(s, Iter::Int(it), 0.5, String::new(), names, vec![v, 2.0 * v])
-            .unwrap()
+        q.push_losses(
+            s,
+            Iter::Int(it),
+            0.5,
+            String::new(),
+            names,
+            vec![v, 2.0 * v],
+        )
+        .unwrap()
     }
 
     fn read_all(q: &mut Pending<f64, ()>, s: &mut Storage) -> Result<()> {
@@ -329,7 +343,11 @@ mod tests {
         assert!(s.is_empty(), "nothing is stored before the read");
         read_all(&mut q, &mut s).unwrap();
         assert!(q.is_empty());
-        let names: Vec<_> = s.history_names().into_iter().map(|n| n.to_string()).collect();
+        let names: Vec<_> = s
+            .history_names()
+            .into_iter()
+            .map(|n| n.to_string())
+            .collect();
         assert_eq!(
             names,
             ["rank_data_time", "data_time", "total_loss", "a", "b"]
@@ -362,9 +380,16 @@ mod tests {
         // Puts count as values, not iterations: the 7th value makes a read due.
         for i in 0..4 {
             let due = q.push_put(&mut s, "x".into(), true, Iter::Int(3), i as f64);
-            assert_eq!(due, if i == 4 { Due::Read } else { Due::Nothing }, "put {i}");
+            assert_eq!(
+                due,
+                if i == 4 { Due::Read } else { Due::Nothing },
+                "put {i}"
+            );
         }
-        assert_eq!(q.push_put(&mut s, "x".into(), true, Iter::Int(3), 9.0), Due::Read);
+        assert_eq!(
+            q.push_put(&mut s, "x".into(), true, Iter::Int(3), 9.0),
+            Due::Read
+        );
     }
 
     #[test]
@@ -410,7 +435,11 @@ mod tests {
         losses(&mut q, &mut s, 0, 1.0);
         s.put_scalar("lr", 0.1, false, None).unwrap(); // put while the losses wait
         read_all(&mut q, &mut s).unwrap();
-        let names: Vec<_> = s.history_names().into_iter().map(|n| n.to_string()).collect();
+        let names: Vec<_> = s
+            .history_names()
+            .into_iter()
+            .map(|n| n.to_string())
+            .collect();
         assert_eq!(
             names,
             ["rank_data_time", "data_time", "total_loss", "a", "b", "lr"]
@@ -426,7 +455,13 @@ mod tests {
         losses(&mut q, &mut s, 2, 1.0);
         let err = read_all(&mut q, &mut s).unwrap_err();
         assert!(
-            matches!(err, Error::NonFiniteLoss { iter: Iter::Int(1), .. }),
+            matches!(
+                err,
+                Error::NonFiniteLoss {
+                    iter: Iter::Int(1),
+                    ..
+                }
+            ),
             "{err:?}"
         );
         assert_eq!(s.scalar("total_loss").unwrap().history.values().len(), 1);
@@ -439,7 +474,10 @@ mod tests {
         losses(&mut q, &mut s, 0, 1.0);
         let taken = q.take();
         let err = apply(&mut s, &taken.waiting.records, &[1.0]).unwrap_err();
-        assert!(err.to_string().contains("1 values read for 2 waiting"), "{err}");
+        assert!(
+            err.to_string().contains("1 values read for 2 waiting"),
+            "{err}"
+        );
         assert!(q
             .push_losses(&mut s, Iter::Int(1), 0.0, String::new(), vec![], vec![1.0])
             .is_err());

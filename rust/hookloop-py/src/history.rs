@@ -12,8 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::convert::{iter_to_py, scalar_value};
-use crate::pending::Waiting;
 use crate::errors::{to_py, IntoPyResult};
+use crate::pending::Waiting;
 use crate::state::Shared;
 
 enum Source {

@@ -4,11 +4,11 @@
 use pyo3::prelude::*;
 
 mod convert;
-mod pending;
 mod dispatch;
 mod errors;
 mod history;
 mod hooks;
+mod pending;
 mod schedule;
 mod state;
 mod storage;

@@ -25,10 +25,7 @@ use pyo3::{intern, PyTraverseError, PyVisit};
 
 use crate::convert::scalar_value;
 use crate::errors::{to_py, IntoPyResult};
-use crate::state::SharedState;
-
-/// The queue's type in the storage's state: values and started reads are Python objects.
-pub type Queue = hookloop_core::pending::Pending<Py<PyAny>, Py<PyAny>>;
+use crate::state::{Queue, SharedState};
 
 thread_local! {
     /// Whether this thread is inside a settle (a value's `item()` that reads the storage again

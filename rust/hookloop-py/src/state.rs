@@ -56,11 +56,14 @@ pub struct PendingImage {
     pub iter: i64,
 }
 
+/// The storage's pending queue: values and started reads are Python objects.
+pub type Queue = hookloop_core::pending::Pending<Py<PyAny>, Py<PyAny>>;
+
 /// Everything behind an `EventStorage`'s lock.
 pub struct State {
     pub core: Storage,
     /// The values put but not read yet (core `pending`; read by `crate::pending`).
-    pub pending: crate::pending::Queue,
+    pub pending: Queue,
     pub images: MediaQueue<PendingImage>,
 }
 

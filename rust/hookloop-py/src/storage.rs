@@ -175,7 +175,8 @@ impl PyEventStorage {
         prefix: &str,
     ) -> PyResult<()> {
         let it = iteration("cur_iter", Some(cur_iter))?.unwrap_or(Iter::Int(0));
-        self.waiting.record_losses(py, it, data_time, losses, prefix)
+        self.waiting
+            .record_losses(py, it, data_time, losses, prefix)
     }
 
     /// The pending queue's limits (core `pending::Limits`): a read is due every `read_every`
@@ -323,20 +324,14 @@ impl PyEventStorage {
         if !self.with(|s| s.has_history(name)) {
             return Err(to_py(Error::UnknownMetric(name.to_owned())));
         }
-        Ok(PyHistoryBuffer::view(
-            self.waiting.clone(),
-            name.to_owned(),
-        ))
+        Ok(PyHistoryBuffer::view(self.waiting.clone(), name.to_owned()))
     }
 
     /// `histories()[name]` of a name never put: an empty history of the storage's own, listed
     /// at this place from now on (detectron2's `defaultdict`); a live view of it.
     fn _read_history(&self, name: &str) -> PyResult<PyHistoryBuffer> {
         self.with(|s| s.read_history(name)).py_err()?;
-        Ok(PyHistoryBuffer::view(
-            self.waiting.clone(),
-            name.to_owned(),
-        ))
+        Ok(PyHistoryBuffer::view(self.waiting.clone(), name.to_owned()))
     }
 
     /// `{name: HistoryBuffer}` for every history, in detectron2's `histories()` order.

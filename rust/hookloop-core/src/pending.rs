@@ -360,11 +360,13 @@ mod tests {
     #[test]
     fn the_read_is_due_every_read_every_iterations_and_at_the_value_bound() {
         let mut s = storage();
-        let mut q: Pending<f64, ()> = Pending::default();
-        q.limits = Limits {
-            read_every: 3,
-            max_started: 1,
-            max_values: 7,
+        let mut q: Pending<f64, ()> = Pending {
+            limits: Limits {
+                read_every: 3,
+                max_started: 1,
+                max_values: 7,
+            },
+            ..Pending::default()
         };
         assert_eq!(losses(&mut q, &mut s, 0, 1.0), Due::Nothing);
         assert_eq!(losses(&mut q, &mut s, 1, 1.0), Due::Nothing);

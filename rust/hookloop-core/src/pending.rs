@@ -16,6 +16,7 @@
 //! ([`Storage::mark_deferred`]).
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use crate::iter::Iter;
 use crate::metrics::{write_metrics, Reduced};
@@ -26,12 +27,13 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Record {
     /// One iteration's losses of one process (`SimpleTrainer.write_metrics`'s rule at the
-    /// read): `data_time`, then the names in the loss dict's order, one value each.
+    /// read): `data_time`, then the names in the loss dict's order, one value each. The
+    /// names are shared: a model returns the same losses every step.
     Losses {
         iter: Iter,
         data_time: f64,
         prefix: String,
-        names: Vec<String>,
+        names: Arc<[String]>,
     },
     /// A `put_scalar` of one value: its full name (name scope applied) and iteration, as
     /// [`Storage::resolve_put`] fixed them when it was made.
@@ -161,7 +163,7 @@ impl<V, H> Pending<V, H> {
         iter: Iter,
         data_time: f64,
         prefix: String,
-        names: Vec<String>,
+        names: Arc<[String]>,
         values: Vec<V>,
     ) -> Result<Due> {
         if names.len() != values.len() {
@@ -312,7 +314,7 @@ mod tests {
     }
 
     fn losses(q: &mut Pending<f64, ()>, s: &mut Storage, it: i64, v: f64) -> Due {
-        let names = vec!["a".to_owned(), "b".to_owned()];
+        let names: Arc<[String]> = Arc::from(["a".to_owned(), "b".to_owned()]);
         q.push_losses(
             s,
             Iter::Int(it),
@@ -398,7 +400,7 @@ mod tests {
     fn started_reads_go_ahead_of_what_was_queued_since() {
         let mut s = storage();
         let mut q: Pending<f64, &str> = Pending::default();
-        let names = || vec!["a".to_owned()];
+        let names = || Arc::from(vec!["a".to_owned()]);
         q.push_losses(&mut s, Iter::Int(0), 0.0, String::new(), names(), vec![1.0])
             .unwrap();
         let first = q.take();
@@ -481,7 +483,14 @@ mod tests {
             "{err}"
         );
         assert!(q
-            .push_losses(&mut s, Iter::Int(1), 0.0, String::new(), vec![], vec![1.0])
+            .push_losses(
+                &mut s,
+                Iter::Int(1),
+                0.0,
+                String::new(),
+                Arc::from([]),
+                vec![1.0]
+            )
             .is_err());
     }
 }

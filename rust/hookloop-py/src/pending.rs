@@ -13,7 +13,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use hookloop_core::iter::Iter;
 use hookloop_core::pending::{apply, Batch, Due, Record, Started, Taken};
@@ -33,6 +33,9 @@ thread_local! {
     static SETTLING: Cell<bool> = const { Cell::new(false) };
 }
 
+/// A loss dict's key objects and their names.
+type KeyNames = (Vec<Py<PyString>>, Arc<[String]>);
+
 /// A storage's state with its pending values.
 pub struct Waiting {
     state: SharedState,
@@ -41,6 +44,8 @@ pub struct Waiting {
     /// One settle at a time: a reader on another thread waits for a settle under way, so it
     /// never sees the storage without the values that settle took.
     settling: Mutex<()>,
+    /// The last loss dict's keys and their names (`names_of`).
+    names: Mutex<KeyNames>,
 }
 
 impl Waiting {
@@ -49,6 +54,7 @@ impl Waiting {
             state,
             any: AtomicBool::new(false),
             settling: Mutex::new(()),
+            names: Mutex::new((Vec::new(), Arc::from([]))),
         }
     }
 
@@ -70,19 +76,8 @@ impl Waiting {
         losses: &Bound<'_, PyDict>,
         prefix: &str,
     ) -> PyResult<()> {
-        let mut names = Vec::with_capacity(losses.len());
-        let mut values = Vec::with_capacity(losses.len());
-        for (k, v) in losses.iter() {
-            let k = k.cast_into::<PyString>().map_err(|_| {
-                to_py(hookloop_core::Error::wrong_type(
-                    "loss_dict keys",
-                    "str",
-                    "another type",
-                ))
-            })?;
-            names.push(k.to_str()?.to_owned());
-            values.push(v.unbind());
-        }
+        let names = self.names_of(losses)?;
+        let values: Vec<Py<PyAny>> = losses.iter().map(|(_, v)| v.unbind()).collect();
         let prefix = prefix.to_owned();
         let due = self
             .with(|s, q| {
@@ -92,6 +87,32 @@ impl Waiting {
             })
             .py_err()?;
         self.on_due(py, due)
+    }
+
+    /// The names of a loss dict's keys, shared with the previous record when its keys are the
+    /// same string objects (a model's dict keys usually are): no `String` per loss per step.
+    fn names_of(&self, losses: &Bound<'_, PyDict>) -> PyResult<Arc<[String]>> {
+        let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let (keys, names) = &*cache;
+        if keys.len() == losses.len() && losses.iter().zip(keys).all(|((k, _), c)| k.is(c)) {
+            return Ok(names.clone());
+        }
+        let mut keys = Vec::with_capacity(losses.len());
+        let mut names = Vec::with_capacity(losses.len());
+        for k in losses.keys() {
+            let k = k.cast_into::<PyString>().map_err(|_| {
+                to_py(hookloop_core::Error::wrong_type(
+                    "loss_dict keys",
+                    "str",
+                    "another type",
+                ))
+            })?;
+            names.push(k.to_str()?.to_owned());
+            keys.push(k.unbind());
+        }
+        let names: Arc<[String]> = names.into();
+        *cache = (keys, names.clone());
+        Ok(names)
     }
 
     /// Queues device tensors put with `put_scalar`, each with the name and iteration of this
@@ -215,20 +236,24 @@ impl Waiting {
                 break;
             }
         }
+        let mut ended = false;
         if result.is_ok() && !waiting.records.is_empty() {
+            // Stored, and the deferred place ended when nothing waits, under one lock.
             result = read_values(py, &waiting).and_then(|values| {
-                self.with(|st, _| apply(st, &waiting.records, &values))
-                    .py_err()
+                self.with(|st, q| {
+                    let stored = apply(st, &waiting.records, &values);
+                    ended = end_if_empty(st, q);
+                    stored
+                })
+                .py_err()
             });
             if let Err(e) = &result {
                 log_failed_write(py, &waiting.records, e);
             }
         }
-        self.with(|s, q| {
-            if q.is_empty() {
-                s.end_deferred();
-            }
-        });
+        if !ended {
+            self.with(end_if_empty);
+        }
         drop((started, waiting)); // the tensors, released after the lock
         result
     }
@@ -281,6 +306,15 @@ impl Drop for SettleGuard<'_> {
     }
 }
 
+/// Ends the storage's deferred place when nothing waits (names put later go at the end).
+fn end_if_empty(storage: &mut Storage, queue: &mut Queue) -> bool {
+    let empty = queue.is_empty();
+    if empty {
+        storage.end_deferred();
+    }
+    empty
+}
+
 /// Logs a failed read of a batch that held a trainer's losses (`_tensors.write_failed`); a
 /// failure to log is reported as unraisable, never instead of the error itself.
 fn log_failed_write(py: Python<'_>, records: &[Record], error: &PyErr) {
@@ -313,14 +347,19 @@ fn read_values(py: Python<'_>, batch: &Batch<Py<PyAny>>) -> PyResult<Vec<f64>> {
         return Ok(Vec::new());
     };
     if on_host(first.bind(py)) {
-        let names = batch.records.iter().flat_map(|r| match r {
-            Record::Losses { names, .. } => names.iter().map(String::as_str).collect::<Vec<_>>(),
-            Record::Put { name, .. } => vec![name.as_str()],
-        });
-        return names
-            .zip(&batch.values)
-            .map(|(name, v)| scalar_value(name, v.bind(py)))
-            .collect();
+        let mut out = Vec::with_capacity(batch.values.len());
+        let mut values = batch.values.iter();
+        let mut read = |name: &str| match values.next() {
+            Some(v) => scalar_value(name, v.bind(py)).map(|v| out.push(v)),
+            None => Ok(()), // fewer values than names: apply() reports it
+        };
+        for r in &batch.records {
+            match r {
+                Record::Losses { names, .. } => names.iter().try_for_each(|n| read(n))?,
+                Record::Put { name, .. } => read(name)?,
+            }
+        }
+        return Ok(out);
     }
     let values = PyList::new(py, batch.values.iter().map(|v| v.bind(py)))?;
     tensors(py)?

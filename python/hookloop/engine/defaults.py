@@ -769,9 +769,9 @@ class DefaultTrainer(TrainerBase):
         _share_stop(self)  # the wrapped trainer as it is now (a subclass may assign its own)
         graphed = isinstance(self._trainer, CUDAGraphTrainer)
         if graphed:
-            # What the wrapped trainer's own before_train sets up, before the hooks' (a
-            # period-1 writer asks for the direct path there): its losses (the ring's slots)
-            # wait in this run's storage and are read in batches, not one sync per step.
+            # What the wrapped trainer's own before_train sets up, before the hooks': its
+            # losses (the ring's slots) wait in this run's storage's pending queue and are
+            # read in batches, not one sync per step.
             self._trainer.storage = self.storage
             self._trainer._hookloop.metrics.configure(self._trainer)
         super().before_train()

@@ -24,14 +24,15 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    hookloop, in ``"error"`` mode ``GradScaler.step`` and ``update`` run in the default mode.
    The hand-written loop is counted the same way, for comparison.
 2. **One transfer per read** (``reads``). The default stack reads the losses at each write
-   (every 20 iterations); the seeds' stack (the default stack plus
-   ``PeriodicWriter([JSON, TensorBoard], 1)`` with ``window_size=1``) at every iteration. On
-   CUDA they wait in the storage's pending queue and are read in one batched copy per read:
-   with the sync debug mode in ``"warn"`` from ``before_train`` to the end of the last
-   iteration, at most one synchronization per read may be counted (each is the loss copy;
-   where they come from is listed). The default stack counts none: at the 20-iteration cap its copy is started without blocking, and the write
-   waits on that copy's event, which torch's sync debug mode does not report (seen on an
-   H200, torch 2.11); the seeds' stack, read before any copy started, counts one per read.
+   (every 20 iterations); the seeds' stack (the default stack plus ``PeriodicWriter([JSON,
+   TensorBoard], 1)`` with ``window_size=1``) at every iteration. On CUDA they wait in the
+   storage's pending queue and are read in one batched copy per read: with the sync debug mode
+   in ``"warn"`` from ``before_train`` to the end of the last iteration, at most one
+   synchronization per read may be counted (each is the loss copy; where they come from is
+   listed). The default stack counts none: at the 20-iteration cap its copy is started without
+   blocking, and the write waits on that copy's event, which torch's sync debug mode does not
+   report (seen on an H200, torch 2.11); the seeds' stack, read before any copy started, counts
+   one per read.
 3. **Speed** (``speed``). steps/s of hookloop's trainer, the pure-Python detectron2-semantics
    reference's and a hand-written loop making the same model calls, with and without AMP
    (float16 with a GradScaler): medians over interleaved repetitions (``lab.overhead``'s) of

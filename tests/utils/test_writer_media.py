@@ -295,11 +295,16 @@ def test_queued_media_and_the_checkpointed_state_are_bounded_in_bytes(monkeypatc
     writer = MLflowWriter(uri, run_id="0123abcd", max_buffered_bytes=bound, close_timeout=0.0)
     with caplog.at_level(logging.WARNING, logger="hookloop.utils.trackers"):
         with EventStorage(0) as storage:
-            for i in range(60):
-                storage.iter = i
-                storage.put_scalar("loss", float(i))
-                storage.put_image("img", torch.zeros(3, 256, 256))  # 192 KiB of pixels
-                writer.write()
+            # The writer's lock (reentrant) held across the writes: the sender thread takes
+            # its first batch after all 60 are queued, not after however many a loaded
+            # machine let through (a batch in flight is kept for its retry, so which images
+            # stay would otherwise depend on that timing).
+            with writer._lock:
+                for i in range(60):
+                    storage.iter = i
+                    storage.put_scalar("loss", float(i))
+                    storage.put_image("img", torch.zeros(3, 256, 256))  # 192 KiB of pixels
+                    writer.write()
             state = writer._state_dict()
         writer.close()
     buffer = io.BytesIO()

@@ -236,9 +236,12 @@ def _attribute(frames: Sequence[traceback.FrameSummary]) -> str:
     return where if inner == where else f"{where} (in {inner})"
 
 
-def _count_syncs(fn: Any) -> Tuple[int, collections.Counter]:
-    """Runs ``fn()`` counting the sync debug mode's warnings and where they were made (by
-    stack, :func:`_attribute`); other warnings are shown as usual."""
+def _count_syncs(
+    fn: Any, label: Optional[Callable[[str], str]] = None
+) -> Tuple[int, collections.Counter]:
+    """Runs ``fn()`` counting the sync debug mode's warnings by where they were made (by
+    stack, :func:`_attribute`; ``label`` may rename each place, once per warning); other
+    warnings are shown as usual."""
     where: collections.Counter = collections.Counter()
     show = warnings.showwarning
 
@@ -249,7 +252,8 @@ def _count_syncs(fn: Any) -> Tuple[int, collections.Counter]:
         stack = traceback.extract_stack(sys._getframe(1))
         while stack and stack[-1].filename == warnings.__file__:
             stack.pop()  # warnings' own frames, between the caller and this function
-        where[_attribute(stack)] += 1
+        place = _attribute(stack)
+        where[label(place) if label else place] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -643,28 +647,14 @@ def _graph_syncs(which: str, device: torch.device, iters: int, tmpdir: str) -> D
                 current[0] = -1
 
     per_iter: collections.Counter = collections.Counter()
-    where: collections.Counter = collections.Counter()
-    show = warnings.showwarning
 
-    def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
-        if SYNC_MESSAGE not in str(message):
-            show(message, category, filename, lineno, *rest)
-            return
-        stack = traceback.extract_stack(sys._getframe(1))
-        while stack and stack[-1].filename == warnings.__file__:
-            stack.pop()
+    def at_iteration(place: str) -> str:
         per_iter[current[0]] += 1
-        where[f"iter {current[0]}: {_attribute(stack)}"] += 1
+        return f"iter {current[0]}: {place}"
 
     t = _graph_trainer(which, device, iters, tmpdir, "stack", extra=[Warn])
     warmup = t._hookloop.graph.warmup_iters  # steps before the capture iteration
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        try:
-            t.train(0, iters)
-        finally:
-            set_mode("default")
+    _, where = _count_syncs(lambda: t.train(0, iters), at_iteration)
     writes = [i for i in range(iters) if _writes_at(i, iters, PERIOD)]
     after = [i for i in range(warmup + 1, iters) if i not in writes]
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterator
 
@@ -23,3 +24,15 @@ def storage() -> Iterator[EventStorage]:
     with EventStorage() as s:
         yield s
     assert not has_event_storage()
+
+
+@pytest.fixture
+def hookloop_logs_info() -> Iterator[None]:
+    """hookloop's logger at INFO for the test. DefaultTrainer calls setup_logger() when that
+    logger would drop INFO records; the logger then stops propagating, which later tests' log
+    captures (caplog, the corpus) would miss."""
+    log = logging.getLogger("hookloop")
+    level = log.level
+    log.setLevel(logging.INFO)
+    yield
+    log.setLevel(level)

@@ -295,17 +295,6 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
     assert [r for r in metrics(tmp_path / "b") if r["iteration"] >= 23] == tail
 
 
-@pytest.fixture
-def hookloop_logs_info():
-    # DefaultTrainer calls setup_logger() when hookloop's logger would drop INFO records; that
-    # logger then stops propagating, which later tests' log captures (the corpus) would miss.
-    log = logging.getLogger("hookloop")
-    level = log.level
-    log.setLevel(logging.INFO)
-    yield
-    log.setLevel(level)
-
-
 @pytest.mark.usefixtures("hookloop_logs_info")
 def test_default_trainer_with_cuda_graph(tmp_path, monkeypatch):
     from hookloop.data import TrainingSampler
@@ -557,24 +546,25 @@ def test_cuda_host_sync_in_the_loss_fails_at_capture():
     assert proc.returncode == 0 and "fell back as expected" in proc.stdout, proc.stderr
 
 
+class NoSyncAfterCapture(HookBase):
+    """Syncs are errors from iteration 6 (after the capture) to the last step."""
+
+    def before_step(self) -> None:
+        if self.trainer.iter == 6:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def after_step(self) -> None:
+        if self.trainer.iter == self.trainer.max_iter - 1:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.cuda
 @cuda
 # torch (2.11 at least) warns once per process, at the first set_sync_debug_mode
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_cuda_replays_do_not_synchronize():
-    class NoSync(HookBase):
-        """Syncs are errors from iteration 6 (after the capture) to the last step."""
-
-        def before_step(self) -> None:
-            if self.trainer.iter == 6:
-                torch.cuda.set_sync_debug_mode("error")
-
-        def after_step(self) -> None:
-            if self.trainer.iter == self.trainer.max_iter - 1:
-                torch.cuda.set_sync_debug_mode("default")
-
     trainer = _cuda_trainer()
-    trainer.register_hooks([NoSync()])
+    trainer.register_hooks([NoSyncAfterCapture()])
     try:
         # No writer: losses wait as views; the read of 20 starts a device copy, no host wait.
         trainer.train(0, 6 + 2 * PENDING_READ_EVERY)
@@ -599,21 +589,12 @@ def test_cuda_bfloat16_capture_matches_the_eager_seam(tmp_path):
 @cuda
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_cuda_pinned_host_batches_are_copied_without_a_sync():
-    class NoSync(HookBase):
-        def before_step(self) -> None:
-            if self.trainer.iter == 6:
-                torch.cuda.set_sync_debug_mode("error")
-
-        def after_step(self) -> None:
-            if self.trainer.iter == self.trainer.max_iter - 1:
-                torch.cuda.set_sync_debug_mode("default")
-
     torch.manual_seed(0)
     model = Net(bn=True).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
     data = [(x.pin_memory(), y.pin_memory()) for x, y in batches()]  # a loader's pinned batches
     trainer = CUDAGraphTrainer(model, data, opt)
-    trainer.register_hooks([NoSync()])
+    trainer.register_hooks([NoSyncAfterCapture()])
     try:
         trainer.train(0, 30)
     finally:

@@ -35,15 +35,8 @@ from torch.utils.data import DataLoader, TensorDataset
 DIM = 4
 
 
-@pytest.fixture(autouse=True)
-def _hookloop_logs_info():
-    # DefaultTrainer calls setup_logger() when hookloop's logger would drop INFO records;
-    # that logger then stops propagating, which other tests' caplog would miss.
-    log = logging.getLogger("hookloop")
-    level = log.level
-    log.setLevel(logging.INFO)
-    yield
-    log.setLevel(level)
+# DefaultTrainer would otherwise set hookloop's logger up (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("hookloop_logs_info")
 
 
 class Toy(nn.Module):

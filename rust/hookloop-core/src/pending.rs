@@ -326,6 +326,11 @@ mod tests {
         .unwrap()
     }
 
+    /// The storage's names in `histories()` order.
+    fn names(s: &Storage) -> Vec<String> {
+        s.history_names().iter().map(|n| n.to_string()).collect()
+    }
+
     fn read_all(q: &mut Pending<f64, ()>, s: &mut Storage) -> Result<()> {
         let taken = q.take();
         let r = apply(s, &taken.waiting.records, &taken.waiting.values);
@@ -345,13 +350,8 @@ mod tests {
         assert!(s.is_empty(), "nothing is stored before the read");
         read_all(&mut q, &mut s).unwrap();
         assert!(q.is_empty());
-        let names: Vec<_> = s
-            .history_names()
-            .into_iter()
-            .map(|n| n.to_string())
-            .collect();
         assert_eq!(
-            names,
+            names(&s),
             ["rank_data_time", "data_time", "total_loss", "a", "b"]
         );
         let total = s.scalar("total_loss").unwrap().history.values();
@@ -439,13 +439,8 @@ mod tests {
         losses(&mut q, &mut s, 0, 1.0);
         s.put_scalar("lr", 0.1, false, None).unwrap(); // put while the losses wait
         read_all(&mut q, &mut s).unwrap();
-        let names: Vec<_> = s
-            .history_names()
-            .into_iter()
-            .map(|n| n.to_string())
-            .collect();
         assert_eq!(
-            names,
+            names(&s),
             ["rank_data_time", "data_time", "total_loss", "a", "b", "lr"]
         );
     }

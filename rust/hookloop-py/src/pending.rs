@@ -192,17 +192,28 @@ impl Waiting {
         let Some(_guard) = self.lock_settling(py) else {
             return Ok(());
         };
-        let (may_start, taken) = self.with(|_, q| (q.may_start(), q.take()));
+        // `any` cleared with the take, under the lock (as `settle` does): a record made by
+        // another thread meanwhile sets it again.
+        let (may_start, taken) = self.with(|_, q| {
+            self.any.store(false, Ordering::Release);
+            (q.may_start(), q.take())
+        });
         let Taken {
             mut started,
             waiting,
         } = taken;
         if may_start && !waiting.values.is_empty() {
-            let values = PyList::new(py, waiting.values.iter().map(|v| v.bind(py)))?;
-            let read = tensors(py)?
-                .getattr(intern!(py, "start_read"))?
-                .call1((values,))?;
-            if !read.is_none() {
+            // A read that cannot be started (not CUDA, or start_read failed) is done now, in
+            // order, after the reads started earlier: nothing taken is dropped unread.
+            let read = PyList::new(py, waiting.values.iter().map(|v| v.bind(py)))
+                .and_then(|values| {
+                    tensors(py)?
+                        .getattr(intern!(py, "start_read"))?
+                        .call1((values,))
+                })
+                .ok()
+                .filter(|r| !r.is_none());
+            if let Some(read) = read {
                 started.push(Started {
                     records: waiting.records,
                     read: read.unbind(),
@@ -214,7 +225,6 @@ impl Waiting {
                 return Ok(()); // waiting.values (the tensors) released here, after the lock
             }
         }
-        self.any.store(false, Ordering::Release);
         self.read(py, Taken { started, waiting })
     }
 

@@ -130,7 +130,7 @@ def test_metrics_json_and_weights_equal_simple_trainers(tmp_path, schedule):
     step = graphed._hookloop.graph
     # The device table held every LR the host's schedulers produced: no row was rewritten.
     assert step.rows_rewritten == 0
-    assert step.warmups_done == 3 and step.seam.captured
+    assert [s.warmups for s in step.shapes] == [3] and step.captured
     assert int(step.counter) == MAX_ITER
 
 
@@ -280,14 +280,14 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
 
     resumed = build(CUDAGraphTrainer, **kw)
     resumed.train(0, 5)  # a capture made before the load is dropped by it
-    assert resumed._hookloop.graph.seam.captured
+    assert resumed._hookloop.graph.captured
     writer = JSONWriter(str(tmp_path / "b" / "metrics.json"))
     resumed.register_hooks([hooks.PeriodicWriter([writer], period=5)])
     resumed.model.load_state_dict(saved["model"])
     resumed.load_state_dict(saved["state"])
-    assert not resumed._hookloop.graph.seam.captured
+    assert not resumed._hookloop.graph.captured
     resumed.train(23, 40)
-    assert resumed._hookloop.graph.seam.captured  # captured again after the load
+    assert resumed._hookloop.graph.captured  # captured again after the load
     assert int(resumed._hookloop.graph.counter) == 40
     for p, q in zip(params(straight.model), params(resumed.model)):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
@@ -345,16 +345,67 @@ def test_default_trainer_with_cuda_graph(tmp_path, monkeypatch):
 # What cannot be captured says so
 
 
-def test_batch_shape_change_names_both_shapes():
-    data = batches(4)
-    data[2] = (data[2][0][:10], data[2][1][:10])
-    trainer = build(CUDAGraphTrainer, data=data)
+def short_last(n: int = 12) -> List[Any]:
+    """An epoch whose last batch is smaller (a loader without drop_last)."""
+    data = batches(n)
+    data[-1] = (data[-1][0][:10], data[-1][1][:10])
+    return data
+
+
+def test_a_smaller_last_batch_gets_a_graph_of_its_own(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    eager = build(SimpleTrainer, tmp_path / "a", data=short_last())
+    eager.train(0, MAX_ITER)
+    graphed = build(CUDAGraphTrainer, tmp_path / "b", data=short_last())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the second shape is no problem
+        graphed.train(0, MAX_ITER)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    step = graphed._hookloop.graph
+    # 5 epochs: the short batch came 5 times (3 warm-ups, the capture, a replay).
+    assert [s.describe() for s in step.shapes] == [
+        "(torch.float32 (16, 4), torch.float32 (16, 1))",
+        "(torch.float32 (10, 4), torch.float32 (10, 1))",
+    ]
+    assert [s.warmups for s in step.shapes] == [3, 3]
+    assert all(s.seam.captured for s in step.shapes)
+    assert int(step.counter) == MAX_ITER
+
+
+def test_a_replay_after_another_graph_or_an_eager_step_restores_its_gradients(monkeypatch):
+    # A CUDA graph writes the gradients into buffers of its own pool: after another graph's
+    # replay or an eager step (a warm-up) left other tensors in .grad, a replay points .grad
+    # back at its own. The eager seam records when; the CUDA test checks the values.
+    data = batches(6)
+    data[5] = (data[5][0][:10], data[5][1][:10])  # A A A A A B, again and again
+    trainer = build(CUDAGraphTrainer, data=data, warmup_iters=1)
+    restored: List[int] = []
+    monkeypatch.setattr(EagerStepGraph, "restore", lambda self: restored.append(trainer.iter))
+    trainer.train(0, 24)
+    # A: warm-up at 0, capture at 1; B: warm-up at 5, capture at 11. A replay restores after
+    # B's warm-up (6) or replay (12, 18, 24 is past the end); B's replay at 17 and 23 after A's.
+    assert restored == [6, 12, 17, 18, 23]
+
+
+def test_batch_shapes_beyond_max_graphs_are_refused_naming_them():
+    data = short_last(4)
+    trainer = build(CUDAGraphTrainer, data=data, max_graphs=1)
     with pytest.raises(ValueError) as info:
         trainer.train(0, 5)
     msg = str(info.value)
-    assert "iteration 2" in msg
-    assert "torch.float32 (10, 4)" in msg and "torch.float32 (16, 4)" in msg
-    assert "drop_last=True" in msg
+    assert "at iteration 3" in msg
+    assert "a batch (torch.float32 (10, 4), torch.float32 (10, 1))" in msg
+    assert "captured with (torch.float32 (16, 4), torch.float32 (16, 1))" in msg
+    assert "max_graphs=1" in msg and "drop_last=True" in msg
+
+    data = short_last(4)
+    data[1] = (data[1][0][:8], data[1][1][:8])
+    trainer = build(CUDAGraphTrainer, data=data, max_graphs=2)
+    with pytest.raises(ValueError, match=r"\(10, 4\).*\(16, 4\).* and .*\(8, 4\).*max_graphs=2"):
+        trainer.train(0, 5)
 
 
 def test_batch_shape_change_with_fallback_warns_once_and_steps_eagerly(tmp_path):
@@ -363,7 +414,7 @@ def test_batch_shape_change_with_fallback_warns_once_and_steps_eagerly(tmp_path)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     build(SimpleTrainer, tmp_path / "a", data=data).train(0, 20)
-    trainer = build(CUDAGraphTrainer, tmp_path / "b", data=data, fallback="eager")
+    trainer = build(CUDAGraphTrainer, tmp_path / "b", data=data, fallback="eager", max_graphs=1)
     with pytest.warns(RuntimeWarning, match="this step runs eagerly") as record:
         trainer.train(0, 20)
     assert len([w for w in record if "runs eagerly" in str(w.message)]) == 1
@@ -388,6 +439,10 @@ def test_construction_errors_name_the_cause_and_the_fix():
         CUDAGraphTrainer(model, batches(), sgd, async_write_metrics=True, graph="eager")
     with pytest.raises(ValueError, match="graph must be"):
         CUDAGraphTrainer(model, batches(), sgd, graph="cpu")
+    with pytest.raises(TypeError, match="max_graphs must be an int, got '2'"):
+        CUDAGraphTrainer(model, batches(), sgd, graph="eager", max_graphs="2")
+    with pytest.raises(ValueError, match="max_graphs must be >= 1, got 0"):
+        CUDAGraphTrainer(model, batches(), sgd, graph="eager", max_graphs=0)
     with pytest.raises(TypeError, match="DataParallel model"):
         CUDAGraphTrainer(torch.nn.DataParallel(model), batches(), sgd, graph="eager")
 
@@ -463,14 +518,21 @@ def test_losses_must_keep_their_names():
 cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
-def _cuda_trainer(out: Optional[Path] = None, **kw: Any) -> Any:
+def _cuda_trainer(
+    out: Optional[Path] = None,
+    *,
+    data: Optional[List[Any]] = None,
+    extra_hooks: Optional[List[HookBase]] = None,
+    **kw: Any,
+) -> Any:
     torch.manual_seed(0)
     model = Net(bn=True).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
-    data = [(x.cuda(), y.cuda()) for x, y in batches()]
+    data = [(x.cuda(), y.cuda()) for x, y in (batches() if data is None else data)]
     trainer = CUDAGraphTrainer(model, data, opt, **kw)
     sched = WarmupParamScheduler(CosineParamScheduler(1, 0), 0.01, 0.1)
     hs: List[Optional[HookBase]] = [hooks.IterationTimer(), hooks.LRScheduler(opt, sched)]
+    hs += extra_hooks or []
     if out is not None:
         hs.append(hooks.PeriodicWriter([JSONWriter(str(out / "metrics.json"))], period=5))
     trainer.register_hooks(hs)
@@ -488,10 +550,41 @@ def test_cuda_capture_matches_the_eager_seam(tmp_path):
     eager.train(0, MAX_ITER)
     graphed = _cuda_trainer(tmp_path / "b")
     graphed.train(0, MAX_ITER)
-    assert isinstance(graphed._hookloop.graph.seam, graph_module.CUDAStepGraph)
-    assert graphed._hookloop.graph.seam.captured
+    assert isinstance(graphed._hookloop.graph.shapes[0].seam, graph_module.CUDAStepGraph)
+    assert graphed._hookloop.graph.captured
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
     assert graphed._hookloop.graph.rows_rewritten == 0
+
+
+class GradNorm(HookBase):
+    """Puts the norm of the gradients the step left in ``.grad`` (a device scalar: no sync)."""
+
+    def after_step(self) -> None:
+        norms = [p.grad.norm() for p in self.trainer.model.parameters() if p.grad is not None]
+        self.trainer.storage.put_scalar("grad_norm", torch.stack(norms).norm())
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_two_batch_shapes_match_the_eager_seam(tmp_path):
+    # A A A A A B: B is warmed up at 5, 11 and 17 and captured at 23; the replays of A after
+    # B's point .grad back at A's buffers, which GradNorm reads after every step.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    runs = []
+    for out, kw in ((tmp_path / "a", {"graph": "eager"}), (tmp_path / "b", {})):
+        trainer = _cuda_trainer(out, data=short_last(6), extra_hooks=[GradNorm()], **kw)
+        trainer.train(0, MAX_ITER)
+        runs.append(trainer)
+    eager, graphed = runs
+    step = graphed._hookloop.graph
+    assert len(step.shapes) == 2 and all(s.seam.captured for s in step.shapes)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
+    a = eager.storage.history("grad_norm").values()
+    b = graphed.storage.history("grad_norm").values()
+    assert [it for _, it in b] == list(range(MAX_ITER))
+    assert [v for v, _ in b] == pytest.approx([v for v, _ in a], rel=1e-4)
 
 
 SYNCING_CHILD = """
@@ -581,7 +674,7 @@ def test_cuda_bfloat16_capture_matches_the_eager_seam(tmp_path):
     _cuda_trainer(tmp_path / "a", graph="eager", precision=torch.bfloat16).train(0, 30)
     graphed = _cuda_trainer(tmp_path / "b", precision=torch.bfloat16)
     graphed.train(0, 30)
-    assert graphed._hookloop.graph.seam.captured
+    assert graphed._hookloop.graph.captured
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-2)
 
 
@@ -600,13 +693,13 @@ def test_cuda_pinned_host_batches_are_copied_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     step = trainer._hookloop.graph
-    assert step.seam.captured and step._static[0].is_cuda
+    assert step.captured and step.shapes[0].static[0].is_cuda
     history = trainer.storage.history("loss_mse").values()
     assert [it for _, it in history] == list(range(30))
 
 
 def test_a_failed_capture_with_fallback_warns_once_and_steps_eagerly(tmp_path, monkeypatch):
-    def fail(self: Any, fn: Any) -> None:
+    def fail(self: Any, fn: Any, params: Any) -> None:
         raise RuntimeError("capturing the step failed: (a stand-in for CUDA's error)")
 
     monkeypatch.setattr(EagerStepGraph, "capture", fail)
@@ -654,9 +747,9 @@ def test_a_different_non_tensor_value_is_refused():
     data[3] = (data[3][0], data[3][1], "other")
     model = WithFlag()
     trainer = CUDAGraphTrainer(
-        model, data, torch.optim.SGD(model.parameters(), lr=0.1), graph="eager"
+        model, data, torch.optim.SGD(model.parameters(), lr=0.1), graph="eager", max_graphs=1
     )
-    with pytest.raises(ValueError, match="other non-tensor values.*'other'.*'train'"):
+    with pytest.raises(ValueError, match=r"a batch \(.*'other'\), but .*'train'\)"):
         trainer.train(0, 6)
 
 
@@ -664,9 +757,9 @@ def test_loading_the_optimizer_drops_the_capture():
     trainer = build(CUDAGraphTrainer)
     trainer.train(0, 6)
     step = trainer._hookloop.graph
-    assert step.seam.captured
+    assert step.captured
     trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())
-    assert not step.seam.captured and step.warmups_done == 0
+    assert not step.captured and step.shapes == []
 
 
 def test_data_parallel_with_fallback_warns_once_and_trains_eagerly(tmp_path):

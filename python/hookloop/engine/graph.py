@@ -1,17 +1,22 @@
 """The whole training step as one CUDA graph: :class:`CUDAGraphTrainer`'s collaborators.
 
 Capture sits behind one small seam, :class:`StepGraph`: ``warmup(fn)`` runs the step function
-for real (on a side stream for CUDA), ``capture(fn)`` records it without running it, and
-``replay()`` runs what was recorded. :class:`CUDAStepGraph` is torch's machinery
-(``torch.cuda.CUDAGraph``, ``torch.cuda.graph``, a side stream for the warm-up; torch's
-default CUDA generator is graph-safe by itself). :class:`EagerStepGraph` "replays" by calling
-the function again: the CPU tests run every other part (static buffers, the ring buffer and
-its reads, the LR table, hooks, writers, checkpoints) through it, and ``fallback="eager"``
-does not need it.
+for real (on a side stream for CUDA), ``capture(fn, params)`` records it without running it,
+``replay()`` runs what was recorded, and ``restore()`` points the parameters' ``.grad`` back at
+the buffers the replays write (after another graph or an eager step left its own there).
+:class:`CUDAStepGraph` is torch's machinery (``torch.cuda.CUDAGraph``, ``torch.cuda.graph``,
+a side stream for the warm-up; torch's default CUDA generator is graph-safe by itself).
+:class:`EagerStepGraph` "replays" by calling the function again: the CPU tests run every other
+part (static buffers, the ring buffer and its reads, the LR table, hooks, writers, checkpoints)
+through it, and ``fallback="eager"`` does not need it.
 
 :class:`GraphStep` holds what the captured function reads and writes, all at fixed
 addresses, so one replay is one training step:
 
+- one graph per batch signature (:class:`_Shape`: structure, shapes, dtypes, non-tensor
+  values), up to ``max_graphs``; each warms up and is captured at its own first batches, and
+  has its own static batch and memory pool (so its own gradient buffers: ``restore``). All
+  share the counter, the LR table and the ring below;
 - the static batch: the loader's tensors are copied into buffers of the captured shapes
   before each replay (``copy_(non_blocking=True)``: a device-to-device copy, or from the
   loader's (pinned) host memory, without a synchronization);
@@ -63,6 +68,8 @@ logger = logging.getLogger("hookloop.engine.train_loop")
 
 #: Safety factor of the ring-buffer invariant (see the module docstring).
 RING_SAFETY = 2
+#: Graphs (batch signatures) a CUDAGraphTrainer captures unless told otherwise.
+DEFAULT_MAX_GRAPHS = 4
 #: At most this many rows in the LR table (beyond it the last row is rewritten as needed).
 MAX_TABLE_ROWS = 1 << 21
 
@@ -78,11 +85,16 @@ class StepGraph(Protocol):
     def warmup(self, fn: Callable[[], None]) -> None:
         """Runs ``fn`` for real (a training step), as the warm-up before a capture."""
 
-    def capture(self, fn: Callable[[], None]) -> None:
-        """Records ``fn``; nothing of it runs until :meth:`replay`."""
+    def capture(self, fn: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
+        """Records ``fn``, a step that leaves the gradients of ``params`` in their ``.grad``;
+        nothing of it runs until :meth:`replay`."""
 
     def replay(self) -> None:
         """Runs what :meth:`capture` recorded."""
+
+    def restore(self) -> None:
+        """Points the parameters' ``.grad`` at the gradients this step's replays write, after
+        another step (another graph's, an eager one) left its own there."""
 
     def reset(self) -> None:
         """Forgets the recorded step (the next step warms up and captures again)."""
@@ -101,7 +113,7 @@ class EagerStepGraph:
     def warmup(self, fn: Callable[[], None]) -> None:
         fn()
 
-    def capture(self, fn: Callable[[], None]) -> None:
+    def capture(self, fn: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
         self._fn = fn
 
     def replay(self) -> None:
@@ -109,6 +121,9 @@ class EagerStepGraph:
         if fn is None:
             raise RuntimeError(f"{_WHO}: replay() before capture()")
         fn()
+
+    def restore(self) -> None:
+        """Nothing: each replay runs the step, which leaves its own gradients."""
 
     def reset(self) -> None:
         self._fn = None
@@ -127,6 +142,7 @@ class CUDAStepGraph:
         self._device = torch.device("cuda") if device is None else torch.device(device)
         self._side: Optional[torch.cuda.Stream] = None
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._grads: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
 
     @property
     def captured(self) -> bool:
@@ -147,7 +163,7 @@ class CUDAStepGraph:
             fn()
         current.wait_stream(side)
 
-    def capture(self, fn: Callable[[], None]) -> None:
+    def capture(self, fn: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -161,6 +177,9 @@ class CUDAStepGraph:
                 "fallback='eager' to train those steps eagerly"
             ) from e
         self._graph = graph
+        # The captured backward wrote each gradient into a buffer of the graph's own pool
+        # (zero_grad(set_to_none=True) first), which every replay writes again.
+        self._grads = [(p, p.grad) for p in params]
 
     def replay(self) -> None:
         graph = self._graph
@@ -168,8 +187,13 @@ class CUDAStepGraph:
             raise RuntimeError(f"{_WHO}: replay() before capture()")
         graph.replay()
 
+    def restore(self) -> None:
+        for p, g in self._grads:
+            p.grad = g
+
     def reset(self) -> None:
         self._graph = None
+        self._grads = []
 
 
 def capture_problem(model: Any, optimizer: Any, graph: str) -> Optional[Tuple[type, str]]:
@@ -239,18 +263,54 @@ def lr_rows(
     return out
 
 
-def _empty_like_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device=device)
+class _Leaf:
+    """A batch leaf as its description: a tensor's dtype and shape, or the value itself."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, x: Any) -> None:
+        self.text = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+    def __repr__(self) -> str:
+        return self.text
 
 
-def _describe(leaves: Sequence[Any]) -> str:
-    return "[" + ", ".join(_leaf_str(x) for x in leaves) + "]"
+class _Shape:
+    """One batch signature (structure, tensor shapes and dtypes, non-tensor values), its static
+    buffers and its graph."""
+
+    __slots__ = ("spec", "static", "batch", "seam", "warmups")
+
+    def __init__(self, spec: Any, leaves: Sequence[Any], device: torch.device, seam: Any):
+        self.spec = spec
+        #: Leaves: a static tensor for each tensor, the captured value for the others.
+        self.static: List[Any] = [
+            torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x
+            for x in leaves
+        ]
+        self.batch = pytree.tree_unflatten(self.static, spec)
+        self.seam: StepGraph = seam
+        self.warmups = 0
+
+    def matches(self, spec: Any, leaves: Sequence[Any]) -> bool:
+        if spec != self.spec:
+            return False
+        for x, s in zip(leaves, self.static):
+            if isinstance(s, torch.Tensor):
+                if not (isinstance(x, torch.Tensor) and x.shape == s.shape and x.dtype == s.dtype):
+                    return False
+            elif not (x is s or x == s):
+                return False
+        return True
+
+    def describe(self) -> str:
+        return describe(self.spec, self.static)
 
 
-def _leaf_str(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"{x.dtype} {tuple(x.shape)}"
-    return repr(x)
+def describe(spec: Any, leaves: Sequence[Any]) -> str:
+    """A batch as its structure with each tensor's dtype and shape: ``(torch.float32 (16, 4),
+    'train')``."""
+    return repr(pytree.tree_unflatten([_Leaf(x) for x in leaves], spec))
 
 
 class GraphStep:
@@ -262,15 +322,17 @@ class GraphStep:
         self.precision: Optional[torch.dtype] = None
         self.warmup_iters = 3
         self.ring_size: Optional[int] = None
-        self.seam: Optional[StepGraph] = None
+        self.max_graphs = DEFAULT_MAX_GRAPHS
+        #: Makes a new seam (one per batch signature): CUDAStepGraph or EagerStepGraph.
+        self._new_seam: Optional[Callable[[], StepGraph]] = None
         #: The eager step replaces the graph for this run (fallback="eager" after a problem).
         self.eager_reason: Optional[str] = None
         self._warned: set = set()
-        self.warmups_done = 0
-        # Static batch
-        self._spec: Any = None
-        self._static: List[Any] = []  # leaves: static tensors, or the captured non-tensors
-        self._batch: Any = None
+        #: One graph per batch signature, in the order first seen; ``current`` is this step's.
+        self.shapes: List[_Shape] = []
+        self.current: Optional[_Shape] = None
+        #: The shape whose graph's gradient buffers the parameters' ``.grad`` now are.
+        self._grads_of: Optional[_Shape] = None
         # Device state
         self.device: torch.device = torch.device("cpu")
         self.counter: Optional[torch.Tensor] = None
@@ -297,6 +359,7 @@ class GraphStep:
         precision: Optional[torch.dtype],
         warmup_iters: int,
         ring_size: Optional[int],
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         if graph not in ("cuda", "eager"):
             raise ValueError(f"{_WHO} graph must be 'cuda' or 'eager', got {graph!r}")
@@ -306,6 +369,10 @@ class GraphStep:
             raise TypeError(f"{_WHO} warmup_iters must be an int, got {warmup_iters!r}")
         if warmup_iters < 0:
             raise ValueError(f"{_WHO} warmup_iters must be >= 0, got {warmup_iters}")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int):
+            raise TypeError(f"{_WHO} max_graphs must be an int, got {max_graphs!r}")
+        if max_graphs < 1:
+            raise ValueError(f"{_WHO} max_graphs must be >= 1, got {max_graphs}")
         need = RING_SAFETY * PENDING_READ_EVERY * trainer.gather_metric_period
         if ring_size is None:
             ring_size = need
@@ -324,19 +391,20 @@ class GraphStep:
         self.precision = precision
         self.warmup_iters = warmup_iters
         self.ring_size = ring_size
+        self.max_graphs = max_graphs
         problem = capture_problem(trainer.model, trainer.optimizer, graph)
         if problem is not None:
             self.refuse(*problem)
         if self.eager_reason is None:
-            try:
-                seam: StepGraph = (
-                    CUDAStepGraph(self._model_device(trainer))
-                    if graph == "cuda"
-                    else EagerStepGraph()
-                )
-                self.seam = seam
-            except RuntimeError as e:
-                self.refuse(RuntimeError, str(e))
+            if graph == "cuda":
+                device = self._model_device(trainer)
+                try:
+                    CUDAStepGraph(device)  # no CUDA device: the error at construction
+                    self._new_seam = lambda: CUDAStepGraph(device)
+                except RuntimeError as e:
+                    self.refuse(RuntimeError, str(e))
+            else:
+                self._new_seam = EagerStepGraph
         # A load replaces the optimizer's state tensors (the graph holds the old ones) and
         # may replace the model's (load_state_dict(assign=True)): capture again after it.
         this = weakref.ref(self)
@@ -372,11 +440,24 @@ class GraphStep:
 
     # -- a run ------------------------------------------------------------------------------
 
+    @property
+    def captured(self) -> bool:
+        """Whether a graph is captured (for some batch signature)."""
+        return any(s.seam.captured for s in self.shapes)
+
+    def grads_replaced(self) -> None:
+        """An eager step left gradients of its own in ``.grad``: the next replay points
+        ``.grad`` back at its graph's buffers."""
+        self._grads_of = None
+
     def invalidate(self) -> None:
-        """The next step warms up and captures again (after a load)."""
-        if self.seam is not None:
-            self.seam.reset()
-        self.warmups_done = 0
+        """Drops every graph and static batch: the next steps warm up and capture again (after
+        a load, at ``before_train``)."""
+        for shape in self.shapes:
+            shape.seam.reset()
+        self.shapes = []
+        self.current = None
+        self._grads_of = None
 
     def prepare(self, trainer: Any, hooks: Sequence[Any], start: Optional[int] = None) -> None:
         """At ``before_train`` (after the hooks'): the step counter at ``start`` (by default
@@ -447,32 +528,26 @@ class GraphStep:
     # -- the static batch -------------------------------------------------------------------
 
     def place(self, data: Any) -> Optional[str]:
-        """Copies ``data`` into the static batch (made from the first batch). Returns None, or
-        what differs from the captured batch (then nothing is copied)."""
+        """Copies ``data`` into the static batch of its signature (made at its first batch,
+        up to ``max_graphs`` signatures) and makes that signature's graph this step's. Returns
+        None, or why no graph can take ``data`` (then nothing is copied)."""
         leaves, spec = pytree.tree_flatten(data)
-        if self._spec is None:
-            self._spec = spec
-            self._static = [
-                _empty_like_on(x, self.device) if isinstance(x, torch.Tensor) else x for x in leaves
-            ]
-            self._batch = pytree.tree_unflatten(self._static, spec)
-        static = self._static
-        if spec != self._spec or len(leaves) != len(static):
-            return f"a batch of another structure ({spec}) than the captured one ({self._spec})"
-        for x, s in zip(leaves, static):
-            if isinstance(s, torch.Tensor):
-                if not (isinstance(x, torch.Tensor) and x.shape == s.shape and x.dtype == s.dtype):
+        shape = self.current
+        if shape is None or not shape.matches(spec, leaves):
+            shape = next((s for s in self.shapes if s.matches(spec, leaves)), None)
+            if shape is None:
+                if len(self.shapes) >= self.max_graphs:
+                    held = " and ".join(s.describe() for s in self.shapes)
                     return (
-                        f"a batch of shapes {_describe(leaves)}, but the step was captured "
-                        f"with {_describe(static)}"
+                        f"a batch {describe(spec, leaves)}, but the step was captured with "
+                        f"{held} and max_graphs={self.max_graphs} allows no other"
                     )
-            elif not (x is s or x == s):
-                return (
-                    f"a batch with other non-tensor values {_describe(leaves)} than the "
-                    f"captured one {_describe(static)}"
-                )
+                assert self._new_seam is not None
+                shape = _Shape(spec, leaves, self.device, self._new_seam())
+                self.shapes.append(shape)
+        self.current = shape
         with torch.no_grad():
-            for x, s in zip(leaves, static):
+            for x, s in zip(leaves, shape.static):
                 if isinstance(s, torch.Tensor):
                     s.copy_(x, non_blocking=True)
         return None
@@ -495,7 +570,8 @@ class GraphStep:
             g["lr"] = lr
         try:
             optimizer.zero_grad(set_to_none=True)
-            loss_dict, losses = self._forward(trainer, self._batch)
+            assert self.current is not None
+            loss_dict, losses = self._forward(trainer, self.current.batch)
             losses.backward()
             optimizer.step()
         finally:
@@ -536,13 +612,17 @@ class GraphStep:
         return self.ring
 
     def run(self, trainer: Any) -> bool:
-        """One step through the seam: warm-up, capture then replay, or replay. False when the
-        capture failed and ``fallback="eager"`` (one warning): the caller steps eagerly, as
-        it will for the rest of the run."""
-        seam = self.seam
-        assert seam is not None
+        """One step through this step's graph (see :meth:`place`): a warm-up, the capture then
+        a replay, or a replay. False when the capture failed and ``fallback="eager"`` (one
+        warning): the caller steps eagerly, as it will for the rest of the run."""
+        shape = self.current
+        assert shape is not None
+        seam = shape.seam
         if seam.captured:
             seam.replay()
+            if self._grads_of is not shape:  # another graph or an eager step ran last
+                seam.restore()
+                self._grads_of = shape
             return True
         # The seam keeps the function (EagerStepGraph): weak references, so that the trainer
         # and this object are still freed by reference counting.
@@ -553,17 +633,20 @@ class GraphStep:
             assert graph is not None and trainer is not None
             graph.body(trainer)
 
-        if self.warmups_done < self.warmup_iters:
+        self.grads_replaced()
+        if shape.warmups < self.warmup_iters:
             seam.warmup(step)
-            self.warmups_done += 1
+            shape.warmups += 1
             return True
+        params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
         try:
-            seam.capture(step)
+            seam.capture(step, params)
         except RuntimeError as e:
             # Nothing of a failed capture ran on the device: the step is still to be made.
             self.refuse(RuntimeError, str(e))
             return False
         seam.replay()
+        self._grads_of = shape
         return True
 
     def losses_at(self, it: int) -> Dict[str, torch.Tensor]:
@@ -607,13 +690,15 @@ class CUDAGraphTrainer(SimpleTrainer):
     (``Adam(..., capturable=True)``, ``SGD(..., fused=True)``), float16 or a ``GradScaler``
     (bfloat16 autocast is supported), ``async_write_metrics``, a hook's ``after_backward``,
     ``step_optimizer=False``, a host synchronization in the model or loss (at capture), a batch
-    whose structure, shapes, dtypes or non-tensor values differ from the captured one (at that
-    step). With ``fallback="eager"`` each of these is one ``RuntimeWarning`` and
-    :class:`SimpleTrainer`'s eager step instead (for the rest of the run, or for that batch).
+    whose structure, shapes, dtypes or non-tensor values differ from every captured one when
+    ``max_graphs`` are taken (at that step). With ``fallback="eager"`` each of these is one
+    ``RuntimeWarning`` and :class:`SimpleTrainer`'s eager step instead (for the rest of the run,
+    or for that batch).
 
-    Shapes: one graph, one batch shape. Use a loader with fixed shapes (``drop_last=True``,
-    padding); a different batch is an error naming both shapes, or with ``fallback="eager"``
-    one eager step.
+    Shapes: one graph per batch signature (structure, shapes, dtypes, non-tensor values), each
+    warmed up and captured at its own first batches, up to ``max_graphs`` (4): a loader whose
+    last batch of an epoch is smaller takes two. A batch of yet another signature is an error
+    naming the shapes, or with ``fallback="eager"`` one eager step.
 
     ``zero_grad_before_forward`` is accepted and has no effect: the captured backward writes
     the gradients afresh at every replay.
@@ -624,6 +709,8 @@ class CUDAGraphTrainer(SimpleTrainer):
         warmup_iters: real training steps run eagerly (on a side stream) before the capture.
         ring_size: slots of the loss ring buffer; at least ``2 * PENDING_READ_EVERY *
             gather_metric_period`` (the default), so a slot is read before it is written again.
+        max_graphs: how many batch signatures get a graph of their own (each holds its static
+            batch, its activations and its gradients in its own memory pool).
         graph: ``"cuda"`` (capture with ``torch.cuda.CUDAGraph``) or ``"eager"`` (the seam's
             CPU implementation: every step runs the captured function eagerly; for tests).
         fallback: None (raise) or ``"eager"`` (warn once, train eagerly).
@@ -645,6 +732,7 @@ class CUDAGraphTrainer(SimpleTrainer):
         grad_scaler: Optional[Any] = None,
         warmup_iters: int = 3,
         ring_size: Optional[int] = None,
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
         graph: str = "cuda",
         fallback: Optional[str] = None,
     ) -> None:
@@ -676,7 +764,9 @@ class CUDAGraphTrainer(SimpleTrainer):
             check_finite_every_step=check_finite_every_step,
         )
         self.precision = precision
-        self._hookloop.graph.configure(self, graph, fallback, precision, warmup_iters, ring_size)
+        self._hookloop.graph.configure(
+            self, graph, fallback, precision, warmup_iters, ring_size, max_graphs
+        )
 
     def before_train(self) -> None:
         super().before_train()
@@ -704,9 +794,10 @@ class CUDAGraphTrainer(SimpleTrainer):
         if different is not None:
             if step.fallback != "eager":
                 raise ValueError(
-                    f"{_WHO} got {different} at iteration {self.iter}: a graph replays one "
-                    "batch shape. Give it batches of one shape (drop_last=True, padding), or "
-                    "pass fallback='eager' to run such batches eagerly"
+                    f"{_WHO} got {different} at iteration {self.iter}: each graph replays "
+                    "one batch shape. Give it batches of fewer shapes (drop_last=True, "
+                    "padding), raise max_graphs, or pass fallback='eager' to run such batches "
+                    "eagerly"
                 )
             step.warn_once(different, f"{_WHO}: {different}; this step runs eagerly")
             self._eager_step(data, data_time)
@@ -720,8 +811,9 @@ class CUDAGraphTrainer(SimpleTrainer):
     def _eager_step(self, data: Any, data_time: float) -> None:
         """SimpleTrainer's step (``fallback="eager"``), keeping the device step counter."""
         step = self._hookloop.graph
-        # After a capture the gradients are the graph's buffers: zeroed in place, kept.
-        self.optimizer.zero_grad(set_to_none=not (step.seam is not None and step.seam.captured))
+        # New gradients, as SimpleTrainer's: a graph's replay points .grad back at its own.
+        self.optimizer.zero_grad()
+        step.grads_replaced()
         loss_dict, losses = step._forward(self, data)
         losses.backward()
         self.after_backward()

@@ -107,6 +107,14 @@ def assert_same_metrics(a: Path, b: Path, rel: float = 1e-6) -> None:
             assert y[k] == pytest.approx(x[k], rel=rel, abs=1e-9), (x["iteration"], k)
 
 
+class GradNorm(HookBase):
+    """Puts the norm of the gradients the step left in ``.grad`` (a device scalar: no sync)."""
+
+    def after_step(self) -> None:
+        norms = [p.grad.norm() for p in self.trainer.model.parameters() if p.grad is not None]
+        self.trainer.storage.put_scalar("grad_norm", torch.stack(norms).norm())
+
+
 def params(model: nn.Module) -> List[torch.Tensor]:
     return [t.detach().clone() for t in model.state_dict().values()]
 
@@ -390,6 +398,105 @@ def test_a_replay_after_another_graph_or_an_eager_step_restores_its_gradients(mo
     assert restored == [6, 12, 17, 18, 23]
 
 
+class GraphLikeSeam(EagerStepGraph):
+    """The eager seam with a CUDA graph's effect on ``.grad``: a replay writes the gradient
+    buffers the capture left in ``.grad`` and changes no Python state, so ``.grad`` keeps
+    whatever the last other step left there until :meth:`restore`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._grads: List[Any] = []
+
+    def capture(self, fn: Any, params: Any) -> None:
+        super().capture(fn, params)
+        self._params = list(params)
+        self._grads = []
+
+    def replay(self) -> None:
+        before = [p.grad for p in self._params]
+        super().replay()  # the step, leaving new tensors in .grad
+        if not self._grads:  # the capture's run: its gradients are the graph's buffers
+            self._grads = [p.grad for p in self._params]
+            return
+        for p, buf, old in zip(self._params, self._grads, before):
+            buf.copy_(p.grad)
+            p.grad = old
+
+    def restore(self) -> None:
+        for p, buf in zip(self._params, self._grads):
+            p.grad = buf
+
+    def reset(self) -> None:
+        super().reset()
+        self._grads = []
+
+
+def test_hooks_read_this_steps_gradients_with_two_graphs(tmp_path, monkeypatch):
+    # Without the restore after another graph's replay or a warm-up, GradNorm would read the
+    # other graph's (or the warm-up's) stale gradients.
+    monkeypatch.setattr(graph_module, "EagerStepGraph", GraphLikeSeam)
+    data = batches(6)
+    data[5] = (data[5][0][:10], data[5][1][:10])
+    runs = []
+    for cls, kw in ((SimpleTrainer, {}), (CUDAGraphTrainer, {"warmup_iters": 1})):
+        trainer = build(cls, data=data, extra_hooks=[GradNorm()], **kw)
+        trainer.train(0, 30)
+        runs.append(trainer)
+    eager, graphed = runs
+    assert all(
+        isinstance(s.seam, GraphLikeSeam) and s.seam.captured
+        for s in graphed._hookloop.graph.shapes
+    )
+    a = eager.storage.history("grad_norm").values()
+    b = graphed.storage.history("grad_norm").values()
+    assert [it for _, it in b] == list(range(30))
+    assert [v for v, _ in b] == pytest.approx([v for v, _ in a], rel=1e-6)
+
+
+def test_the_cuda_seam_points_grad_at_the_captured_buffers(monkeypatch):
+    # CUDAStepGraph's own logic, with torch's capture machinery stood in for.
+    class Graph:
+        def replay(self) -> None:
+            pass
+
+    class Capture:
+        fail: Optional[str] = None
+
+        def __init__(self, graph: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            if Capture.fail:
+                raise RuntimeError(Capture.fail)
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    seam = graph_module.CUDAStepGraph("cpu")
+    w = nn.Parameter(torch.ones(2))
+
+    def step() -> None:  # what a capture leaves: .grad, a buffer of the graph's pool
+        w.grad = torch.full((2,), 3.0)
+
+    seam.capture(step, [w])
+    captured = w.grad
+    w.grad = torch.zeros(2)  # another graph's replay or an eager step
+    seam.replay()
+    seam.restore()
+    assert seam.captured and w.grad is captured
+    seam.reset()
+    assert not seam.captured
+    seam.restore()  # nothing recorded: .grad is left alone
+    assert w.grad is captured
+    Capture.fail = "operation not permitted when stream is capturing"
+    with pytest.raises(RuntimeError, match="(?s)capturing the step failed: operation not.*item"):
+        seam.capture(step, [w])
+    assert not seam.captured
+
+
 def test_batch_shapes_beyond_max_graphs_are_refused_naming_them():
     data = short_last(4)
     trainer = build(CUDAGraphTrainer, data=data, max_graphs=1)
@@ -554,14 +661,6 @@ def test_cuda_capture_matches_the_eager_seam(tmp_path):
     assert graphed._hookloop.graph.captured
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
     assert graphed._hookloop.graph.rows_rewritten == 0
-
-
-class GradNorm(HookBase):
-    """Puts the norm of the gradients the step left in ``.grad`` (a device scalar: no sync)."""
-
-    def after_step(self) -> None:
-        norms = [p.grad.norm() for p in self.trainer.model.parameters() if p.grad is not None]
-        self.trainer.storage.put_scalar("grad_norm", torch.stack(norms).norm())
 
 
 @pytest.mark.cuda

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -461,9 +462,10 @@ def test_the_cuda_seam_points_grad_at_the_captured_buffers(monkeypatch):
 
     class Capture:
         fail: Optional[str] = None
+        modes: List[str] = []
 
-        def __init__(self, graph: Any) -> None:
-            pass
+        def __init__(self, graph: Any, capture_error_mode: str = "global") -> None:
+            Capture.modes.append(capture_error_mode)
 
         def __enter__(self) -> None:
             if Capture.fail:
@@ -482,6 +484,8 @@ def test_the_cuda_seam_points_grad_at_the_captured_buffers(monkeypatch):
         w.grad = torch.full((2,), 3.0)
 
     seam.capture(step, [w])
+    # Other threads (a DataLoader's pin-memory thread) may call CUDA during the capture.
+    assert Capture.modes == ["thread_local"]
     captured = w.grad
     w.grad = torch.zeros(2)  # another graph's replay or an eager step
     seam.replay()
@@ -795,6 +799,34 @@ def test_cuda_pinned_host_batches_are_copied_without_a_sync():
     assert step.captured and step.shapes[0].static[0].is_cuda
     history = trainer.storage.history("loss_mse").values()
     assert [it for _, it in history] == list(range(30))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_capture_beside_a_dataloaders_pin_memory_thread():
+    # Workers and pin_memory=True: the loader's pin-memory thread allocates pinned memory
+    # while the step is captured (which "global" capture mode turns into a failed capture
+    # and a failing loader).
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16 * 64, 4, generator=g)
+    loader = DataLoader(
+        TensorDataset(x, x.sum(1, keepdim=True)),
+        batch_size=16,
+        num_workers=2,
+        pin_memory=True,
+        drop_last=True,
+    )
+    torch.manual_seed(0)
+    model = Net(bn=True).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    trainer = CUDAGraphTrainer(model, loader, opt)
+    trainer.train(0, 40)
+    assert trainer._hookloop.graph.captured
+    history = trainer.storage.history("loss_mse").values()
+    assert [it for _, it in history] == list(range(40))
+    assert all(math.isfinite(v) for v, _ in history)
 
 
 def test_a_failed_capture_with_fallback_warns_once_and_steps_eagerly(tmp_path, monkeypatch):

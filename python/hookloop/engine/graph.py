@@ -167,7 +167,10 @@ class CUDAStepGraph:
     def capture(self, fn: Callable[[], None], params: Sequence[torch.Tensor]) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # "thread_local": only this thread's unsafe calls break the capture. In the default
+            # "global" mode a DataLoader's pin-memory thread (pin_memory=True, workers) that
+            # allocates pinned memory during the capture breaks it, and is itself left failing.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 fn()
         except RuntimeError as e:
             raise RuntimeError(

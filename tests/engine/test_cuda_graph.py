@@ -803,6 +803,26 @@ def test_cuda_pinned_host_batches_are_copied_without_a_sync():
 
 @pytest.mark.cuda
 @cuda
+def test_cuda_pageable_host_batches_do_not_wait_for_the_queued_replays():
+    torch.manual_seed(0)
+    model = Net(bn=True).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    trainer = CUDAGraphTrainer(model, batches(), opt)  # pageable host batches
+    trainer.train(0, 8)
+    step = trainer._hookloop.graph
+    assert step.captured
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(1 << 31)  # about a second of device work queued ahead of the copy
+    assert step.place(batches(1, seed=2)[0]) is None
+    # A copy from pageable memory would have waited for the sleep; pinned first, it did not.
+    copy_waited = stream.query()
+    torch.cuda.synchronize()
+    assert not copy_waited
+    torch.testing.assert_close(step.current.static[0].cpu(), batches(1, seed=2)[0][0])
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_capture_beside_a_dataloaders_pin_memory_thread():
     # Workers and pin_memory=True: the loader's pin-memory thread allocates pinned memory
     # while the step is captured (which "global" capture mode turns into a failed capture

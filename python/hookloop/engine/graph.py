@@ -19,7 +19,7 @@ addresses, so one replay is one training step:
   share the counter, the LR table and the ring below;
 - the static batch: the loader's tensors are copied into buffers of the captured shapes
   before each replay (``copy_(non_blocking=True)``: a device-to-device copy, or from the
-  loader's (pinned) host memory, without a synchronization);
+  loader's host memory, pinned first if it is not, without a synchronization);
 - the device step counter: the absolute iteration, incremented by the graph;
 - the LR table: one row per iteration, the values every param group's ``lr`` takes then,
   evaluated at ``before_train`` from the ``LRScheduler`` hooks' schedulers (a copy of each is
@@ -555,6 +555,11 @@ class GraphStep:
         with torch.no_grad():
             for x, s in zip(leaves, shape.static):
                 if isinstance(s, torch.Tensor):
+                    if s.is_cuda and not x.is_cuda and not x.is_pinned():
+                        # From pageable memory CUDA's copy first waits for the stream (every
+                        # replay queued): staged through pinned memory (torch's caching host
+                        # allocator, reused once the copy is done), it waits for nothing.
+                        x = x.pin_memory()
                     s.copy_(x, non_blocking=True)
         return None
 

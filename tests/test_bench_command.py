@@ -174,6 +174,27 @@ def test_bench_cuda_graph_without_cuda_is_a_usage_error(capsys: Any) -> None:
     assert "--cuda-graph needs a CUDA device" in _usage_error(capsys, ["bench", "--cuda-graph"])
 
 
+def test_the_steady_clock_leaves_out_the_warm_up_and_the_capture() -> None:
+    # --cuda-graph's rate: the steps after the capture iteration, between two stamps (here a
+    # counting clock: each stamp one more).
+    from hookloop import bench
+    from hookloop.engine import CUDAGraphTrainer
+
+    model = bench.TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+    trainer = CUDAGraphTrainer(model, bench.make_batches(count=4), opt, graph="eager")
+    stamps = iter(range(100))
+    clock = bench.steady_clock("cpu", 3, clock=lambda: float(next(stamps)))
+    trainer.register_hooks([clock])
+    trainer.train(5, 15)
+    # before_train at 0, the end of the capture iteration (8) at 1, of the last (14) at 2
+    assert clock.setup() == 1.0
+    assert clock.per_step() == pytest.approx(1 / 6)
+    trainer.train(0, 4)  # the capture at iteration 3 is the last: no steady step
+    with pytest.raises(ValueError, match="no steady steps"):
+        clock.per_step()
+
+
 def test_demo_cuda_graph_needs_a_cuda_device(capsys: Any, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--cuda-graph", "--device", "cpu", "--output", str(tmp_path)])
@@ -289,13 +310,27 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     assert "| hookloop + seeds' stack |" in out
     # CUDAGraphTrainer (the seam's eager implementation here) over the hand-written loop, and
     # its syncs per iteration: 45 iterations, 3 writes, 38 others after the capture (iter 3)
-    assert "## CUDAGraphTrainer on cpu, over the hand-written eager loop" in out
+    assert "## CUDA graphs on cpu, over the hand-written eager loop" in out
+    assert "| hand-made graph, 4 steps per replay |" in out
     assert "| mlp | 10 |" in out and "| cnn | 10 |" in out
     assert "| CUDAGraphTrainer + default stack, mlp | 45 | 0 | 0 | 3 (0) | 38 (0) |" in out
     assert "| CUDAGraphTrainer + default stack, cnn | 45 | 0 | 0 | 3 (0) | 38 (0) |" in out
     modes = gpu_check.dry_run_modes
     assert modes.count("error") == 2 * 42
     assert modes.count("warn") == 2 * 42 + 2 + 2 + 2
+
+
+def test_gpu_check_misses_below_the_graph_goals_on_cuda_only(gpu_check: Any) -> None:
+    def row(model: str, median: float) -> Any:
+        return {"model": model, "graph-stack-speedup": {"median": median, "best": median}}
+
+    graph = {"status": "ok", "graph_clean": True, "graph": [row("mlp", 14.2), row("cnn", 3.1)]}
+    misses = gpu_check._misses({"graph": graph}, 45, dry_run=False)
+    assert misses == [
+        "graph: CUDAGraphTrainer + default stack on the mlp ran 14.20x the hand loop's "
+        "steps/s; the goal is 15.0x"
+    ]
+    assert gpu_check._misses({"graph": graph}, 45, dry_run=True) == []
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:

@@ -47,6 +47,7 @@ Variants = Dict[str, Callable[[], float]]
 ENGINES, RATIOS = ("hookloop", "detectron2"), ("hookloop_over_floor", "detectron2_over_hookloop")
 STEPS = ("before_step", "after_step")
 HOOKS, PERIOD = 16, 20  # the dispatch rows' hook count, the default stack's write period
+GRAPH_WARMUP = 3  # CUDAGraphTrainer's warm-up steps before its capture (its default)
 EVERYSTEP = ("json", "tb")  # the seeds' (cvpods', xmodaler's) every-step writers, window_size 1
 CLASSES = ("HookBase", "TrainerBase", "SimpleTrainer", "IterationTimer", "LRScheduler",
            "PeriodicWriter", "CommonMetricPrinter", "JSONWriter", "TensorboardXWriter")  # fmt: skip
@@ -207,32 +208,79 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
     return rows
 
 
+def steady_clock(
+    device: Any, warmup_iters: int, clock: Callable[[], float] = time.perf_counter
+) -> Any:
+    """A hook (register it last) that times a ``CUDAGraphTrainer``'s steady state: from the end
+    of its capture iteration (``start_iter + warmup_iters``: its ``before_train``, the warm-up
+    steps and the capture are one-time costs, ``setup``) to the end of its last iteration, each
+    end after a device synchronization. ``per_step()``: seconds per step of that stretch."""
+    from hookloop.engine.train_loop import HookBase
+
+    def sync() -> float:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        return clock()
+
+    class SteadyClock(HookBase):
+        def before_train(self) -> None:
+            self.start = sync()
+            self.capture_iter = self.trainer.start_iter + warmup_iters
+            self.capture_end = self.end = 0.0
+
+        def after_step(self) -> None:
+            it, last = self.trainer.iter, self.trainer.max_iter - 1
+            if it == self.capture_iter:
+                self.capture_end = sync()
+            if it == last:
+                self.end = sync()
+
+        def setup(self) -> float:
+            return self.capture_end - self.start
+
+        def per_step(self) -> float:
+            steps = self.trainer.max_iter - 1 - self.capture_iter
+            if steps < 1:
+                raise ValueError(f"no steady steps: {self.trainer.max_iter} iterations")
+            return (self.end - self.capture_end) / steps
+
+    return SteadyClock()
+
+
 def _cuda_graph(n: int, reps: int, writers: Sequence[str], tmpdir: str) -> List[Dict[str, Any]]:
     """The tiny MLP on CUDA: CUDAGraphTrainer (fused SGD) with no hooks and with the default
-    stack over the hand-written eager loop, each run timed between two synchronizations."""
+    stack over the hand-written eager loop. The hand loop is timed between two synchronizations;
+    the trainer over its steps after the capture (``steady_clock``: the before_train, warm-up
+    and capture are a one-time cost, left out of a rate)."""
     from hookloop.engine import CUDAGraphTrainer
 
     e, dev = _engine("hookloop"), torch.device("cuda")
     batches = make_batches(dev)
 
-    def synced(f: Callable[[], Any]) -> float:
-        torch.cuda.synchronize(dev)
-        return _per_step(lambda: [f(), torch.cuda.synchronize(dev)], n, 1e-6)  # type: ignore[func-returns-value]
-
     def hand() -> float:
         model, opt, _ = build(dev)
-        return synced(lambda: hand_loop(model, opt, itertools.cycle(batches), n))
+        torch.cuda.synchronize(dev)
+
+        def run() -> None:
+            hand_loop(model, opt, itertools.cycle(batches), n)
+            torch.cuda.synchronize(dev)
+
+        return _per_step(run, n, 1e-6)
 
     def graphed(stack: bool) -> float:
         model, _, _ = build(dev)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
-        t, d = CUDAGraphTrainer(model, itertools.cycle(batches), opt), tempfile.mkdtemp(dir=tmpdir)
+        t = CUDAGraphTrainer(model, itertools.cycle(batches), opt, warmup_iters=GRAPH_WARMUP)
+        d = tempfile.mkdtemp(dir=tmpdir)
         make = {"printer": lambda: e.CommonMetricPrinter(n), "tb": lambda: e.TensorboardXWriter(d),
                 "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json"))}  # fmt: skip
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
+        clock = steady_clock(dev, GRAPH_WARMUP)
         t.register_hooks([e.IterationTimer(), e.LRScheduler(opt, sched), e.PeriodicWriter(
             [make[w]() for w in writers], PERIOD)] if stack else [])  # fmt: skip
-        return synced(functools.partial(t.train, 0, n))
+        t.register_hooks([clock])
+        t.train(0, n)
+        return float(clock.per_step()) * 1e6
 
     res = _measure({"floor": hand, "graph": functools.partial(graphed, False),
                     "stack": functools.partial(graphed, True)}, reps)  # fmt: skip

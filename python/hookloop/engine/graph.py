@@ -287,7 +287,9 @@ class _Shape:
 
     __slots__ = ("spec", "static", "batch", "seam", "warmups")
 
-    def __init__(self, spec: Any, leaves: Sequence[Any], device: torch.device, seam: Any):
+    def __init__(
+        self, spec: Any, leaves: Sequence[Any], device: torch.device, seam: StepGraph
+    ) -> None:
         self.spec = spec
         #: Leaves: a static tensor for each tensor, the captured value for the others.
         self.static: List[Any] = [
@@ -295,7 +297,7 @@ class _Shape:
             for x in leaves
         ]
         self.batch = pytree.tree_unflatten(self.static, spec)
-        self.seam: StepGraph = seam
+        self.seam = seam
         self.warmups = 0
 
     def matches(self, spec: Any, leaves: Sequence[Any]) -> bool:
@@ -310,10 +312,10 @@ class _Shape:
         return True
 
     def describe(self) -> str:
-        return describe(self.spec, self.static)
+        return _describe(self.spec, self.static)
 
 
-def describe(spec: Any, leaves: Sequence[Any]) -> str:
+def _describe(spec: Any, leaves: Sequence[Any]) -> str:
     """A batch as its structure with each tensor's dtype and shape: ``(torch.float32 (16, 4),
     'train')``."""
     return repr(pytree.tree_unflatten([_Leaf(x) for x in leaves], spec))
@@ -545,7 +547,7 @@ class GraphStep:
                 if len(self.shapes) >= self.max_graphs:
                     held = " and ".join(s.describe() for s in self.shapes)
                     return (
-                        f"a batch {describe(spec, leaves)}, but the step was captured with "
+                        f"a batch {_describe(spec, leaves)}, but the step was captured with "
                         f"{held} and max_graphs={self.max_graphs} allows no other"
                     )
                 assert self._new_seam is not None

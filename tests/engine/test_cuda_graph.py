@@ -803,7 +803,7 @@ def test_cuda_pinned_host_batches_are_copied_without_a_sync():
 
 @pytest.mark.cuda
 @cuda
-def test_cuda_pageable_host_batches_do_not_wait_for_the_queued_replays():
+def test_cuda_host_copies_do_not_wait_for_the_queued_replays():
     torch.manual_seed(0)
     model = Net(bn=True).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
@@ -812,12 +812,17 @@ def test_cuda_pageable_host_batches_do_not_wait_for_the_queued_replays():
     step = trainer._hookloop.graph
     assert step.captured
     stream = torch.cuda.current_stream()
-    torch.cuda._sleep(1 << 31)  # about a second of device work queued ahead of the copy
+    torch.cuda._sleep(1 << 31)  # about a second of device work queued ahead of the copies
+    # A copy from pageable memory would wait for the sleep; pinned first, it does not: the
+    # static batch, and a table row for an LR set outside the schedule.
     assert step.place(batches(1, seed=2)[0]) is None
-    # A copy from pageable memory would have waited for the sleep; pinned first, it did not.
-    copy_waited = stream.query()
+    for g in opt.param_groups:
+        g["lr"] = 0.5
+    step.sync_lr(opt, 7)
+    copies_waited = stream.query()
     torch.cuda.synchronize()
-    assert not copy_waited
+    assert not copies_waited
+    assert step.rows_rewritten == 1 and float(step.table[7, 0]) == 0.5
     torch.testing.assert_close(step.current.static[0].cpu(), batches(1, seed=2)[0][0])
 
 

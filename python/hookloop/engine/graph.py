@@ -269,6 +269,16 @@ def lr_rows(
     return out
 
 
+def _copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, queued on the stream without waiting for it. From pageable host
+    memory CUDA's copy first waits for everything queued on the stream (here every replay not
+    yet run): such a source is pinned first (torch's caching host allocator, its block reused
+    once the copy is done)."""
+    if dst.is_cuda and not src.is_cuda and not src.is_pinned():
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=True)
+
+
 class _Leaf:
     """A batch leaf as its description: a tensor's dtype and shape, or the value itself."""
 
@@ -529,9 +539,7 @@ class GraphStep:
         table = self.table
         assert table is not None
         with torch.no_grad():
-            table[self.table_start + row].copy_(
-                torch.tensor(host[row], dtype=torch.float32), non_blocking=True
-            )
+            _copy_async(table[self.table_start + row], torch.tensor(host[row]))
 
     # -- the static batch -------------------------------------------------------------------
 
@@ -557,12 +565,7 @@ class GraphStep:
         with torch.no_grad():
             for x, s in zip(leaves, shape.static):
                 if isinstance(s, torch.Tensor):
-                    if s.is_cuda and not x.is_cuda and not x.is_pinned():
-                        # From pageable memory CUDA's copy first waits for the stream (every
-                        # replay queued): staged through pinned memory (torch's caching host
-                        # allocator, reused once the copy is done), it waits for nothing.
-                        x = x.pin_memory()
-                    s.copy_(x, non_blocking=True)
+                    _copy_async(s, x)
         return None
 
     # -- the step ---------------------------------------------------------------------------

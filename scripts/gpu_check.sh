@@ -169,7 +169,7 @@ main() {
     part env 60 python3 "$WORK/env_check.py" "$ROOT" "$DEVICE"
     local env_status
     env_status=$(tail -n 1 "$PARTS_TSV" | cut -f4)
-    part pytest 90 python3 "$WORK/cuda_tests.py" "$ROOT" -q -p no:cacheprovider -m cuda -rs \
+    part pytest 120 python3 "$WORK/cuda_tests.py" "$ROOT" -q -p no:cacheprovider -m cuda -rs \
         "${CUDA_TEST_FILES[@]}"
     if [[ "$env_status" == 3 ]]; then
         for p in demo demo-amp demo-graph bench; do skip "$p" "no CUDA device"; done

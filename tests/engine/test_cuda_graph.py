@@ -361,7 +361,8 @@ def short_last(n: int = 12) -> List[Any]:
     return data
 
 
-def test_a_smaller_last_batch_gets_a_graph_of_its_own(tmp_path):
+@pytest.mark.usefixtures("hookloop_logs_info")
+def test_a_smaller_last_batch_gets_a_graph_of_its_own(tmp_path, caplog):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     eager = build(SimpleTrainer, tmp_path / "a", data=short_last())
@@ -382,6 +383,14 @@ def test_a_smaller_last_batch_gets_a_graph_of_its_own(tmp_path):
     assert [s.warmups for s in step.shapes] == [3, 3]
     assert all(s.seam.captured for s in step.shapes)
     assert int(step.counter) == MAX_ITER
+    # Each capture is logged: the first batches' at iteration 3, the short one's at its 4th
+    # epoch (iteration 47)
+    assert [r.getMessage() for r in caplog.records if "captured" in r.getMessage()] == [
+        "CUDAGraphTrainer: captured the step at iteration 3 for the batch (torch.float32 "
+        "(16, 4), torch.float32 (16, 1)) (graph 1 of at most 4)",
+        "CUDAGraphTrainer: captured the step at iteration 47 for the batch (torch.float32 "
+        "(10, 4), torch.float32 (10, 1)) (graph 2 of at most 4)",
+    ]
 
 
 def test_a_replay_after_another_graph_or_an_eager_step_restores_its_gradients(monkeypatch):

@@ -661,6 +661,11 @@ class GraphStep:
             # Nothing of a failed capture ran on the device: the step is still to be made.
             self.refuse(RuntimeError, str(e))
             return False
+        logger.info(
+            f"{_WHO}: captured the step at iteration {trainer.iter} for the batch "
+            f"{shape.describe()} (graph {self.shapes.index(shape) + 1} of at most "
+            f"{self.max_graphs})"
+        )
         seam.replay()
         self._grads_of = shape
         return True

@@ -918,6 +918,26 @@ def test_a_different_non_tensor_value_is_refused():
         trainer.train(0, 6)
 
 
+def test_non_tensor_leaves_without_one_truth_value_are_compared_safely():
+    # A numpy array's == is elementwise: such a leaf matches the captured one only as the
+    # same object, and a different one is a clear error, not numpy's "truth value ambiguous".
+    import numpy as np
+
+    class WithArray(Net):
+        def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+            return super().forward(batch[:2])
+
+    same = np.arange(3)
+    data = [(x, y, same) for x, y in batches(4)]
+    model = WithArray()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    CUDAGraphTrainer(model, data, opt, graph="eager", max_graphs=1).train(0, 6)
+    data[3] = (data[3][0], data[3][1], np.arange(3))
+    trainer = CUDAGraphTrainer(model, data, opt, graph="eager", max_graphs=1)
+    with pytest.raises(ValueError, match=r"array\(\[0, 1, 2\]\).*described alike.*numpy"):
+        trainer.train(0, 6)
+
+
 def test_loading_the_optimizer_drops_the_capture():
     trainer = build(CUDAGraphTrainer)
     trainer.train(0, 6)

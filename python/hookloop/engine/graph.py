@@ -317,12 +317,24 @@ class _Shape:
             if isinstance(s, torch.Tensor):
                 if not (isinstance(x, torch.Tensor) and x.shape == s.shape and x.dtype == s.dtype):
                     return False
-            elif not (x is s or x == s):
+            elif not _same_value(x, s):
                 return False
         return True
 
     def describe(self) -> str:
         return _describe(self.spec, self.static)
+
+
+def _same_value(x: Any, s: Any) -> bool:
+    """Whether non-tensor leaf ``x`` equals the captured ``s``: the same object, or ``==``
+    with one truth value (a numpy array's elementwise ``==`` counts as different)."""
+    if x is s:
+        return True
+    try:
+        same = x == s
+        return getattr(same, "ndim", 0) == 0 and bool(same)
+    except Exception:  # a comparison that fails: not the same value
+        return False
 
 
 def _describe(spec: Any, leaves: Sequence[Any]) -> str:
@@ -553,10 +565,16 @@ class GraphStep:
             shape = next((s for s in self.shapes if s.matches(spec, leaves)), None)
             if shape is None:
                 if len(self.shapes) >= self.max_graphs:
-                    held = " and ".join(s.describe() for s in self.shapes)
+                    this, held = _describe(spec, leaves), [s.describe() for s in self.shapes]
+                    why = (
+                        " (described alike: a non-tensor value in it compares unequal, such as "
+                        "a numpy array or an object made per batch; make it a tensor)"
+                        if this in held
+                        else ""
+                    )
                     return (
-                        f"a batch {_describe(spec, leaves)}, but the step was captured with "
-                        f"{held} and max_graphs={self.max_graphs} allows no other"
+                        f"a batch {this}, but the step was captured with {' and '.join(held)} "
+                        f"and max_graphs={self.max_graphs} allows no other{why}"
                     )
                 assert self._new_seam is not None
                 shape = _Shape(spec, leaves, self.device, self._new_seam())

@@ -304,6 +304,60 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
     assert [r for r in metrics(tmp_path / "b") if r["iteration"] >= 23] == tail
 
 
+def test_an_eager_trainers_checkpoint_resumes_in_the_graph_trainer(tmp_path):
+    # torch's load replaces a param group's options by the saved ones: without the graph
+    # trainer keeping its optimizer's fused=True, the SGD saved by SimpleTrainer would make
+    # the step impossible to capture (on CUDA).
+    import copy
+
+    saved: Dict[str, Any] = {}
+
+    class Save(HookBase):
+        def after_step(self) -> None:
+            if self.trainer.iter == 22:
+                saved["state"] = copy.deepcopy(self.trainer.state_dict())
+                saved["model"] = copy.deepcopy(self.trainer.model.state_dict())
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = build(SimpleTrainer, tmp_path / "a", extra_hooks=[Save()], schedule="torch")
+    straight.train(0, 40)
+    assert saved["state"]["optimizer"]["param_groups"][0]["fused"] is None
+    resumed = build(CUDAGraphTrainer, optim="fused", schedule="torch")
+    writer = JSONWriter(str(tmp_path / "b" / "metrics.json"))
+    resumed.register_hooks([hooks.PeriodicWriter([writer], period=5)])
+    resumed.model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["state"])
+    assert [g["fused"] for g in resumed.optimizer.param_groups] == [True]
+    assert saved["state"]["optimizer"]["param_groups"][0]["fused"] is None  # not changed
+    resumed.train(23, 40)
+    for p, q in zip(params(straight.model), params(resumed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    tail = [r for r in metrics(tmp_path / "a") if r["iteration"] >= 23]
+    got = [r for r in metrics(tmp_path / "b") if r["iteration"] >= 23]
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in tail] != []
+    for x, y in zip(tail, got):
+        assert y == pytest.approx(x, rel=1e-6)
+
+
+def test_a_load_keeps_the_optimizers_capture_options():
+    model = Net()
+    eager = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(batches(1)[0])["loss_mse"].backward()
+    eager.step()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    CUDAGraphTrainer(model, batches(), opt, graph="eager")
+    state = eager.state_dict()
+    opt.load_state_dict(state)
+    assert [g["capturable"] for g in opt.param_groups] == [True]
+    assert opt.param_groups[0]["lr"] == 0.01 and len(opt.state) == len(eager.state)
+    assert state["param_groups"][0]["capturable"] is False  # the caller's dict is untouched
+    # torch still checks the groups: a state of another optimizer's groups is refused
+    two = torch.optim.Adam([{"params": [model.head.weight]}, {"params": [model.head.bias]}])
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt.load_state_dict(two.state_dict())
+
+
 @pytest.mark.usefixtures("hookloop_logs_info")
 def test_default_trainer_with_cuda_graph(tmp_path, monkeypatch):
     from hookloop.data import TrainingSampler

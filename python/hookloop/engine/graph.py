@@ -231,6 +231,26 @@ def capture_problem(model: Any, optimizer: Any, graph: str) -> Optional[Tuple[ty
     return None
 
 
+#: The param-group options that make an optimizer's step capturable (see capture_problem).
+CAPTURE_OPTIONS = ("capturable", "fused")
+
+
+def _keep_capture_options(optimizer: Any, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """A load_state_dict pre-hook: the loaded param groups keep this optimizer's
+    ``capturable``/``fused``. torch's load replaces every option of a group by the saved one,
+    so a checkpoint written by an eager trainer (``capturable=False``, a non-fused SGD) would
+    make the step impossible to capture; with the options kept, torch also places the loaded
+    state (Adam's ``step``) where a capturable step needs it, on the parameters' device."""
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list):
+        return state_dict  # torch's load reports what is wrong with it
+    groups = list(saved_groups)  # as many as saved: torch checks the count
+    for i, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        if isinstance(saved, dict):
+            groups[i] = {**saved, **{k: group[k] for k in CAPTURE_OPTIONS if k in group}}
+    return {**state_dict, "param_groups": groups}
+
+
 class _LRProbe:
     """A stand-in optimizer for stepping copies of the schedulers: its param groups hold the
     hyper-parameters only, and its ``step`` counts as called (torch warns otherwise)."""
@@ -444,6 +464,7 @@ class GraphStep:
             if step is not None:
                 step.invalidate()
 
+        trainer.optimizer.register_load_state_dict_pre_hook(_keep_capture_options)
         trainer.optimizer.register_load_state_dict_post_hook(invalidate)
         trainer.model.register_load_state_dict_post_hook(invalidate)
         self.configured = True

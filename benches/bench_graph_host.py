@@ -5,7 +5,7 @@ of the ring slot to the storage, the hooks) when the replay itself costs nothing
 A replayed graph runs on the device while the host goes on; the host only limits the step
 rate when this time exceeds the replay's device time (~70 us for the tiny MLP on an H200).
 Runs anywhere: the capture seam's eager implementation, with every replay after the capture
-made a no-op, on the bench's tiny MLP (batch 16, 4 losses, fused SGD with momentum).
+made a no-op, on ``hookloop bench``'s tiny MLP (batch 16, 4 losses; fused SGD with momentum).
 
     python benches/bench_graph_host.py [--n 3000] [--repeats 5]
 
@@ -25,11 +25,11 @@ import time
 from typing import Any, Dict, List
 
 import torch
+from hookloop.bench import TinyMLP, make_batches
 from hookloop.engine import CUDAGraphTrainer, hooks
 from hookloop.engine import graph as graph_module
 from hookloop.engine.graph import EagerStepGraph
 from hookloop.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
-from torch import nn
 
 
 class FreeReplays(EagerStepGraph):
@@ -45,22 +45,6 @@ class FreeReplays(EagerStepGraph):
             super().replay()
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-
-    def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
-        x, y = batch
-        d = self.net(x) - y
-        return {
-            "loss_mse": (d**2).mean(),
-            "loss_l1": d.abs().mean(),
-            "loss_a": 0.1 * d.abs().mean(),
-            "loss_b": 0.01 * (d**2).mean(),
-        }
-
-
 class Stamps(hooks.HookBase):
     def __init__(self) -> None:
         self.at: List[float] = []
@@ -71,10 +55,9 @@ class Stamps(hooks.HookBase):
 
 def one_round(stack: bool, n: int) -> float:
     torch.manual_seed(0)
-    model = MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-    data = [(torch.randn(16, 32), torch.randn(16, 1)) for _ in range(8)]
-    trainer = CUDAGraphTrainer(model, itertools.cycle(data), opt, graph="eager")
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+    trainer = CUDAGraphTrainer(model, itertools.cycle(make_batches(count=8)), opt, graph="eager")
     out = tempfile.mkdtemp()
     hs: List[Any] = []
     if stack:

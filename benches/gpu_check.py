@@ -598,12 +598,12 @@ def _graph_hand(which: str, device: torch.device, n: int) -> float:
 
 def _graph_bare(which: str, device: torch.device, n: int, k: int) -> float:
     """Seconds per step of a hand-made CUDA graph of ``k`` training steps (torch's whole-network
-    recipe: static batches, three warm-up steps on a side stream, then ``k`` times zero_grad
-    (set_to_none), forward, loss sum, backward and the fused SGD step in one capture), replayed
-    ``n // k`` times, each replay after copying ``k`` batches into its static ones. With
-    ``k = 1``: what a trainer with no bookkeeping at all reaches; ``k > 1``: whether several
-    steps per replay would pay (issue 34's optional item). On the CPU (the dry run) a replay
-    runs the steps eagerly."""
+    recipe through hookloop's capture seam: static batches, three warm-up steps on a side
+    stream, then ``k`` times zero_grad (set_to_none), forward, loss sum, backward and the fused
+    SGD step in one capture), replayed ``n // k`` times, each replay after copying ``k``
+    batches into its static ones. With ``k = 1``: what a trainer with no bookkeeping at all
+    reaches; ``k > 1``: whether several steps per replay would pay (issue 34's optional item).
+    On the CPU (the dry run) the seam's eager implementation runs the steps at each replay."""
     model, batches = _graph_model(which, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
     static = [tuple(torch.empty_like(t) for t in batches[0]) for _ in range(k)]
@@ -620,25 +620,23 @@ def _graph_bare(which: str, device: torch.device, n: int, k: int) -> float:
             sum(model(batch).values()).backward()
             opt.step()
 
-    replay: Callable[[], None] = steps
-    if device.type == "cuda":
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                stage()
-                steps()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            steps()
-        replay = graph.replay
+    def staged_steps() -> None:
+        stage()
+        steps()
+
+    # hookloop's capture seam, with nothing of the trainer around it
+    from hookloop.engine.graph import CUDAStepGraph, EagerStepGraph
+
+    seam = CUDAStepGraph(device) if device.type == "cuda" else EagerStepGraph()
+    for _ in range(3):
+        seam.warmup(staged_steps)
+    seam.capture(steps, list(model.parameters()))
     replays = max(1, n // k)
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(replays):
         stage()
-        replay()
+        seam.replay()
     _sync(device)
     return (time.perf_counter() - t0) / (replays * k)
 

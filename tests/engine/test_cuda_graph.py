@@ -92,6 +92,12 @@ def build(
     return trainer
 
 
+def two_dirs(tmp_path: Path) -> None:
+    """The output folders of the two runs a test compares: tmp_path/a and tmp_path/b."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+
 def metrics(out: Path) -> List[Dict[str, Any]]:
     rows = [json.loads(line) for line in (out / "metrics.json").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
@@ -126,8 +132,7 @@ def params(model: nn.Module) -> List[torch.Tensor]:
 
 @pytest.mark.parametrize("schedule", ["cosine", "multistep", "torch"])
 def test_metrics_json_and_weights_equal_simple_trainers(tmp_path, schedule):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     eager = build(SimpleTrainer, tmp_path / "a", schedule=schedule)
     eager.train(0, MAX_ITER)
     graphed = build(CUDAGraphTrainer, tmp_path / "b", schedule=schedule)
@@ -144,8 +149,7 @@ def test_metrics_json_and_weights_equal_simple_trainers(tmp_path, schedule):
 
 
 def test_adam_with_the_lr_tensor_matches_within_float32_rounding(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     build(SimpleTrainer, tmp_path / "a", optim="adam").train(0, MAX_ITER)
     build(CUDAGraphTrainer, tmp_path / "b", optim="adam").train(0, MAX_ITER)
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
@@ -154,8 +158,7 @@ def test_adam_with_the_lr_tensor_matches_within_float32_rounding(tmp_path):
 def test_bfloat16_autocast_matches_amp_trainer(tmp_path):
     from hookloop.engine import AMPTrainer
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     build(AMPTrainer, tmp_path / "a", precision=torch.bfloat16).train(0, 20)
     build(CUDAGraphTrainer, tmp_path / "b", precision=torch.bfloat16).train(0, 20)
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-2)
@@ -229,8 +232,7 @@ def test_an_lr_set_outside_the_schedule_is_written_into_the_table(tmp_path):
                 for g in self.trainer.optimizer.param_groups:
                     g["lr"] = g["lr"] * 0.5
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     eager = build(SimpleTrainer, tmp_path / "a", schedule="torch", extra_hooks=[Halve()])
     eager.train(0, 40)
     graphed = build(CUDAGraphTrainer, tmp_path / "b", schedule="torch", extra_hooks=[Halve()])
@@ -281,8 +283,7 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
                 saved["state"] = copy.deepcopy(self.trainer.state_dict())
                 saved["model"] = copy.deepcopy(self.trainer.model.state_dict())
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     kw: Dict[str, Any] = dict(optim="adam", bn=True, schedule="torch")
     straight = build(CUDAGraphTrainer, tmp_path / "a", extra_hooks=[Save()], **kw)
     straight.train(0, 40)
@@ -318,8 +319,7 @@ def test_an_eager_trainers_checkpoint_resumes_in_the_graph_trainer(tmp_path):
                 saved["state"] = copy.deepcopy(self.trainer.state_dict())
                 saved["model"] = copy.deepcopy(self.trainer.model.state_dict())
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     straight = build(SimpleTrainer, tmp_path / "a", extra_hooks=[Save()], schedule="torch")
     straight.train(0, 40)
     assert saved["state"]["optimizer"]["param_groups"][0]["fused"] is None
@@ -417,8 +417,7 @@ def short_last(n: int = 12) -> List[Any]:
 
 @pytest.mark.usefixtures("hookloop_logs_info")
 def test_a_smaller_last_batch_gets_a_graph_of_its_own(tmp_path, caplog):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     eager = build(SimpleTrainer, tmp_path / "a", data=short_last())
     eager.train(0, MAX_ITER)
     graphed = build(CUDAGraphTrainer, tmp_path / "b", data=short_last())
@@ -585,8 +584,7 @@ def test_batch_shapes_beyond_max_graphs_are_refused_naming_them():
 def test_batch_shape_change_with_fallback_warns_once_and_steps_eagerly(tmp_path):
     data = batches(4)
     data[2] = (data[2][0][:10], data[2][1][:10])
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     build(SimpleTrainer, tmp_path / "a", data=data).train(0, 20)
     trainer = build(CUDAGraphTrainer, tmp_path / "b", data=data, fallback="eager", max_graphs=1)
     with pytest.warns(RuntimeWarning, match="this step runs eagerly") as record:
@@ -642,8 +640,7 @@ def test_no_cuda_device_raises_or_falls_back(tmp_path):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     with pytest.raises(RuntimeError, match="needs a CUDA device.*fallback='eager'"):
         CUDAGraphTrainer(model, batches(), sgd)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     build(SimpleTrainer, tmp_path / "a", optim="fused").train(0, 20)
     with pytest.warns(RuntimeWarning, match="needs a CUDA device"):
         trainer = build(
@@ -713,17 +710,24 @@ def _cuda_trainer(
     return trainer
 
 
+def _eager_and_captured(tmp_path: Path, iters: int, *hook_classes: type, **kw: Any) -> Any:
+    """The same CUDA run through the eager seam (metrics in tmp_path/a) and captured
+    (tmp_path/b), each with its own instances of ``hook_classes``: (eager, captured)."""
+    two_dirs(tmp_path)
+    runs = []
+    for out, graph in ((tmp_path / "a", {"graph": "eager"}), (tmp_path / "b", {})):
+        trainer = _cuda_trainer(out, extra_hooks=[h() for h in hook_classes], **graph, **kw)
+        trainer.train(0, iters)
+        runs.append(trainer)
+    return runs[0], runs[1]
+
+
 @pytest.mark.cuda
 @cuda
 # graph="eager" runs the capturable Adam's step outside a capture: torch warns it is slower
 @pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
 def test_cuda_capture_matches_the_eager_seam(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    eager = _cuda_trainer(tmp_path / "a", graph="eager")
-    eager.train(0, MAX_ITER)
-    graphed = _cuda_trainer(tmp_path / "b")
-    graphed.train(0, MAX_ITER)
+    _, graphed = _eager_and_captured(tmp_path, MAX_ITER)
     assert isinstance(graphed._hookloop.graph.shapes[0].seam, graph_module.CUDAStepGraph)
     assert graphed._hookloop.graph.captured
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
@@ -736,14 +740,7 @@ def test_cuda_capture_matches_the_eager_seam(tmp_path):
 def test_cuda_two_batch_shapes_match_the_eager_seam(tmp_path):
     # A A A A A B: B is warmed up at 5, 11 and 17 and captured at 23; the replays of A after
     # B's point .grad back at A's buffers, which GradNorm reads after every step.
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    runs = []
-    for out, kw in ((tmp_path / "a", {"graph": "eager"}), (tmp_path / "b", {})):
-        trainer = _cuda_trainer(out, data=short_last(6), extra_hooks=[GradNorm()], **kw)
-        trainer.train(0, MAX_ITER)
-        runs.append(trainer)
-    eager, graphed = runs
+    eager, graphed = _eager_and_captured(tmp_path, MAX_ITER, GradNorm, data=short_last(6))
     step = graphed._hookloop.graph
     assert len(step.shapes) == 2 and all(s.seam.captured for s in step.shapes)
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
@@ -835,11 +832,7 @@ def test_cuda_replays_do_not_synchronize():
 @cuda
 @pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
 def test_cuda_bfloat16_capture_matches_the_eager_seam(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    _cuda_trainer(tmp_path / "a", graph="eager", precision=torch.bfloat16).train(0, 30)
-    graphed = _cuda_trainer(tmp_path / "b", precision=torch.bfloat16)
-    graphed.train(0, 30)
+    _, graphed = _eager_and_captured(tmp_path, 30, precision=torch.bfloat16)
     assert graphed._hookloop.graph.captured
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-2)
 
@@ -922,8 +915,7 @@ def test_a_failed_capture_with_fallback_warns_once_and_steps_eagerly(tmp_path, m
         raise RuntimeError("capturing the step failed: (a stand-in for CUDA's error)")
 
     monkeypatch.setattr(EagerStepGraph, "capture", fail)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     build(SimpleTrainer, tmp_path / "a").train(0, 20)
     with pytest.raises(RuntimeError, match="stand-in"):
         build(CUDAGraphTrainer).train(0, 20)
@@ -1002,8 +994,7 @@ def test_loading_the_optimizer_drops_the_capture():
 
 
 def test_data_parallel_with_fallback_warns_once_and_trains_eagerly(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    two_dirs(tmp_path)
     build(SimpleTrainer, tmp_path / "a").train(0, 20)
     torch.manual_seed(0)
     model = Net()

@@ -268,6 +268,119 @@ def test_eval_and_precise_bn_run_eagerly_on_the_same_parameters(tmp_path):
     assert bn.running_mean.data_ptr() == ptr
 
 
+class HeldTensorsSeam(EagerStepGraph):
+    """The eager seam with a CUDA graph's hold on the model's tensors: a replay updates the
+    buffers and parameters the capture saw, even where the model now has other tensors (put
+    back after the replay, without torch's registration hooks)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._model = model
+        self._held: List[Any] = []
+
+    def capture(self, fn: Any, params: Any) -> None:
+        super().capture(fn, params)
+        self._held = [
+            (m, kind, n, t)
+            for m in self._model.modules()
+            for kind in ("_buffers", "_parameters")
+            for n, t in getattr(m, kind).items()
+        ]
+
+    def replay(self) -> None:
+        now = [(m, kind, n, getattr(m, kind)[n]) for m, kind, n, _ in self._held]
+        for m, kind, n, t in self._held:
+            getattr(m, kind)[n] = t
+        try:
+            super().replay()
+        finally:
+            for m, kind, n, t in now:
+                getattr(m, kind)[n] = t
+
+
+class AssignStats(HookBase):
+    """Every ``period`` iterations, new running statistics for each BatchNorm, assigned as
+    fvcore's ``update_bn_stats`` (detectron2's PreciseBN) assigns them: new tensors."""
+
+    def __init__(self, period: int) -> None:
+        self.period = period
+
+    def after_step(self) -> None:
+        if (self.trainer.iter + 1) % self.period == 0:
+            for m in self.trainer.model.modules():
+                if isinstance(m, nn.BatchNorm1d):
+                    m.running_mean = m.running_mean * 0.5 + 1.0
+                    m.running_var = m.running_var * 2.0
+
+
+def test_a_tensor_assigned_on_the_model_between_steps_is_captured_again(tmp_path, caplog):
+    # A graph would go on updating the running statistics it captured, and the model's new
+    # ones would never move again: the graphs are dropped and the step captured again.
+    two_dirs(tmp_path)
+    eager = build(SimpleTrainer, tmp_path / "a", bn=True, extra_hooks=[AssignStats(10)])
+    eager.train(0, 30)
+    graphed = build(CUDAGraphTrainer, tmp_path / "b", bn=True, extra_hooks=[AssignStats(10)])
+    step = graphed._hookloop.graph
+    step._new_seam = lambda: HeldTensorsSeam(graphed.model)
+    with caplog.at_level(logging.INFO, logger="hookloop.engine.train_loop"):
+        graphed.train(0, 30)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
+    for p, q in zip(params(eager.model), params(graphed.model)):  # buffers too
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    said = [r.getMessage() for r in caplog.records]
+    assert [m[: m.index(" for")] for m in said if "captured the step at" in m] == [
+        f"CUDAGraphTrainer: captured the step at iteration {it}" for it in (3, 13, 23)
+    ]
+    assert [m for m in said if "assigned anew" in m] == [
+        f"CUDAGraphTrainer: body.1.running_mean of the model was assigned anew after iteration "
+        f"{it}: the step is captured again (a replay would update the tensor it captured)"
+        for it in (9, 19, 29)
+    ]
+    assert not step.captured  # the last assignment, after iteration 29, dropped it too
+
+
+def test_assignments_inside_the_step_or_on_other_modules_keep_the_graph():
+    class CachesInForward(Net):
+        def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+            self.last_x = batch[0].mean()  # a buffer assigned by every forward
+            return super().forward(batch)
+
+    trainer = build(CUDAGraphTrainer)
+    model = CachesInForward()
+    model.load_state_dict(trainer.model.state_dict())
+    model.register_buffer("last_x", torch.zeros(()))
+    other = nn.BatchNorm1d(3)
+
+    class AssignElsewhere(HookBase):
+        def after_step(self) -> None:
+            other.running_mean = torch.ones(3)  # not the trainer's model
+
+    trainer = CUDAGraphTrainer(
+        model, batches(), torch.optim.SGD(model.parameters(), lr=0.1), graph="eager"
+    )
+    trainer.register_hooks([AssignElsewhere()])
+    trainer.train(0, 12)
+    step = trainer._hookloop.graph
+    assert [s.warmups for s in step.shapes] == [3] and step.captured
+
+
+def test_the_assignment_watch_goes_with_the_trainer():
+    import gc
+
+    from torch.nn.modules import module as nn_module
+
+    def watches() -> set:
+        return set(nn_module._global_buffer_registration_hooks)
+
+    before = watches()  # other tests' trainers may still be alive, and go with this gc
+    trainer = build(CUDAGraphTrainer)
+    mine = watches() - before
+    assert len(mine) == 1
+    del trainer
+    gc.collect()
+    assert not mine & watches()
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints and resume
 

@@ -398,6 +398,12 @@ class GraphStep:
         self.configured = False
         #: Rows of the LR table written again at a step (an LR set outside the schedule).
         self.rows_rewritten = 0
+        #: While a graph is captured: the model's modules, ``id`` to qualified name. A tensor
+        #: or submodule assigned anew on one of them between steps drops the graphs.
+        self._watched: Optional[Dict[int, str]] = None
+        #: Inside the trainer's step (place, warm-up, capture, replay, an eager step).
+        self.stepping = False
+        self._trainer: Optional[Callable[[], Any]] = None
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -467,6 +473,8 @@ class GraphStep:
         trainer.optimizer.register_load_state_dict_pre_hook(_keep_capture_options)
         trainer.optimizer.register_load_state_dict_post_hook(invalidate)
         trainer.model.register_load_state_dict_post_hook(invalidate)
+        self._trainer = weakref.ref(trainer)
+        _watch_assignments(self)
         self.configured = True
 
     def refuse(self, kind: type, message: str) -> None:
@@ -509,6 +517,27 @@ class GraphStep:
         self.shapes = []
         self.current = None
         self._grads_of = None
+        self._watched = None
+
+    def assigned(self, module: Any, name: str) -> None:
+        """``module.name = ...`` of a registered tensor or submodule, somewhere in the
+        process (torch's registration hooks): one of the captured model's, outside the step,
+        drops the graphs. A replay updates the tensors it captured, not the one assigned
+        (fvcore's ``update_bn_stats`` assigns new ``running_mean``/``running_var``): the next
+        steps warm up and capture again, with the new one."""
+        watched = self._watched
+        if watched is None or self.stepping:
+            return
+        where = watched.get(id(module))
+        if where is None:
+            return
+        trainer = self._trainer() if self._trainer is not None else None
+        at = f" after iteration {trainer.iter}" if trainer is not None else ""
+        logger.info(
+            f"{_WHO}: {where + '.' if where else ''}{name} of the model was assigned anew{at}: "
+            "the step is captured again (a replay would update the tensor it captured)"
+        )
+        self.invalidate()
 
     def prepare(self, trainer: Any, hooks: Sequence[Any], start: Optional[int] = None) -> None:
         """At ``before_train`` (after the hooks'): the step counter at ``start`` (by default
@@ -700,6 +729,8 @@ class GraphStep:
             # Nothing of a failed capture ran on the device: the step is still to be made.
             self.refuse(RuntimeError, str(e))
             return False
+        if self._watched is None:
+            self._watched = {id(m): n for n, m in trainer.model.named_modules()}
         logger.info(
             f"{_WHO}: captured the step at iteration {trainer.iter} for the batch "
             f"{shape.describe()} (graph {self.shapes.index(shape) + 1} of at most "
@@ -717,6 +748,32 @@ class GraphStep:
 def _overrides(hook: Any, stage: str) -> bool:
     fn = getattr(type(hook), stage, None)
     return fn is not None and fn is not getattr(HookBase, stage)
+
+
+def _watch_assignments(step: GraphStep) -> None:
+    """Calls ``step.assigned(module, name)`` at every assignment of a registered buffer,
+    parameter or submodule (torch's global registration hooks), for as long as ``step``
+    lives."""
+    from torch.nn.modules import module as nn_module
+
+    this = weakref.ref(step)
+
+    def assigned(module: Any, name: str, value: Any) -> None:
+        s = this()
+        if s is not None:
+            s.assigned(module, name)
+
+    handles = [
+        nn_module.register_module_buffer_registration_hook(assigned),
+        nn_module.register_module_parameter_registration_hook(assigned),
+        nn_module.register_module_module_registration_hook(assigned),
+    ]
+    weakref.finalize(step, _remove_all, handles)
+
+
+def _remove_all(handles: Sequence[Any]) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _schedulers_of(hooks: Sequence[Any], optimizer: Any) -> List[Any]:
@@ -847,6 +904,15 @@ class CUDAGraphTrainer(SimpleTrainer):
         step = self._hookloop.graph
         if not step.prepared:  # a stage called by someone else's loop (DefaultTrainer)
             step.prepare(self, self._hooks)
+        # What the step itself assigns on the model is part of what is captured: only an
+        # assignment between steps drops the graphs (GraphStep.assigned).
+        step.stepping = True
+        try:
+            self._graph_step(step, data, data_time)
+        finally:
+            step.stepping = False
+
+    def _graph_step(self, step: GraphStep, data: Any, data_time: float) -> None:
         if step.eager_reason is not None:
             self._eager_step(data, data_time)
             return

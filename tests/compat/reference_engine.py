@@ -754,14 +754,14 @@ class SimpleTrainer(TrainerBase):
 
     @staticmethod
     def write_metrics(
-        loss_dict: Dict[str, torch.Tensor], data_time: float, iter: int, prefix: str = ""
+        loss_dict: Dict[str, torch.Tensor], data_time: float, cur_iter: int, prefix: str = ""
     ) -> None:
         metrics_dict = {k: v.detach().cpu().item() for k, v in loss_dict.items()}
         metrics_dict["data_time"] = data_time
 
         storage = get_event_storage()
         # Keep track of data time per rank
-        storage.put_scalar("rank_data_time", data_time, cur_iter=iter)
+        storage.put_scalar("rank_data_time", data_time, cur_iter=cur_iter)
 
         # Gather metrics among all workers for logging
         all_metrics_dict = comm.gather(metrics_dict)
@@ -770,7 +770,7 @@ class SimpleTrainer(TrainerBase):
             # data_time among workers can have high variance. The actual latency
             # caused by data_time is the maximum among workers.
             data_time = np.max([x.pop("data_time") for x in all_metrics_dict])
-            storage.put_scalar("data_time", data_time, cur_iter=iter)
+            storage.put_scalar("data_time", data_time, cur_iter=cur_iter)
 
             # average the rest metrics
             metrics_dict = {
@@ -779,12 +779,15 @@ class SimpleTrainer(TrainerBase):
             total_losses_reduced = sum(metrics_dict.values())
             if not np.isfinite(total_losses_reduced):
                 raise FloatingPointError(
-                    f"Loss became infinite or NaN at iteration={iter}!\nloss_dict = {metrics_dict}"
+                    f"Loss became infinite or NaN at iteration={cur_iter}!\n"
+                    f"loss_dict = {metrics_dict}"
                 )
 
-            storage.put_scalar("{}total_loss".format(prefix), total_losses_reduced, cur_iter=iter)
+            storage.put_scalar(
+                "{}total_loss".format(prefix), total_losses_reduced, cur_iter=cur_iter
+            )
             if len(metrics_dict) > 1:
-                storage.put_scalars(cur_iter=iter, **metrics_dict)  # type: ignore[arg-type]
+                storage.put_scalars(cur_iter=cur_iter, **metrics_dict)  # type: ignore[arg-type]
 
     def reset_data_loader(self, data_loader_builder: Any) -> None:
         del self.data_loader

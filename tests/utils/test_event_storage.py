@@ -703,3 +703,124 @@ def test_recorded_losses_are_stored_as_write_metrics_stores_them():
     strange._record_losses(0, 0.0, {"a": "one"})
     with pytest.raises(TypeError, match="'a'"):
         strange.latest()
+
+
+# --- assigning the private dicts -----------------------------------------------------------------
+
+
+def test_a_validation_hook_that_prunes_its_losses_writes_what_detectron2_writes(tmp_path):
+    """A ``ValidationLoss`` hook copied into several detectron2 ``train_net.py`` scripts puts
+    ``val_*`` losses every few steps and, at the other steps, assigns the storage's
+    ``_latest_scalars`` and ``_history`` filtered dicts without them, so the writers show them
+    only at the steps that computed them. The same run on the reference engine (a model of
+    detectron2's) writes the same metrics.json and leaves the same storage."""
+    import itertools
+    import json
+    import types
+    from collections import defaultdict
+
+    from compat import d2
+    from hookloop.engine import HookBase, SimpleTrainer, hooks
+    from hookloop.utils.events import JSONWriter
+    from torch import nn
+
+    def run(E: Any, out: Any) -> Tuple[List[Dict[str, Any]], Any]:
+        class ValidationLoss(E.HookBase):
+            def after_step(self) -> None:
+                storage = self.trainer.storage
+                if self.trainer.iter % 3 == 0:
+                    storage.put_scalars(val_total_loss=0.5 * self.trainer.iter, val_acc=0.25)
+                    return
+                scalars = {}
+                for k, v in storage._latest_scalars.items():
+                    if "val_" not in k:
+                        scalars[k] = v
+                storage._latest_scalars = scalars
+                history = defaultdict(E.HistoryBuffer)
+                for k, v in storage._history.items():
+                    if "val_" not in k:
+                        history[k] = v
+                storage._history = history
+
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        data = [torch.randn(4, 3) for _ in range(4)]
+
+        def loss(x: torch.Tensor) -> Dict[str, torch.Tensor]:
+            return {"loss_a": model(x).pow(2).mean(), "loss_b": model(x).abs().mean()}
+
+        wrapped = type("M", (nn.Module,), {"forward": lambda self, x: loss(x)})()
+        wrapped.inner = model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = E.SimpleTrainer(wrapped, itertools.cycle(data), opt)
+        trainer.register_hooks(
+            [ValidationLoss(), E.PeriodicWriter([E.JSONWriter(str(out))], period=2)]
+        )
+        trainer.train(0, 11)
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        timing = ("data_time", "rank_data_time")
+        for line in lines:
+            for k in timing:
+                line.pop(k, None)
+        s = trainer.storage
+        state = (
+            {k: (float(v), it) for k, (v, it) in s.latest().items() if k not in timing},
+            {k: h.values() for k, h in s.histories().items() if k not in timing},
+            s.smoothing_hints(),
+        )
+        return lines, state
+
+    hookloop = types.SimpleNamespace(
+        HookBase=HookBase,
+        HistoryBuffer=HistoryBuffer,
+        SimpleTrainer=SimpleTrainer,
+        PeriodicWriter=hooks.PeriodicWriter,
+        JSONWriter=JSONWriter,
+    )
+    lines, state = run(hookloop, tmp_path / "hookloop.json")
+    ref_lines, ref_state = run(d2, tmp_path / "reference.json")
+    assert lines == ref_lines
+    assert state == ref_state
+    # The writes (odd iterations and the last) see the val_ losses only after the steps that
+    # put them (3 and 9): pruned at 1, 5, 7 and 10; put again at 9, with a new history.
+    assert [("val_acc" in line, line["iteration"]) for line in lines] == [
+        (False, 1),
+        (True, 3),
+        (False, 5),
+        (False, 7),
+        (True, 9),
+        (False, 10),
+    ]
+    assert lines[4]["val_total_loss"] == 4.5  # the median of a new history: 4.5 alone
+    assert "val_acc" not in state[0] and "val_acc" not in state[1]
+    assert state[2]["val_acc"] is True  # the hint stays, as detectron2's _smoothing_hints
+
+
+def test_assigning_the_private_dicts_checks_what_it_is_given(storage):
+    storage.put_scalars(loss=1.0, val_loss=2.0)
+    storage.put_scalar("lr", 0.1, smoothing_hint=False)
+    with pytest.raises(TypeError, match=r"_latest_scalars must be a dict .* got list"):
+        storage._latest_scalars = [("loss", (1.0, 0))]
+    with pytest.raises(TypeError, match=r"_history must be a dict of HistoryBuffer, got str"):
+        storage._history = "loss"
+    # Only leaving names out: a value is put with put_scalar.
+    with pytest.raises(ValueError, match=r"_latest_scalars\['loss'\] = \(5.0, 0\).*put_scalar"):
+        storage._latest_scalars = {"loss": (5.0, 0)}
+    with pytest.raises(ValueError, match=r"_latest_scalars\['new'\]"):
+        storage._latest_scalars = {**storage._latest_scalars, "new": (1.0, 0)}
+    assert list(storage.latest()) == ["loss", "val_loss", "lr"]  # nothing forgotten
+    storage._latest_scalars = {"loss": (1.0, 0), "lr": (0.1, 0)}
+    assert list(storage.latest()) == ["loss", "lr"] and list(storage.histories()) == ["loss", "lr"]
+    # A forgotten name keeps its smoothing hint: a put with the other one is refused.
+    storage._history = {"loss": storage.history("loss")}
+    with pytest.raises(ValueError, match="smoothing_hint for 'lr' changed from False to True"):
+        storage.put_scalar("lr", 0.2)
+    # A history assigned to a name makes it that name's, as histories()[name] = buffer does.
+    buffer = HistoryBuffer()
+    buffer.update(3.0, 0)
+    storage._history = {"loss": storage.history("loss"), "lr": buffer}
+    assert storage.latest()["lr"] == (3.0, 0) and storage.smoothing_hints()["lr"] is False
+    # NaN latest values compare equal to themselves.
+    storage.put_scalar("nan", float("nan"))
+    storage._latest_scalars = {k: (v, it) for k, (v, it) in storage.latest().items()}
+    assert "nan" in storage.latest()

@@ -20,7 +20,7 @@ import sys
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from hookloop import _core
 from hookloop.utils._base import (
@@ -113,10 +113,46 @@ class EventStorage(_core.EventStorage):
         """detectron2's private name for :meth:`histories`."""
         return self.histories()
 
+    @_history.setter
+    def _history(self, histories: Mapping[str, HistoryBuffer]) -> None:
+        """detectron2 code prunes names by assigning a filtered dict (a validation hook that
+        drops its ``val_*`` losses between its steps): the names left out are forgotten, their
+        latest values too (:meth:`_forget`); each name in it gets that buffer as its history,
+        as ``histories()[name] = buffer`` does."""
+        if not isinstance(histories, Mapping):
+            raise TypeError(
+                f"EventStorage._history must be a dict of HistoryBuffer, got "
+                f"{type(histories).__name__}"
+            )
+        self._forget([n for n in super().histories() if n not in histories])
+        assign = self.histories()
+        for name, buffer in histories.items():
+            assign[name] = buffer
+
     @property
     def _latest_scalars(self) -> Dict[str, Tuple[float, Any]]:
-        """detectron2's private ``{name: (value, iteration)}`` (a snapshot: read-only)."""
+        """detectron2's private ``{name: (value, iteration)}`` (a snapshot)."""
         return self.latest()
+
+    @_latest_scalars.setter
+    def _latest_scalars(self, scalars: Mapping[str, Tuple[float, Any]]) -> None:
+        """Assigning a filtered snapshot (detectron2 code that prunes names) forgets the names
+        left out, their histories too (:meth:`_forget`). A value is set by ``put_scalar``: one
+        that is not the storage's latest is a ``ValueError``."""
+        if not isinstance(scalars, Mapping):
+            raise TypeError(
+                f"EventStorage._latest_scalars must be a dict of (value, iteration), got "
+                f"{type(scalars).__name__}"
+            )
+        now = self.latest()
+        for name, entry in scalars.items():
+            if name not in now or not _same_entry(entry, now[name]):
+                raise ValueError(
+                    f"EventStorage._latest_scalars[{name!r}] = {entry!r}: assigning "
+                    f"_latest_scalars can only leave names out (to forget them); the storage's "
+                    f"latest is {now.get(name)!r}. Use put_scalar to store a value"
+                )
+        self._forget([n for n in now if n not in scalars])
 
     @contextmanager
     def name_scope(self, name: str) -> Iterator[None]:
@@ -209,6 +245,17 @@ class EventStorage(_core.EventStorage):
                 "dropping the oldest. Add a TensorboardXWriter (and write it as often as the "
                 "others), or stop calling put_histogram."
             )
+
+
+def _same_entry(a: Any, b: Tuple[float, Any]) -> bool:
+    """Whether ``a`` is the ``(value, iteration)`` pair ``b`` (NaN equal to NaN)."""
+    if a is b:
+        return True
+    try:
+        value, it = a
+    except (TypeError, ValueError):
+        return False
+    return it == b[1] and (value == b[0] or (value != value and b[0] != b[0]))
 
 
 class _HistoryMap(dict):  # type: ignore[type-arg]

@@ -56,6 +56,9 @@ pub struct Storage {
     /// The histories of names read but not put yet (empty unless a view was updated): the first
     /// put of the name continues this history.
     unput: IndexMap<Arc<str>, History, FxBuildHasher>,
+    /// The smoothing hints of forgotten names ([`Storage::forget`]), as detectron2's
+    /// `_smoothing_hints` keeps them: a later put of the name is checked against its hint.
+    forgotten: IndexMap<Arc<str>, bool, FxBuildHasher>,
 }
 
 impl Storage {
@@ -76,6 +79,7 @@ impl Storage {
             deferred_at: None,
             read_first: Vec::new(),
             unput: IndexMap::default(),
+            forgotten: IndexMap::default(),
         })
     }
 
@@ -183,14 +187,22 @@ impl Storage {
     ) -> Result<(String, Iter)> {
         let iter = cur_iter.unwrap_or(Iter::Int(self.iter));
         let full = self.full_name(name);
-        match self.scalars.get(full.as_str()) {
-            Some(s) if s.smoothing_hint != smoothing_hint => Err(Error::HintChanged {
+        match self.hint_of(&full) {
+            Some(old) if old != smoothing_hint => Err(Error::HintChanged {
                 name: full,
-                old: s.smoothing_hint,
+                old,
                 new: smoothing_hint,
                 iter: iter.to_string(),
             }),
             _ => Ok((full, iter)),
+        }
+    }
+
+    /// The smoothing hint `name` was put with: a scalar's, or a forgotten name's.
+    fn hint_of(&self, name: &str) -> Option<bool> {
+        match self.scalars.get(name) {
+            Some(s) => Some(s.smoothing_hint),
+            None => self.forgotten.get(name).copied(),
         }
     }
 
@@ -217,6 +229,17 @@ impl Storage {
             scalar.history.update(value, Some(iter));
             scalar.latest = (value, iter);
             return Ok(());
+        }
+        if let Some(old) = self.forgotten.swap_remove(name) {
+            if old != hint {
+                self.forgotten.insert(Arc::from(name), old);
+                return Err(Error::HintChanged {
+                    name: name.to_owned(),
+                    old,
+                    new: hint,
+                    iter: iter.to_string(),
+                });
+            }
         }
         let mut history = match self.unput.swap_remove(name) {
             Some(read_first) => read_first,
@@ -248,17 +271,57 @@ impl Storage {
         match self.scalars.get_mut(name) {
             Some(s) => s.history = history,
             None => {
+                let smoothing_hint = self.forgotten.swap_remove(name).unwrap_or(true);
                 self.scalars.insert(
                     Arc::from(name),
                     Scalar {
                         history,
-                        smoothing_hint: true,
+                        smoothing_hint,
                         latest,
                     },
                 );
             }
         }
         Ok(())
+    }
+
+    /// Forgets `name`'s latest value and history, as detectron2 code that leaves the name out
+    /// of the dicts it assigns to `_latest_scalars` and `_history` does (a validation hook
+    /// pruning its `val_*` losses between its steps). The smoothing hint stays, as in
+    /// detectron2's `_smoothing_hints`: a later put of the name is checked against it and
+    /// starts a new history, listed last. Call it with no deferred put waiting (the binding
+    /// settles first). Returns whether the name was known.
+    pub fn forget(&mut self, name: &str) -> bool {
+        let known = if let Some((k, key, scalar)) = self.scalars.shift_remove_full(name) {
+            self.forgotten.insert(key, scalar.smoothing_hint);
+            // Places recorded as "scalars held then" after the removed one move up by one.
+            for (at, _) in &mut self.read_first {
+                if *at > k {
+                    *at -= 1;
+                }
+            }
+            if let Some(mark) = self.deferred_at.as_mut() {
+                if *mark > k {
+                    *mark -= 1;
+                }
+            }
+            true
+        } else {
+            self.unput.shift_remove(name).is_some()
+        };
+        self.read_first.retain(|(_, n)| &**n != name);
+        known
+    }
+
+    /// `{name: smoothing_hint}` as detectron2's `_smoothing_hints`: every scalar's, in
+    /// first-put order, then those of forgotten names.
+    pub fn smoothing_hints(&self) -> Vec<(Arc<str>, bool)> {
+        let scalars = self
+            .scalars
+            .iter()
+            .map(|(k, s)| (k.clone(), s.smoothing_hint));
+        let forgotten = self.forgotten.iter().map(|(k, &h)| (k.clone(), h));
+        scalars.chain(forgotten).collect()
     }
 
     /// The scalar called `name` (no prefix applied), or `UnknownMetric`.
@@ -503,6 +566,7 @@ impl Storage {
         self.deferred_at = None;
         self.read_first.clear();
         self.unput.clear();
+        self.forgotten.clear();
         Ok(())
     }
 }
@@ -577,6 +641,75 @@ mod tests {
         let end = s.len();
         s.place_deferred(end - 1);
         assert_eq!(names(&s).last(), Some(&"new"));
+    }
+
+    #[test]
+    fn a_forgotten_name_keeps_its_hint_and_starts_a_new_history_last() {
+        let mut s = storage();
+        s.put_scalar("loss", 1.0, true, None).unwrap();
+        s.put_scalar("val_loss", 2.0, false, None).unwrap();
+        s.read_history("val_acc").unwrap(); // read first, listed after val_loss
+        s.put_scalar("lr", 0.1, false, None).unwrap();
+        assert!(s.forget("val_loss"));
+        assert!(s.forget("val_acc"));
+        assert!(!s.forget("val_loss") && !s.forget("never"));
+        assert_eq!(names(&s), ["loss", "lr"]);
+        let listed: Vec<String> = s.history_names().iter().map(|n| n.to_string()).collect();
+        assert_eq!(listed, ["loss", "lr"]);
+        assert!(s.scalar("val_loss").is_err() && !s.has_history("val_acc"));
+        // The hint stays (detectron2's _smoothing_hints), listed after the scalars'.
+        let hints: Vec<(String, bool)> = s
+            .smoothing_hints()
+            .iter()
+            .map(|(n, h)| (n.to_string(), *h))
+            .collect();
+        let expect = [("loss", true), ("lr", false), ("val_loss", false)];
+        assert_eq!(hints, expect.map(|(n, h)| (n.to_string(), h)));
+        // A put with another hint is refused, now or deferred, and changes nothing.
+        assert!(matches!(
+            s.put_scalar("val_loss", 3.0, true, None),
+            Err(Error::HintChanged {
+                old: false,
+                new: true,
+                ..
+            })
+        ));
+        assert!(s.resolve_put("val_loss", true, None).is_err());
+        assert_eq!(s.smoothing_hints().len(), 3);
+        // The same hint: a new history of one value, listed last.
+        s.set_iter(5).unwrap();
+        s.put_scalar("val_loss", 3.0, false, None).unwrap();
+        assert_eq!(names(&s), ["loss", "lr", "val_loss"]);
+        let val = s.scalar("val_loss").unwrap();
+        assert_eq!((val.history.len(), val.latest), (1, (3.0, Iter::Int(5))));
+        assert_eq!(s.smoothing_hints().len(), 3);
+    }
+
+    #[test]
+    fn forgetting_keeps_the_places_of_reads_and_deferred_puts() {
+        let mut s = storage();
+        s.put_scalar("a", 1.0, true, None).unwrap();
+        s.put_scalar("b", 1.0, true, None).unwrap();
+        s.read_history("r").unwrap(); // after b
+        s.put_scalar("c", 1.0, true, None).unwrap();
+        s.forget("a");
+        let listed: Vec<String> = s.history_names().iter().map(|n| n.to_string()).collect();
+        assert_eq!(listed, ["b", "r", "c"]);
+        // A history assigned to a forgotten name takes its hint back.
+        s.put_scalar("h", 1.0, false, None).unwrap();
+        s.forget("h");
+        let mut history = History::new(4).unwrap();
+        history.update(2.0, Some(Iter::Int(1)));
+        s.set_history("h", history).unwrap();
+        assert!(!s.scalar("h").unwrap().smoothing_hint);
+        // A deferral's mark past the forgotten name moves up with the names.
+        s.mark_deferred(); // the losses of this iteration wait: their place is after h
+        s.put_scalar("x", 1.0, true, None).unwrap(); // put meanwhile
+        s.forget("b");
+        let first = s.len();
+        s.put_scalar("loss", 1.0, true, None).unwrap(); // the settle
+        s.place_deferred(first);
+        assert_eq!(names(&s), ["c", "h", "loss", "x"]);
     }
 
     #[test]

@@ -64,6 +64,17 @@ impl PyHistoryBuffer {
         self.with(py, |h| h.state(None))
     }
 
+    /// Whether this is the live view of `name` in the storage that `waiting` belongs to.
+    pub fn is_view_of(&self, waiting: &Arc<Waiting>, name: &str) -> bool {
+        match &self.source {
+            Source::View {
+                waiting: w,
+                name: n,
+            } => Arc::ptr_eq(w, waiting) && n == name,
+            Source::Owned(_) => false,
+        }
+    }
+
     fn label(&self) -> &str {
         match &self.source {
             Source::Owned(_) => "HistoryBuffer",

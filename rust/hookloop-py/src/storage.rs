@@ -393,19 +393,27 @@ impl PyEventStorage {
         self.with(|s| s.count_samples(name, window_size)).py_err()
     }
 
-    /// `{name: smoothing_hint}` in first-put order.
+    /// `{name: smoothing_hint}` in first-put order (forgotten names' last).
     fn smoothing_hints<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.settle(py)?;
-        let items: Vec<(String, bool)> = self.with(|s| {
-            s.scalars()
-                .map(|(k, s)| (k.to_owned(), s.smoothing_hint))
-                .collect()
-        });
+        let items = self.with(|s| s.smoothing_hints());
         let out = PyDict::new(py);
         for (k, hint) in items {
-            out.set_item(k, hint)?;
+            out.set_item(&*k, hint)?;
         }
         Ok(out)
+    }
+
+    /// Forgets each name's latest value and history (its smoothing hint stays): what
+    /// assigning `_latest_scalars` or `_history` a dict without the name does. Settles first.
+    fn _forget(&self, py: Python<'_>, names: Vec<String>) -> PyResult<()> {
+        self.settle(py)?;
+        self.with(move |s| {
+            for name in &names {
+                s.forget(name);
+            }
+        });
+        Ok(())
     }
 
     /// Advances the iteration by one (`OverflowError` at the top of int64).
@@ -468,6 +476,9 @@ impl PyEventStorage {
     /// value (as detectron2's `_latest_scalars`); a new one is smoothed, with the buffer's
     /// newest entry as its latest value.
     fn _set_history(&self, name: String, buffer: &Bound<'_, PyHistoryBuffer>) -> PyResult<()> {
+        if buffer.get().is_view_of(&self.waiting, &name) {
+            return Ok(()); // the storage's own history of that name: nothing to copy
+        }
         let state = buffer.get().state(buffer.py())?;
         let history = History::from_state(state).py_err()?;
         self.with(move |s| s.set_history(&name, history)).py_err()

@@ -87,7 +87,14 @@ __all__ = [
 ]
 
 # The hooks, as the corpus's backends list them (``compat.backends``).
-HOOK_NAMES = ("CallbackHook", "IterationTimer", "PeriodicWriter", "LRScheduler", "EvalHook")
+HOOK_NAMES = (
+    "CallbackHook",
+    "IterationTimer",
+    "PeriodicWriter",
+    "LRScheduler",
+    "EvalHook",
+    "TorchProfiler",
+)
 
 # CommonMetricPrinter logs here (detectron2 uses "detectron2.utils.events").
 EVENTS_LOGGER = "compat.d2.utils.events"
@@ -1039,6 +1046,61 @@ class CallbackHook(HookBase):
     def after_step(self) -> None:
         if self._after_step:
             self._after_step(self.trainer)
+
+
+class TorchProfiler(HookBase):
+    """Runs ``torch.profiler.profile`` around the steps ``enable_predicate(trainer)`` picks;
+    the trace goes to ``output_dir/log/profiler-tensorboard-iter<N>/`` (TensorBoard's
+    handler, worker ``worker<rank>``) or, without ``save_tensorboard``, to
+    ``output_dir/profiler-trace-iter<N>.json``."""
+
+    def __init__(
+        self,
+        enable_predicate: Any,
+        output_dir: str,
+        *,
+        activities: Any = None,
+        save_tensorboard: bool = True,
+    ) -> None:
+        self._enable_predicate = enable_predicate
+        self._activities = activities
+        self._output_dir = output_dir
+        self._save_tensorboard = save_tensorboard
+
+    def before_step(self) -> None:
+        if self._enable_predicate(self.trainer):
+            on_trace_ready = None
+            if self._save_tensorboard:
+                on_trace_ready = torch.profiler.tensorboard_trace_handler(
+                    os.path.join(
+                        self._output_dir,
+                        "log",
+                        "profiler-tensorboard-iter{}".format(self.trainer.iter),
+                    ),
+                    f"worker{comm.get_rank()}",
+                )
+            self._profiler = torch.profiler.profile(
+                activities=self._activities,
+                on_trace_ready=on_trace_ready,
+                record_shapes=True,
+                profile_memory=True,
+                with_stack=True,
+                with_flops=True,
+            )
+            self._profiler.__enter__()
+        else:
+            self._profiler = None
+
+    def after_step(self) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        if not self._save_tensorboard:
+            os.makedirs(self._output_dir, exist_ok=True)
+            out_file = os.path.join(
+                self._output_dir, "profiler-trace-iter{}.json".format(self.trainer.iter)
+            )
+            self._profiler.export_chrome_trace(out_file)
 
 
 def flatten_results_dict(results: Dict[str, Any]) -> Dict[str, Any]:

@@ -302,7 +302,7 @@ class AssignStats(HookBase):
     """Every ``period`` iterations, new running statistics for each BatchNorm, assigned as
     fvcore's ``update_bn_stats`` (detectron2's PreciseBN) assigns them: new tensors."""
 
-    def __init__(self, period: int) -> None:
+    def __init__(self, period: int = 10) -> None:
         self.period = period
 
     def after_step(self) -> None:
@@ -861,6 +861,20 @@ def test_cuda_two_batch_shapes_match_the_eager_seam(tmp_path):
     b = graphed.storage.history("grad_norm").values()
     assert [it for _, it in b] == list(range(MAX_ITER))
     assert [v for v, _ in b] == pytest.approx([v for v, _ in a], rel=1e-4)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_a_buffer_assigned_between_steps_is_captured_again(tmp_path):
+    # AssignStats gives the BatchNorm new running-statistics tensors after iterations 9, 19
+    # and 29: each time the graphs are dropped and the step captured again, so the captured
+    # replays update the model's tensors, as the eager seam's steps do.
+    eager, graphed = _eager_and_captured(tmp_path, 35, AssignStats)
+    assert graphed._hookloop.graph.captured
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
+    for p, q in zip(params(eager.model), params(graphed.model)):  # the BN buffers too
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
 
 
 SYNCING_CHILD = """

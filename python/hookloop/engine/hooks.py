@@ -956,29 +956,20 @@ class BestCheckpointer(HookBase):
         self._file_prefix = file_prefix
         self.best_metric: Optional[float] = None
         self.best_iter: Optional[int] = None
-        # Iteration of the last value looked at: a value not newer than it is stale.
-        self._checked_iter: Optional[int] = None
 
     def _best_checking(self) -> None:
         metric_tuple = self.trainer.storage.latest().get(self._val_metric)
         if metric_tuple is None:
+            # detectron2's text, its missing space included: logs read alike.
             self._logger.warning(
-                f"Given val metric {self._val_metric} does not seem to be computed/stored. "
+                f"Given val metric {self._val_metric} does not seem to be computed/stored."
                 "Will not be checkpointing based on it."
             )
             return
         latest_metric, metric_iter = metric_tuple
         metric_iter = int(metric_iter)
-        newest_seen = max(
-            (i for i in (self._checked_iter, self.best_iter) if i is not None), default=None
-        )
-        if newest_seen is not None and metric_iter <= newest_seen:
-            self._logger.warning(
-                f"The latest value of {self._val_metric} is from iteration {metric_iter}, "
-                f"already checked: no new evaluation, not checkpointing"
-            )
-            return
-        self._checked_iter = metric_iter
+        # A value checked before (no evaluation since) compares as not better, as in
+        # detectron2: the best is saved once, and "Not saving" is logged.
         latest_metric = float(latest_metric)
         if math.isnan(latest_metric) and self.best_metric is not None:
             # NaN compares as not better: detectron2's decision and message.
@@ -1050,11 +1041,7 @@ class BestCheckpointer(HookBase):
     _STATE_BEYOND_DETECTRON2 = True
 
     def state_dict(self) -> Dict[str, Any]:
-        return {
-            "best_metric": self.best_metric,
-            "best_iter": self.best_iter,
-            "checked_iter": self._checked_iter,
-        }
+        return {"best_metric": self.best_metric, "best_iter": self.best_iter}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if not isinstance(state_dict, Mapping) or not {"best_metric", "best_iter"} <= set(
@@ -1064,10 +1051,8 @@ class BestCheckpointer(HookBase):
                 "BestCheckpointer.load_state_dict() needs a dict with best_metric and best_iter"
             )
         best, best_iter = state_dict["best_metric"], state_dict["best_iter"]
-        checked = state_dict.get("checked_iter", best_iter)
         self.best_metric = None if best is None else float(best)
         self.best_iter = None if best_iter is None else int(best_iter)
-        self._checked_iter = None if checked is None else int(checked)
 
 
 def _flatten_results_dict(results: Mapping[Any, Any], prefix: str = "") -> Dict[str, Any]:

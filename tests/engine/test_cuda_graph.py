@@ -333,10 +333,143 @@ def test_a_tensor_assigned_on_the_model_between_steps_is_captured_again(tmp_path
     ]
     assert [m for m in said if "assigned anew" in m] == [
         f"CUDAGraphTrainer: body.1.running_mean of the model was assigned anew after iteration "
-        f"{it}: the step is captured again (a replay would update the tensor it captured)"
+        f"{it}: the step is captured again (a replay runs the step as it was captured)"
         for it in (9, 19, 29)
     ]
     assert not step.captured  # the last assignment, after iteration 29, dropped it too
+
+
+class HeldStateSeam(EagerStepGraph):
+    """The eager seam with what a CUDA graph bakes in from the Python side: a replay runs
+    with the parameters' ``requires_grad``, the modules' training modes and the param groups'
+    options (all but the LR) the capture saw, whatever they are now (put back after)."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__()
+        self._trainer = trainer
+
+    def _state(self) -> Any:
+        model, groups = self._trainer.model, self._trainer.optimizer.param_groups
+        return (
+            [(p, p.requires_grad) for p in model.parameters()],
+            [(m, m.training) for m in model.modules()],
+            [(g, {k: v for k, v in g.items() if k not in ("params", "lr")}) for g in groups],
+        )
+
+    @staticmethod
+    def _set(state: Any) -> None:
+        grads, modes, options = state
+        for p, flag in grads:
+            p.requires_grad_(flag)
+        for m, flag in modes:
+            m.training = flag
+        for g, saved in options:
+            g.update(saved)
+
+    def capture(self, fn: Any, params: Any) -> None:
+        super().capture(fn, params)
+        self._held = self._state()
+
+    def replay(self) -> None:
+        now = self._state()
+        self._set(self._held)
+        try:
+            super().replay()
+        finally:
+            self._set(now)
+
+
+class Retune(HookBase):
+    """Freezes the first layer after iteration 9, puts the BatchNorm in eval mode after 19 and
+    lowers the momentum after 29; sets the same again at every later iteration."""
+
+    def after_step(self) -> None:
+        it, model = self.trainer.iter, self.trainer.model
+        if it >= 9:
+            model.body[0].weight.requires_grad_(False)
+        if it >= 19:
+            model.body[1].eval()
+        if it >= 29:
+            self.trainer.optimizer.param_groups[0]["momentum"] = 0.5
+
+
+def test_frozen_parameters_eval_modules_and_new_options_are_captured_again(tmp_path, caplog):
+    # A graph runs the step it captured: with the first layer trained, the BatchNorm in
+    # training mode and the old momentum. Before each replay the trainer compares them with
+    # the capture's and captures again where the eager step would differ.
+    two_dirs(tmp_path)
+    eager = build(SimpleTrainer, tmp_path / "a", bn=True, extra_hooks=[Retune()])
+    eager.train(0, 40)
+    graphed = build(CUDAGraphTrainer, tmp_path / "b", bn=True, extra_hooks=[Retune()])
+    step = graphed._hookloop.graph
+    step._new_seam = lambda: HeldStateSeam(graphed)
+    with caplog.at_level(logging.INFO, logger="hookloop.engine.train_loop"):
+        graphed.train(0, 40)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    said = [r.getMessage() for r in caplog.records]
+    suffix = ": the step is captured again (a replay runs the step as it was captured)"
+    assert [m for m in said if "captured again" in m] == [
+        f"CUDAGraphTrainer: {why}{suffix}"
+        for why in (
+            "requires_grad of body.0.weight changed to False before iteration 10",
+            "body.1 was put in eval mode before iteration 20",
+            "param group 0's momentum changed from 0.9 to 0.5 before iteration 30",
+        )
+    ]
+    assert [m[: m.index(" for")] for m in said if "captured the step at" in m] == [
+        f"CUDAGraphTrainer: captured the step at iteration {it}" for it in (3, 13, 23, 33)
+    ]
+    assert step.recaptures == 3
+
+
+def test_what_the_capture_holds_names_each_change():
+    model = Net(bn=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    baked = graph_module._Baked(model, opt)
+    assert baked.changed(model, opt) is None
+    group = opt.param_groups[0]
+    group["lr"] = 0.5  # read from the LR table: not held by the capture
+    group["params"] = list(group["params"])  # the same parameters in a new list
+    assert baked.changed(model, opt) is None
+    checks = [
+        (
+            lambda: model.head.bias.requires_grad_(False),
+            "requires_grad of head.bias changed to False",
+        ),
+        (lambda: model.body.eval(), "body was put in eval mode"),
+        (
+            lambda: group.update(weight_decay=1e-4),
+            "param group 0's weight_decay changed from 0 to 0.0001",
+        ),
+        (
+            lambda: group.update(params=group["params"][:-1]),
+            "param group 0's parameters or options changed",
+        ),
+        (lambda: group.update(betas=(0.9, 0.99)), "param group 0's parameters or options changed"),
+        (
+            lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]}),
+            "the optimizer's param groups changed (2, captured with 1)",
+        ),
+    ]
+    for change, said in checks:
+        baked = graph_module._Baked(model, opt)
+        change()
+        assert baked.changed(model, opt) == said
+
+
+def test_many_recaptures_warn_once(monkeypatch):
+    class Toggle(HookBase):  # a change before every other step
+        def after_step(self) -> None:
+            bn = self.trainer.model.body[1]
+            bn.train(not bn.training)
+
+    monkeypatch.setattr(graph_module, "RECAPTURE_WARNING", 3)
+    trainer = build(CUDAGraphTrainer, bn=True, extra_hooks=[Toggle()], warmup_iters=0)
+    with pytest.warns(RuntimeWarning, match=r"captured the step again 3 times.*body.1 was put"):
+        trainer.train(0, 12)
+    assert trainer._hookloop.graph.recaptures == 11
 
 
 def test_assignments_inside_the_step_or_on_other_modules_keep_the_graph():

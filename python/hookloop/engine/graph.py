@@ -41,6 +41,7 @@ addresses, so one replay is one training step:
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 import weakref
@@ -71,6 +72,8 @@ logger = logging.getLogger("hookloop.engine.train_loop")
 RING_SAFETY = 2
 #: Graphs (batch signatures) a CUDAGraphTrainer captures unless told otherwise.
 DEFAULT_MAX_GRAPHS = 4
+#: A warning when the step has been captured again this many times (see GraphStep.check_baked).
+RECAPTURE_WARNING = 10
 #: At most this many rows in the LR table (beyond it the last row is rewritten as needed).
 MAX_TABLE_ROWS = 1 << 21
 
@@ -345,6 +348,104 @@ class _Shape:
         return _describe(self.spec, self.static)
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_TRAINING = operator.attrgetter("training")
+#: Param-group entries a replay does not take from the group: the LR comes from the table.
+_NOT_BAKED = frozenset({"params", "lr", "initial_lr"})
+
+
+class _Baked:
+    """What a capture baked in from the Python side, checked before every replay: which
+    parameters require gradients, which modules are in training mode, the optimizer's param
+    groups (their parameters and every option but the LR, which the graph reads from the
+    table), and the model's modules by name (for :meth:`GraphStep.assigned`). A hook that
+    freezes a backbone, puts a submodule in eval mode or schedules the momentum changes one
+    of these, and the eager step would follow it: the graphs are dropped and the step is
+    captured again. The check is a few comparisons made in C (about 2 µs a step for the tiny
+    MLP), while the device runs the replay before."""
+
+    __slots__ = (
+        "params",
+        "grads",
+        "modules",
+        "modes",
+        "names",
+        "groups",
+        "keys",
+        "getters",
+        "options",
+    )
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.params = list(model.parameters())
+        self.grads = list(map(_REQUIRES_GRAD, self.params))
+        named = list(model.named_modules())
+        self.modules = [m for _, m in named]
+        self.modes = list(map(_TRAINING, self.modules))
+        self.names = {id(m): n for n, m in named}
+        self.groups = optimizer.param_groups
+        self.keys = [[k for k in g if k not in _NOT_BAKED] for g in self.groups]
+        self.getters = [operator.itemgetter(*keys) if keys else _nothing for keys in self.keys]
+        self.options = self._options(self.groups)
+
+    def _options(self, groups: Sequence[Mapping[str, Any]]) -> List[Tuple[Any, ...]]:
+        # The params list by identity (== compares its items by identity first), its length.
+        return [
+            (len(g), g["params"], len(g["params"]), get(g)) for g, get in zip(groups, self.getters)
+        ]
+
+    def changed(self, model: Any, optimizer: Any) -> Optional[str]:
+        """None, or what changed since the capture."""
+        groups = optimizer.param_groups
+        try:
+            if (
+                list(map(_REQUIRES_GRAD, self.params)) == self.grads
+                and list(map(_TRAINING, self.modules)) == self.modes
+                and groups is self.groups
+                and len(groups) == len(self.options)
+                and self._options(groups) == self.options  # identity first, then ==
+            ):
+                return None
+        except Exception:  # an option removed, or one whose == has no truth value
+            pass
+        return self._what_changed(model, groups)
+
+    def _what_changed(self, model: Any, groups: Sequence[Mapping[str, Any]]) -> str:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, was in zip(self.params, self.grads):
+            if p.requires_grad != was:
+                return f"requires_grad of {names.get(id(p), 'a parameter')} changed to {not was}"
+        for m, was in zip(self.modules, self.modes):
+            if m.training != was:
+                mode = "eval" if was else "train"
+                return f"{self.names[id(m)] or 'the model'} was put in {mode} mode"
+        if groups is not self.groups or len(groups) != len(self.options):
+            n = len(self.options)
+            return f"the optimizer's param groups changed ({len(groups)}, captured with {n})"
+        for i, (g, keys, (size, params, n, values)) in enumerate(
+            zip(groups, self.keys, self.options)
+        ):
+            now = g["params"]
+            if len(g) != size or len(now) != n or any(p is not q for p, q in zip(now, params)):
+                return f"param group {i}'s parameters or options changed"
+            for k, old in zip(keys, _as_tuple(values, len(keys))):
+                now = g.get(k)
+                if now is not old and not (
+                    not isinstance(old, torch.Tensor) and _same_value(now, old)
+                ):
+                    return f"param group {i}'s {k} changed from {old!r} to {now!r}"
+        return "the captured state changed"
+
+
+def _nothing(_: Any) -> Tuple[()]:
+    return ()
+
+
+def _as_tuple(values: Any, n: int) -> Tuple[Any, ...]:
+    """``itemgetter``'s result as a tuple of ``n`` (one key gives the value itself)."""
+    return (values,) if n == 1 else tuple(values)
+
+
 def _same_value(x: Any, s: Any) -> bool:
     """Whether non-tensor leaf ``x`` equals the captured ``s``: the same object, or ``==``
     with one truth value (a numpy array's elementwise ``==`` counts as different)."""
@@ -398,9 +499,11 @@ class GraphStep:
         self.configured = False
         #: Rows of the LR table written again at a step (an LR set outside the schedule).
         self.rows_rewritten = 0
-        #: While a graph is captured: the model's modules, ``id`` to qualified name. A tensor
-        #: or submodule assigned anew on one of them between steps drops the graphs.
-        self._watched: Optional[Dict[int, str]] = None
+        #: While a graph is captured: what it baked in (checked before each replay; a tensor
+        #: or submodule assigned anew on one of its modules between steps drops the graphs).
+        self._baked: Optional[_Baked] = None
+        #: How many times a change after a capture made it capture again.
+        self.recaptures = 0
         #: Inside the trainer's step (place, warm-up, capture, replay, an eager step).
         self.stepping = False
         self._trainer: Optional[Callable[[], Any]] = None
@@ -517,7 +620,31 @@ class GraphStep:
         self.shapes = []
         self.current = None
         self._grads_of = None
-        self._watched = None
+        self._baked = None
+
+    def check_baked(self, trainer: Any) -> None:
+        """Before a replay: what the capture baked in still holds, or the graphs are dropped
+        (see :class:`_Baked`)."""
+        baked = self._baked
+        if baked is not None:
+            what = baked.changed(trainer.model, trainer.optimizer)
+            if what is not None:
+                self._capture_again(f"{what} before iteration {trainer.iter}")
+
+    def _capture_again(self, why: str) -> None:
+        logger.info(
+            f"{_WHO}: {why}: the step is captured again (a replay runs the step as it was captured)"
+        )
+        self.invalidate()
+        self.recaptures += 1
+        if self.recaptures == RECAPTURE_WARNING:
+            self.warn_once(
+                "recaptures",
+                f"{_WHO} has captured the step again {RECAPTURE_WARNING} times, each after a "
+                f"change to what the capture holds (the last: {why}), and each capture runs "
+                f"warmup_iters={self.warmup_iters} eager steps first. Make such changes less "
+                "often, or train with SimpleTrainer",
+            )
 
     def assigned(self, module: Any, name: str) -> None:
         """``module.name = ...`` of a registered tensor or submodule, somewhere in the
@@ -525,19 +652,17 @@ class GraphStep:
         drops the graphs. A replay updates the tensors it captured, not the one assigned
         (fvcore's ``update_bn_stats`` assigns new ``running_mean``/``running_var``): the next
         steps warm up and capture again, with the new one."""
-        watched = self._watched
-        if watched is None or self.stepping:
+        baked = self._baked
+        if baked is None or self.stepping:
             return
-        where = watched.get(id(module))
+        where = baked.names.get(id(module))
         if where is None:
             return
         trainer = self._trainer() if self._trainer is not None else None
         at = f" after iteration {trainer.iter}" if trainer is not None else ""
-        logger.info(
-            f"{_WHO}: {where + '.' if where else ''}{name} of the model was assigned anew{at}: "
-            "the step is captured again (a replay would update the tensor it captured)"
+        self._capture_again(
+            f"{where + '.' if where else ''}{name} of the model was assigned anew{at}"
         )
-        self.invalidate()
 
     def prepare(self, trainer: Any, hooks: Sequence[Any], start: Optional[int] = None) -> None:
         """At ``before_train`` (after the hooks'): the step counter at ``start`` (by default
@@ -729,8 +854,8 @@ class GraphStep:
             # Nothing of a failed capture ran on the device: the step is still to be made.
             self.refuse(RuntimeError, str(e))
             return False
-        if self._watched is None:
-            self._watched = {id(m): n for n, m in trainer.model.named_modules()}
+        if self._baked is None:
+            self._baked = _Baked(trainer.model, trainer.optimizer)
         logger.info(
             f"{_WHO}: captured the step at iteration {trainer.iter} for the batch "
             f"{shape.describe()} (graph {self.shapes.index(shape) + 1} of at most "
@@ -816,6 +941,12 @@ class CUDAGraphTrainer(SimpleTrainer):
     warmed up and captured at its own first batches, up to ``max_graphs`` (4): a loader whose
     last batch of an epoch is smaller takes two. A batch of yet another signature is an error
     naming the shapes, or with ``fallback="eager"`` one eager step.
+
+    A replay runs the step as it was captured: before each one, which parameters require
+    gradients, which modules train, the param groups' options (all but the LR) and the
+    model's tensors are compared with the capture's, and a change (a hook that freezes a
+    layer, puts a module in eval mode, schedules the momentum, assigns new BatchNorm
+    statistics) drops the graphs: the next steps warm up and capture again.
 
     ``zero_grad_before_forward`` is accepted and has no effect: the captured backward writes
     the gradients afresh at every replay.
@@ -916,6 +1047,7 @@ class CUDAGraphTrainer(SimpleTrainer):
         if step.eager_reason is not None:
             self._eager_step(data, data_time)
             return
+        step.check_baked(self)
         different = step.place(data)
         if different is not None:
             if step.fallback != "eager":

@@ -389,8 +389,9 @@ class Retune(HookBase):
             model.body[0].weight.requires_grad_(False)
         if it >= 19:
             model.body[1].eval()
+        group = self.trainer.optimizer.param_groups[0]
         if it >= 29:
-            self.trainer.optimizer.param_groups[0]["momentum"] = 0.5
+            group["momentum" if "momentum" in group else "weight_decay"] = 0.5
 
 
 def test_frozen_parameters_eval_modules_and_new_options_are_captured_again(tmp_path, caplog):
@@ -1007,6 +1008,20 @@ def test_cuda_a_buffer_assigned_between_steps_is_captured_again(tmp_path):
     assert graphed._hookloop.graph.captured
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
     for p, q in zip(params(eager.model), params(graphed.model)):  # the BN buffers too
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_a_frozen_layer_and_an_eval_module_are_captured_again(tmp_path):
+    # Retune freezes a layer after iteration 9, puts the BatchNorm in eval mode after 19 and
+    # changes Adam's weight decay after 29: each is captured again, so the replays train as
+    # the eager seam's steps do.
+    eager, graphed = _eager_and_captured(tmp_path, 40, Retune)
+    assert graphed._hookloop.graph.recaptures == 3
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
+    for p, q in zip(params(eager.model), params(graphed.model)):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
 
 

@@ -214,6 +214,35 @@ def test_eval_hook_schedule(period, max_iter, fail_at, after_train, calls):
         assert [it for _, it in trainer.storage.history("m").values()] == calls
 
 
+def test_a_trainers_own_loop_gets_the_evaluation_after_training(tmp_path):
+    """Semi-supervised trainers (Unbiased Teacher and its copies) run their own loop, copied
+    from detectron2's without the final ``self.iter += 1``: after training ``iter`` is
+    ``max_iter - 1``, and detectron2's hooks still evaluate (``iter + 1 >= max_iter``)."""
+    from hookloop.utils.events import EventStorage
+
+    class OwnLoop(Trainer):
+        def train_loop(self, start_iter, max_iter):
+            self.iter = self.start_iter = start_iter
+            self.max_iter = max_iter
+            with EventStorage(start_iter) as self.storage:
+                try:
+                    self.before_train()
+                    for self.iter in range(start_iter, max_iter):
+                        self.before_step()
+                        self.run_step()
+                        self.after_step()
+                finally:
+                    self.after_train()
+
+    trainer = OwnLoop()
+    fn = Scripted(trainer, [{"m": 0.5}, {"m": 0.9}])
+    best = BestCheckpointer(4, Checkpointer(trainer.model, str(tmp_path)), "m")
+    trainer.register_hooks([EvalHook(4, fn), best])
+    trainer.train_loop(0, 6)
+    assert fn.calls == [3, 5]  # after step 3, and after training (iter 5)
+    assert (best.best_metric, best.best_iter) == (0.9, 5)
+
+
 def test_eval_hook_flattens_and_puts_unsmoothed():
     trainer = Trainer()
     results = {

@@ -111,6 +111,15 @@ def test_load_only_named_checkpointables(tmp_path):
     assert extra == {"a": {"n": 1}}
     with pytest.raises(KeyError, match="'zzz'"):
         Checkpointer(_model(), str(tmp_path), a=a).load(str(tmp_path / "c.pth"), ["zzz"])
+    # "model" among the names, as fvcore allows (Probabilistic Teacher's resume, evaluation
+    # scripts' load(best, checkpointables=["model"])): the model is always loaded, first.
+    model, a, b = _model(), Counter(), Counter()
+    extra = Checkpointer(model, str(tmp_path), a=a, b=b).load(
+        str(tmp_path / "c.pth"), checkpointables=["model", "a"]
+    )
+    assert (a.n, b.n) == (1, 0) and extra == {"b": {"n": 2}}
+    saved = torch.load(tmp_path / "c.pth", weights_only=True)["model"]
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
 
 
 def test_resume_or_load(tmp_path):

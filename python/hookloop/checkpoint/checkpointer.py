@@ -429,7 +429,9 @@ class Checkpointer:
         Args:
             path (str): path or url to the checkpoint. If empty, will not load anything.
             checkpointables (list): List of checkpointable names to load. If not specified
-                (None), will load all the possible checkpointables.
+                (None), will load all the possible checkpointables. The model is always
+                loaded: "model" among the names adds nothing; another name this
+                checkpointer does not have is a ``KeyError``.
             weights_only (bool): overrides the checkpointer's ``weights_only`` for this load.
                 False unpickles any object and so runs whatever code the file holds: only
                 for files you trust.
@@ -459,6 +461,8 @@ class Checkpointer:
                 f"{type(checkpointables).__name__} {checkpointables!r}"
             )
         names = list(self.checkpointables) if checkpointables is None else list(checkpointables)
+        # The model is always loaded (first): naming it, as fvcore allows, loads nothing more.
+        names = [k for k in names if k != "model"]
         unknown = [k for k in names if k not in self.checkpointables]
         if unknown:
             raise KeyError(

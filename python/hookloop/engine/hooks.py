@@ -783,6 +783,17 @@ def _training_finished(trainer: Any) -> bool:
     return trainer.iter >= trainer.max_iter
 
 
+def _evaluate_after_training(trainer: Any) -> bool:
+    """Whether ``EvalHook``'s and ``BestCheckpointer``'s ``after_train`` evaluate: detectron2's
+    ``iter + 1 >= max_iter``, which holds after hookloop's loop (``iter == max_iter``) and after
+    a trainer's own loop that leaves ``iter`` at ``max_iter - 1`` (semi-supervised trainers
+    copied detectron2's loop without its final ``self.iter += 1``). Not after ``train()``'s
+    loop raised, also in its last step (where detectron2 evaluates)."""
+    if getattr(getattr(trainer, "_hookloop", None), "failed", False):
+        return False
+    return trainer.iter + 1 >= trainer.max_iter
+
+
 def _ended_cleanly(trainer: Any) -> bool:
     """Whether training finished or stopped through ``request_stop()`` (not by an error)."""
     return _training_finished(trainer) or bool(getattr(trainer, "stopped_early", False))
@@ -1029,9 +1040,8 @@ class BestCheckpointer(HookBase):
 
     def after_train(self) -> None:
         # same conditions as `EvalHook`
-        finished = _training_finished(self.trainer)
         try:
-            if finished:
+            if _evaluate_after_training(self.trainer):
                 self._best_checking()
         finally:
             _wait_for_saves(self._checkpointer, _ended_cleanly(self.trainer))
@@ -1141,8 +1151,8 @@ class EvalHook(HookBase):
 
     def after_train(self) -> None:
         try:
-            # Not after a failed training.
-            if self._eval_after_train and _training_finished(self.trainer):
+            # Not after a failed training (before its last step).
+            if self._eval_after_train and _evaluate_after_training(self.trainer):
                 self._do_eval()
         finally:
             # func is likely a closure that holds reference to the trainer, therefore we

@@ -65,6 +65,8 @@ class TrainerParts:
         self.dispatcher = _core.Dispatcher()
         self.stop = StopController(self.dispatcher)
         self.stopped_early = False
+        #: ``train()``'s loop raised (set before ``after_train``): no evaluation after it.
+        self.failed = False
         self.train_time: List[Any] = [0.0, None]
         self.resume_storage: Optional[Mapping[str, Any]] = None
         #: Values a subclass assigned to hookloop's added names (``epoch``, ``stopped_early``,
@@ -75,6 +77,7 @@ class TrainerParts:
         """``train()`` opened ``storage``: the recent history of a resumed checkpoint goes into
         it (smoothing and the ETA continue), the dispatcher and the stop controller start."""
         self.stopped_early = False
+        self.failed = False
         self.train_time = [time.perf_counter(), None]
         if self.resume_storage is not None:
             storage._load_state(dict(self.resume_storage))

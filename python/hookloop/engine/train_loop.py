@@ -213,6 +213,7 @@ class TrainerBase(TrainerAdditions):
                     # training successfully finished or failed due to exceptions.
                     self.iter = max_iter
             except BaseException as exc:
+                parts.failed = True
                 if isinstance(exc, Exception):
                     logger.exception("Exception during training:")
                 dispatch.run_on_exception(self._hooks, exc)

@@ -746,3 +746,31 @@ def test_load_takes_a_bytes_path_and_names_bad_checkpointables(tmp_path):
     for bad in (123, "optimizer"):
         with pytest.raises(TypeError, match="checkpointables"):
             ckpt.load(str(path), checkpointables=bad)
+
+
+def test_max_to_keep_with_a_save_of_the_subclasss_own(tmp_path):
+    """A subclass whose ``save()`` writes the file its own way, without
+    ``Checkpointer.save`` (DINOv2's FSDPCheckpointer: ``<name>.rank_0.pth`` and a
+    ``last_checkpoint`` pointer of its own naming): ``max_to_keep`` deletes the files that
+    ``get_checkpoint_file()`` names after each save, as fvcore does."""
+    from hookloop.checkpoint import PeriodicCheckpointer
+
+    class RankFiles(Checkpointer):
+        def save(self, name, **kwargs):
+            path = os.path.join(self.save_dir, f"{name}.rank_0.pth")
+            torch.save({"model": self.model.state_dict(), **kwargs}, path)
+            self.tag_last_checkpoint(os.path.basename(path))
+
+    periodic = PeriodicCheckpointer(RankFiles(_model(), str(tmp_path)), 2, 8, max_to_keep=2)
+    for it in range(8):
+        periodic.step(it)
+    assert sorted(os.listdir(tmp_path)) == [
+        "last_checkpoint",
+        "model_0000005.rank_0.pth",
+        "model_0000007.rank_0.pth",
+        "model_final.rank_0.pth",
+    ]
+    assert periodic.recent_checkpoints == [
+        str(tmp_path / "model_0000005.rank_0.pth"),
+        str(tmp_path / "model_0000007.rank_0.pth"),
+    ]

@@ -256,6 +256,7 @@ class Checkpointer:
                 ``last_checkpoint`` is not moved.
         """
         tag_last, on_saved = getattr(self, "_save_options", _DEFAULT_SAVE_OPTIONS)
+        self._save_options = _DEFAULT_SAVE_OPTIONS  # taken (see _save_with)
         self._save(name, kwargs, tag_last=tag_last, on_saved=on_saved)
 
     def _save(
@@ -796,33 +797,42 @@ def _save_with(
     *,
     tag_last: bool = True,
     on_saved: Optional[Callable[[], None]] = None,
-) -> None:
+) -> bool:
     """``checkpointer.save(name, **extra)``, optionally without moving ``last_checkpoint``,
-    and calling ``on_saved`` once the file is on disk.
+    and calling ``on_saved`` once the file is on disk. Returns False when a subclass's own
+    ``save()`` wrote the file without :meth:`Checkpointer.save` (then ``on_saved`` was not
+    called: the caller does not know the file's name).
 
     It goes through ``save()``, so that a subclass's ``save`` (or a test's mock of it) sees
     every save. A checkpointer of another class (fvcore's) gets the same effect afterwards.
     """
-    if isinstance(checkpointer, Checkpointer):
-        previous = checkpointer._save_options
-        checkpointer._save_options = (tag_last, on_saved)
-        try:
-            checkpointer.save(name, **extra)
-        finally:
-            checkpointer._save_options = previous
-        return
     pointer = os.path.join(checkpointer.save_dir, _LAST_CHECKPOINT)
     before = ""
     if not tag_last and checkpointer.has_checkpoint():
         before = checkpointer.get_checkpoint_file()
-    checkpointer.save(name, **extra)
+    if isinstance(checkpointer, Checkpointer):
+        previous = checkpointer._save_options
+        options = (tag_last, on_saved)
+        checkpointer._save_options = options
+        try:
+            checkpointer.save(name, **extra)
+        finally:
+            taken = checkpointer._save_options is not options
+            checkpointer._save_options = previous
+        if taken:
+            return True
+        on_saved = None  # the subclass wrote a file of its own naming
+    else:
+        checkpointer.save(name, **extra)
     if not tag_last:
         if before:
             checkpointer.tag_last_checkpoint(os.path.basename(before))
         elif checkpointer.path_manager.exists(pointer):
             checkpointer.path_manager.rm(pointer)
-    if on_saved is not None:
-        on_saved()
+    if on_saved is None:
+        return False
+    on_saved()
+    return True
 
 
 def _as_int(what: str, value: Any) -> int:
@@ -1000,10 +1010,20 @@ class PeriodicCheckpointer:
 
         try:
             # Old files go once the new one is on disk (after the background write).
-            _save_with(ckpt, name, additional_state, on_saved=delete_old)
+            handled = _save_with(ckpt, name, additional_state, on_saved=delete_old)
         except BaseException:
             self.recent_checkpoints = before
             raise
+        if not handled:
+            # A subclass's save() wrote the file its own way (DINOv2's FSDPCheckpointer names
+            # it <name>.rank_<r>.pth): fvcore's bookkeeping, by the file last_checkpoint names.
+            self.recent_checkpoints = before + [ckpt.get_checkpoint_file()]
+            if len(self.recent_checkpoints) > self.max_to_keep:
+                old = self.recent_checkpoints.pop(0)
+                if self.path_manager.exists(old) and not old.endswith(
+                    f"{self.file_prefix}_final.pth"
+                ):
+                    self.path_manager.rm(old)
 
     def _select_old_files(self, new_path: str) -> List[str]:
         """The periodic files to delete so that ``max_to_keep`` remain with ``new_path``."""

@@ -94,6 +94,7 @@ HOOK_NAMES = (
     "LRScheduler",
     "EvalHook",
     "TorchProfiler",
+    "AutogradProfiler",
 )
 
 # CommonMetricPrinter logs here (detectron2 uses "detectron2.utils.events").
@@ -209,6 +210,27 @@ class comm:  # noqa: N801 - used as a module namespace, like ``detectron2.utils.
         if comm.get_world_size() == 1:
             return
         torch.distributed.barrier()
+
+    @staticmethod
+    def get_local_rank() -> int:
+        # detectron2 asserts a local process group only once torch.distributed is initialized.
+        if not torch.distributed.is_available():
+            return 0
+        if not torch.distributed.is_initialized():
+            return 0
+        raise NotImplementedError("the reference engine runs in one process")
+
+    @staticmethod
+    def all_gather(data: Any, group: Any = None) -> List[Any]:
+        if comm.get_world_size() == 1:
+            return [data]
+        raise NotImplementedError("the reference engine runs in one process")
+
+    @staticmethod
+    def shared_random_seed() -> Any:
+        # rank 0's ``np.random.randint(2**31)`` (a Python int), as detectron2's.
+        ints = np.random.randint(2**31)
+        return comm.all_gather(ints)[0]
 
     @staticmethod
     def gather(data: Any, dst: int = 0, group: Any = None) -> List[Any]:
@@ -1101,6 +1123,28 @@ class TorchProfiler(HookBase):
                 self._output_dir, "profiler-trace-iter{}.json".format(self.trainer.iter)
             )
             self._profiler.export_chrome_trace(out_file)
+
+
+class AutogradProfiler(TorchProfiler):
+    """detectron2's deprecated profiler hook: ``torch.autograd.profiler.profile(use_cuda=...)``
+    around the steps the predicate picks. As detectron2's, it sets none of
+    ``TorchProfiler``'s other attributes (its ``after_step`` reads ``_save_tensorboard``)."""
+
+    def __init__(self, enable_predicate: Any, output_dir: str, *, use_cuda: bool = True) -> None:
+        import warnings
+
+        # detectron2 gives no stacklevel (only the category and message are compared).
+        warnings.warn("AutogradProfiler has been deprecated in favor of TorchProfiler.")  # noqa: B028
+        self._enable_predicate = enable_predicate
+        self._use_cuda = use_cuda
+        self._output_dir = output_dir
+
+    def before_step(self) -> None:
+        if self._enable_predicate(self.trainer):
+            self._profiler = torch.autograd.profiler.profile(use_cuda=self._use_cuda)
+            self._profiler.__enter__()
+        else:
+            self._profiler = None
 
 
 def flatten_results_dict(results: Dict[str, Any]) -> Dict[str, Any]:

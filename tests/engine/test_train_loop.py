@@ -1354,6 +1354,32 @@ def test_after_backward_runs_between_backward_and_optimizer_step():
     assert checks == [(True, True), ("step", False)] * 2
 
 
+def test_a_wrapped_trainer_sharing_the_hook_list_calls_its_after_backward():
+    """A trainer that wraps a SimpleTrainer (DefaultTrainer-style, skipping its __init__)
+    shares its hook list with it, ``self._trainer._hooks = self._hooks``, so that the wrapped
+    ``run_step``'s ``after_backward()`` reaches the registered hooks (Lotto98/DL4NLP_project's
+    gradient writer). The wrapped trainer never trains: its stages follow the list assigned."""
+    calls = []
+
+    class Grads(HookBase):
+        def after_backward(self):
+            calls.append(self.trainer.iter)
+
+    class Outer(TrainerBase):
+        def __init__(self):
+            super().__init__()
+            self._trainer = simple_trainer()
+            self.register_hooks([Grads()])
+            self._trainer._hooks = self._hooks
+
+        def run_step(self):
+            self._trainer.iter = self.iter
+            self._trainer.run_step()
+
+    Outer().train(0, 3)
+    assert calls == [0, 1, 2]
+
+
 def test_sync_metrics_visible_in_after_step():
     trainer = simple_trainer()
     seen = []

@@ -119,13 +119,20 @@ def set_table(trainer: Any, carry: bool = True) -> None:
     """Hands the dispatcher a table for ``trainer._hooks`` as it is now. With ``carry``, each
     hook's statistics continue (an edit during a run); without, they start again (a run)."""
     hooks = trainer._hooks
-    trainer._hookloop.dispatcher.set_table(hooks, table_for(hooks), carry)
+    parts = trainer._hookloop
+    parts.dispatcher.set_table(hooks, table_for(hooks), carry)
+    parts.table_hooks = hooks
 
 
 def run_stage(trainer: Any, stage: str, *args: Any) -> None:
     """Runs ``stage`` of ``trainer``'s hooks (``args``: the iteration, for the stages that
-    take it), with a table for the hook list as it is now."""
-    call = getattr(trainer._hookloop.dispatcher, stage)
+    take it), with a table for the hook list as it is now: also a list assigned to
+    ``trainer._hooks`` since (a wrapping trainer that shares its list with the one it wraps,
+    whose ``run_step`` calls ``after_backward``)."""
+    parts = trainer._hookloop
+    if trainer._hooks is not parts.table_hooks:
+        set_table(trainer)
+    call = getattr(parts.dispatcher, stage)
     while not call(*args):
         set_table(trainer)
 

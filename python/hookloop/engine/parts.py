@@ -57,6 +57,8 @@ class TrainerParts:
 
     #: SimpleTrainer's collaborators (None on other trainers).
     data: Optional[DataCursor] = None
+    #: The hook list the dispatcher's table was built for (``trainer._hooks`` then).
+    table_hooks: Optional[List[Any]] = None
     metrics: Optional[LossMetrics] = None
     #: AMPTrainer's autocast device ("cuda" when CUDA is available).
     device_type = "cpu"

@@ -255,7 +255,8 @@ class TrainerBase(TrainerAdditions):
 
     def after_backward(self) -> None:
         # run_stage, inlined: run_step calls this at every iteration.
-        if not self._hookloop.dispatcher.after_backward():
+        parts = self._hookloop
+        if self._hooks is not parts.table_hooks or not parts.dispatcher.after_backward():
             dispatch.run_stage(self, "after_backward")
 
     @base_stage  # the loop runs it in Rust

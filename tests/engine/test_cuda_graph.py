@@ -268,34 +268,54 @@ def test_eval_and_precise_bn_run_eagerly_on_the_same_parameters(tmp_path):
     assert bn.running_mean.data_ptr() == ptr
 
 
-class HeldTensorsSeam(EagerStepGraph):
-    """The eager seam with a CUDA graph's hold on the model's tensors: a replay updates the
-    buffers and parameters the capture saw, even where the model now has other tensors (put
-    back after the replay, without torch's registration hooks)."""
+class HeldSeam(EagerStepGraph):
+    """The eager seam with what a CUDA graph holds from the capture on: a replay runs with the
+    model's buffers and parameters, the parameters' ``requires_grad``, the modules' training
+    modes and the param groups' options (all but the LR) that the capture saw, whatever they
+    are now (put back after the replay, without torch's registration hooks)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, trainer: Any) -> None:
         super().__init__()
-        self._model = model
-        self._held: List[Any] = []
+        self._trainer = trainer
+        self._held: Any = None
+
+    def _state(self) -> Any:
+        model, groups = self._trainer.model, self._trainer.optimizer.param_groups
+        return (
+            [
+                (m, kind, n, t)
+                for m in model.modules()
+                for kind in ("_buffers", "_parameters")
+                for n, t in getattr(m, kind).items()
+            ],
+            [(p, p.requires_grad) for p in model.parameters()],
+            [(m, m.training) for m in model.modules()],
+            [(g, {k: v for k, v in g.items() if k not in ("params", "lr")}) for g in groups],
+        )
+
+    @staticmethod
+    def _set(state: Any) -> None:
+        tensors, grads, modes, options = state
+        for m, kind, n, t in tensors:
+            getattr(m, kind)[n] = t
+        for p, flag in grads:
+            p.requires_grad_(flag)
+        for m, flag in modes:
+            m.training = flag
+        for g, saved in options:
+            g.update(saved)
 
     def capture(self, fn: Any, params: Any) -> None:
         super().capture(fn, params)
-        self._held = [
-            (m, kind, n, t)
-            for m in self._model.modules()
-            for kind in ("_buffers", "_parameters")
-            for n, t in getattr(m, kind).items()
-        ]
+        self._held = self._state()
 
     def replay(self) -> None:
-        now = [(m, kind, n, getattr(m, kind)[n]) for m, kind, n, _ in self._held]
-        for m, kind, n, t in self._held:
-            getattr(m, kind)[n] = t
+        now = self._state()
+        self._set(self._held)
         try:
             super().replay()
         finally:
-            for m, kind, n, t in now:
-                getattr(m, kind)[n] = t
+            self._set(now)
 
 
 class AssignStats(HookBase):
@@ -321,7 +341,7 @@ def test_a_tensor_assigned_on_the_model_between_steps_is_captured_again(tmp_path
     eager.train(0, 30)
     graphed = build(CUDAGraphTrainer, tmp_path / "b", bn=True, extra_hooks=[AssignStats(10)])
     step = graphed._hookloop.graph
-    step._new_seam = lambda: HeldTensorsSeam(graphed.model)
+    step._new_seam = lambda: HeldSeam(graphed)
     with caplog.at_level(logging.INFO, logger="hookloop.engine.train_loop"):
         graphed.train(0, 30)
     assert_same_metrics(tmp_path / "a", tmp_path / "b")
@@ -337,46 +357,6 @@ def test_a_tensor_assigned_on_the_model_between_steps_is_captured_again(tmp_path
         for it in (9, 19, 29)
     ]
     assert not step.captured  # the last assignment, after iteration 29, dropped it too
-
-
-class HeldStateSeam(EagerStepGraph):
-    """The eager seam with what a CUDA graph bakes in from the Python side: a replay runs
-    with the parameters' ``requires_grad``, the modules' training modes and the param groups'
-    options (all but the LR) the capture saw, whatever they are now (put back after)."""
-
-    def __init__(self, trainer: Any) -> None:
-        super().__init__()
-        self._trainer = trainer
-
-    def _state(self) -> Any:
-        model, groups = self._trainer.model, self._trainer.optimizer.param_groups
-        return (
-            [(p, p.requires_grad) for p in model.parameters()],
-            [(m, m.training) for m in model.modules()],
-            [(g, {k: v for k, v in g.items() if k not in ("params", "lr")}) for g in groups],
-        )
-
-    @staticmethod
-    def _set(state: Any) -> None:
-        grads, modes, options = state
-        for p, flag in grads:
-            p.requires_grad_(flag)
-        for m, flag in modes:
-            m.training = flag
-        for g, saved in options:
-            g.update(saved)
-
-    def capture(self, fn: Any, params: Any) -> None:
-        super().capture(fn, params)
-        self._held = self._state()
-
-    def replay(self) -> None:
-        now = self._state()
-        self._set(self._held)
-        try:
-            super().replay()
-        finally:
-            self._set(now)
 
 
 class Retune(HookBase):
@@ -403,7 +383,7 @@ def test_frozen_parameters_eval_modules_and_new_options_are_captured_again(tmp_p
     eager.train(0, 40)
     graphed = build(CUDAGraphTrainer, tmp_path / "b", bn=True, extra_hooks=[Retune()])
     step = graphed._hookloop.graph
-    step._new_seam = lambda: HeldStateSeam(graphed)
+    step._new_seam = lambda: HeldSeam(graphed)
     with caplog.at_level(logging.INFO, logger="hookloop.engine.train_loop"):
         graphed.train(0, 40)
     assert_same_metrics(tmp_path / "a", tmp_path / "b")

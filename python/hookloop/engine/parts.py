@@ -79,7 +79,6 @@ class TrainerParts:
         """``train()`` opened ``storage``: the recent history of a resumed checkpoint goes into
         it (smoothing and the ETA continue), the dispatcher and the stop controller start."""
         self.stopped_early = False
-        self.failed = False
         self.train_time = [time.perf_counter(), None]
         if self.resume_storage is not None:
             storage._load_state(dict(self.resume_storage))
@@ -104,6 +103,7 @@ class TrainerParts:
         dispatcher learns its storage and ``max_iter``, clears its stop flag, and gets a table
         for the hook list (statistics start again). The stop controller starts only with
         ``train()`` (:meth:`start_run`): an own loop cannot be stopped by ``request_stop``."""
+        self.failed = False
         self.dispatcher.begin(storage, max_iter)
         dispatch.set_table(trainer, carry=False)
 

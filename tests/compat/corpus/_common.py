@@ -63,3 +63,15 @@ def sgd(model: nn.Module, lr: float = 0.1) -> torch.optim.Optimizer:
 
 def weights(model: nn.Module) -> Dict[str, Any]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def preempted_before(E: Any, iteration: int) -> Any:
+    """A hook that stands in for a job killed before ``iteration`` (a preemption): its
+    ``before_step`` raises there, and the pattern then resumes in a new trainer."""
+
+    class Preempted(E.HookBase):
+        def before_step(self) -> None:
+            if self.trainer.iter == iteration:
+                raise RuntimeError(f"preempted before iteration {iteration}")
+
+    return Preempted()

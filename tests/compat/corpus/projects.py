@@ -17,7 +17,7 @@ from torch import nn
 
 from compat.harness import pattern
 
-from ._common import TinyDetector, batch_list, batches, sgd, weights
+from ._common import TinyDetector, batch_list, batches, preempted_before, sgd, weights
 
 # --- facebookresearch/detectron2: projects/DensePose -----------------------------------------
 
@@ -561,15 +561,10 @@ def pj_diffusiondet_ema_trainer(E, R):
             super().load_state_dict(state_dict)
             self._trainer.load_state_dict(state_dict["_trainer"])
 
-    class Preempted(E.HookBase):
-        def before_step(self):
-            if self.trainer.iter == 6:
-                raise RuntimeError("preempted before iteration 6")
-
     cfg = Cfg()
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=False)
-    trainer.register_hooks([Preempted()])
+    trainer.register_hooks([preempted_before(E, 6)])
     R.rec("hooks", [type(h).__name__ for h in trainer._hooks])
     try:
         trainer.train()

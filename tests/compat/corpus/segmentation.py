@@ -21,7 +21,7 @@ from torch import nn
 
 from compat.harness import pattern
 
-from ._common import TinyDetector, batch_list, batches, log, weights
+from ._common import TinyDetector, batch_list, batches, log, preempted_before, weights
 
 
 class _PolyLR(torch.optim.lr_scheduler.LRScheduler):
@@ -367,15 +367,10 @@ def sg_maskdino_second_checkpointer(E, R):
             super().load_state_dict(state_dict)
             self._trainer.load_state_dict(state_dict["_trainer"])
 
-    class Preempted(E.HookBase):
-        def before_step(self):
-            if self.trainer.iter == 7:
-                raise RuntimeError("preempted before iteration 7")
-
     cfg = Cfg()
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=False)
-    trainer.register_hooks([Preempted()])
+    trainer.register_hooks([preempted_before(E, 7)])
     hook_ckpt = trainer._hooks[2].checkpointer
     R.rec("two checkpointers", hook_ckpt is trainer.checkpointer, type(trainer.optimizer).__name__)
     try:

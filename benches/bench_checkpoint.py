@@ -3,7 +3,12 @@
 1. **save**: seconds the calling thread spends in one ``Checkpointer.save`` of a small model
    (about the demo's size) and of a ~100 MB model, with and without ``async_save``; for
    ``async_save`` also the time until the file is on disk (``wait()``).
-2. **hooks**: µs per iteration that ``PeriodicCheckpointer``, ``BestCheckpointer`` and
+2. **hook save**: seconds per iteration of a loop whose ``PeriodicCheckpointer(period=1)``
+   saves the model, its optimizer and the trainer at every iteration, with a hook after it
+   (the checkpointer then takes the model's state at its place and writes the file after the
+   iteration's last hook: this row shows what that costs; run the script with another
+   build's ``python/`` first on ``PYTHONPATH`` to compare).
+3. **hooks**: µs per iteration that ``PeriodicCheckpointer``, ``BestCheckpointer`` and
    ``EvalHook`` add between their periods, over a bare ``TrainerBase`` loop.
 
 ```
@@ -24,7 +29,13 @@ from typing import Callable, List
 
 import torch
 from hookloop.checkpoint import Checkpointer
-from hookloop.engine import BestCheckpointer, EvalHook, PeriodicCheckpointer, TrainerBase
+from hookloop.engine import (
+    BestCheckpointer,
+    EvalHook,
+    HookBase,
+    PeriodicCheckpointer,
+    TrainerBase,
+)
 from torch import nn
 
 
@@ -63,6 +74,26 @@ def bench_save(n_bytes: int, repeats: int) -> List[str]:
 class _Noop(TrainerBase):
     def run_step(self) -> None:
         pass
+
+
+class _After(HookBase):
+    def after_step(self) -> None:
+        pass
+
+
+def bench_hook_save(n_bytes: int, repeats: int) -> str:
+    model = _model(n_bytes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with tempfile.TemporaryDirectory() as d:
+        t = _Noop()
+        ckpt = Checkpointer(model, d, optimizer=opt, trainer=t)
+        t.register_hooks([PeriodicCheckpointer(ckpt, 1, max_to_keep=2), _After()])
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            t.train(0, 3)
+            times.append((time.perf_counter() - start) / 3)
+    return f"| {_size(model)} (+ SGD momentum) | {statistics.median(times) * 1e3:.1f} ms |"
 
 
 def _per_iter(make_hooks: Callable[[], list], n: int) -> float:
@@ -107,6 +138,9 @@ def main() -> None:
     for n_bytes in (4 * 2**10 * 10, 100 * 2**20):
         for row in bench_save(n_bytes, 3 if args.quick else 7):
             print(row)
+    print("\n| model | PeriodicCheckpointer(period=1), per iteration |\n|---|---|")
+    for n_bytes in (4 * 2**10 * 10, 100 * 2**20):
+        print(bench_hook_save(n_bytes, 3 if args.quick else 7))
     print("\n| per iteration | |\n|---|---|")
     print(bench_hooks(50_000 if args.quick else 300_000, 3 if args.quick else 7))
 

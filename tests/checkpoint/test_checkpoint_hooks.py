@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 import os
@@ -635,3 +636,157 @@ def test_best_checkpointer_state_is_where_detectron2_does_not_look(tmp_path):
         trainer2.register_hooks([best2])
         trainer2.load_state_dict({"iteration": 6, **layout})
         assert (best2.best_metric, best2.best_iter) == (0.9, 3)
+
+
+# --- PeriodicCheckpointer where it is registered ---------------------------------------------
+
+
+class SwapsWeights(HookBase):
+    """An EMA-style hook registered after the checkpointer: in the last after_step it copies
+    other weights into the model in place, as EMA hooks swap their averaged weights in."""
+
+    def after_step(self):
+        if self.trainer.iter == self.trainer.max_iter - 1:
+            with torch.no_grad():
+                self.trainer.model.weight.fill_(-7.0)
+
+
+class RecordsEachStep(HookBase):
+    """Keeps a count in its state, advanced in after_step (after the checkpointer's place)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def after_step(self):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_periodic_checkpointer_saves_the_weights_of_its_place(tmp_path, async_save):
+    """An EMA hook after PeriodicCheckpointer changes the weights in the same after_step:
+    model_final.pth holds the weights of the checkpointer's place (detectron2 saves there),
+    while the trainer state in it is that of the end of the iteration (every hook's after_step
+    counted), so that a resume starts as if the run never stopped."""
+    trainer = Trainer()
+    ckpt = Checkpointer(trainer.model, str(tmp_path), async_save=async_save, trainer=trainer)
+    counter = RecordsEachStep()
+    trainer.register_hooks([PeriodicCheckpointer(ckpt, 3), SwapsWeights(), counter])
+    trainer.train(0, 5)
+    assert trainer.model.weight.item() == -7.0
+    final = _load(os.path.join(tmp_path, "model_final.pth"))
+    assert final["model"]["weight"].item() == 5.0  # five steps of +1, not the swapped -7
+    assert final["trainer"]["iteration"] == 4
+    assert final["trainer"]["hooks"]["RecordsEachStep"] == {"steps": 5}
+    periodic = _load(os.path.join(tmp_path, "model_0000002.pth"))
+    assert periodic["model"]["weight"].item() == 3.0
+    assert periodic["trainer"]["hooks"]["RecordsEachStep"] == {"steps": 3}
+    assert list(final) == ["model", "trainer", "iteration"]
+
+
+def test_periodic_checkpointer_logs_before_the_hooks_after_it(tmp_path, caplog):
+    """The "Saving checkpoint" record comes at the checkpointer's place in the hook order (a
+    writer's line registered after it comes later), as on detectron2."""
+    trainer = Trainer()
+    ckpt = Checkpointer(trainer.model, str(tmp_path), trainer=trainer)
+    says = logging.getLogger("test.after")
+
+    class Says(HookBase):
+        def after_step(self):
+            says.info(f"after {self.trainer.iter}")
+
+    trainer.register_hooks([PeriodicCheckpointer(ckpt, 2), Says()])
+    with caplog.at_level(logging.INFO):
+        trainer.train(0, 2)
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "Saving" in r.getMessage() or "after" in r.getMessage()
+    ]
+    assert lines == [
+        "after 0",
+        f"Saving checkpoint to {tmp_path}/model_0000001.pth",
+        f"Saving checkpoint to {tmp_path}/model_final.pth",
+        "after 1",
+    ]
+
+
+def test_a_hook_failing_after_the_checkpointer_still_gets_the_file_of_that_iteration(tmp_path):
+    """As in detectron2 (which saves before the evaluation "because then if it fails, we can
+    use the saved checkpoint to debug"): when a hook after the checkpointer raises in the
+    iteration of a save, the save begun at the checkpointer's place is written all the same,
+    in after_train, and last_checkpoint names it."""
+    trainer = Trainer()
+    ckpt = Checkpointer(trainer.model, str(tmp_path), trainer=trainer)
+
+    class FailsAt5(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 5:
+                raise RuntimeError("evaluation failed at 5")
+
+    trainer.register_hooks([PeriodicCheckpointer(ckpt, 3), FailsAt5()])
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        trainer.train(0, 10)
+    assert _pth(tmp_path) == ["model_0000002.pth", "model_0000005.pth"]
+    assert ckpt.get_checkpoint_file().endswith("model_0000005.pth")
+    assert _load(os.path.join(tmp_path, "model_0000005.pth"))["model"]["weight"].item() == 6.0
+
+
+def test_a_nan_loss_is_raised_before_the_periodic_checkpoint_holds_its_weights(tmp_path):
+    """Losses are read in batches; a save first reads the ones waiting, so that a non-finite
+    loss raises (naming its iteration) before any checkpoint holds the weights it made and
+    before max_to_keep deletes a good file."""
+    from hookloop.engine import SimpleTrainer
+
+    class NanAt7(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            loss = (self.w * x).sum() ** 2
+            return {"loss": loss * float("nan") if self.calls == 8 else loss}
+
+    model = NanAt7()
+    data = itertools.repeat(torch.ones(1))
+    trainer = SimpleTrainer(model, data, torch.optim.SGD(model.parameters(), lr=0.01))
+    # Without the trainer among the checkpointables (whose state would read the storage).
+    ckpt = Checkpointer(model, str(tmp_path), optimizer=trainer.optimizer)
+    trainer.register_hooks([PeriodicCheckpointer(ckpt, 5, max_to_keep=1)])
+    with pytest.raises(FloatingPointError, match="iteration=7!"):
+        trainer.train(0, 30)
+    assert _pth(tmp_path) == ["model_0000004.pth"]
+    assert ckpt.get_checkpoint_file().endswith("model_0000004.pth")
+
+
+def test_a_stop_checkpoint_holds_the_state_after_every_after_train(tmp_path):
+    """request_stop(): the stop checkpoint is begun in after_train at the checkpointer's place
+    and written after every hook's after_train."""
+    trainer = Trainer()
+    ckpt = Checkpointer(trainer.model, str(tmp_path), trainer=trainer)
+
+    class StopsAt3(HookBase):
+        def after_step(self):
+            if self.trainer.iter == 3:
+                self.trainer.request_stop()
+
+    class CountsTrain(RecordsEachStep):
+        def after_step(self):
+            pass
+
+        def after_train(self):
+            self.steps += 100
+
+    trainer.register_hooks([PeriodicCheckpointer(ckpt, 10), StopsAt3(), CountsTrain()])
+    trainer.train(0, 20)
+    saved = _load(os.path.join(tmp_path, "model_0000003.pth"))
+    assert saved["trainer"]["iteration"] == 3
+    hooks_state = saved["trainer"]["hooks"]
+    assert hooks_state[CountsTrain.__qualname__] == {"steps": 100}

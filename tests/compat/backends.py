@@ -32,8 +32,12 @@ class Engine(types.SimpleNamespace):
     """One backend's engine: ``name``, ``logger_prefix``, the trainers, ``hooks`` (a module),
     the storage and writers, ``Checkpointer``/``PeriodicCheckpointer``, ``comm``, and
     ``solver`` (``LRMultiplier``, ``WarmupParamScheduler`` and fvcore's param schedulers by
-    their names), and ``precise_bn`` (``update_bn_stats``/``get_bn_modules``: fvcore's module
-    for the reference and detectron2)."""
+    their names), ``precise_bn`` (``update_bn_stats``/``get_bn_modules``: fvcore's module
+    for the reference and detectron2), ``DetectionCheckpointer`` (detectron2's, ``None`` where
+    the engine has none), ``checkpoint_module`` (what ``from fvcore.common.checkpoint
+    import _strip_prefix_if_present, _IncompatibleKeys`` reads: fvcore's module for the
+    reference and detectron2) and ``c2_model_loading`` (the module with detectron2's
+    ``align_and_update_state_dicts``; ``None`` where the engine has none)."""
 
     name: str
     logger_prefix: str
@@ -59,6 +63,14 @@ def _solver(lr_scheduler: Any, param_scheduler: Any) -> types.SimpleNamespace:
     names["LRMultiplier"] = lr_scheduler.LRMultiplier
     names["WarmupParamScheduler"] = lr_scheduler.WarmupParamScheduler
     return types.SimpleNamespace(**names)
+
+
+def _optional_module(name: str) -> Any:
+    """The module ``name``, or None where it does not exist (yet)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _hookloop() -> Engine:
@@ -90,6 +102,10 @@ def _hookloop() -> Engine:
         comm=comm,
         solver=solver,
         precise_bn=precise_bn,
+        # May not exist yet: a pattern that needs it then fails on calling None.
+        DetectionCheckpointer=getattr(checkpoint, "DetectionCheckpointer", None),
+        checkpoint_module=checkpoint,
+        c2_model_loading=_optional_module("hookloop.checkpoint.c2_model_loading"),
     )
 
 
@@ -128,6 +144,9 @@ def _reference() -> Engine:
         comm=d2.comm,
         solver=_solver(d2, d2),
         precise_bn=d2_hooks.fv_precise_bn,
+        DetectionCheckpointer=d2_hooks.DetectionCheckpointer,
+        checkpoint_module=d2_hooks.fv_checkpoint,
+        c2_model_loading=d2_hooks,
     )
 
 
@@ -171,8 +190,11 @@ def _d2src() -> Engine:
         comm = importlib.import_module("detectron2.utils.comm")
         train_loop = importlib.import_module("detectron2.engine.train_loop")
         hooks = importlib.import_module("detectron2.engine.hooks")
+        from fvcore.common import checkpoint as fv_checkpoint
         from fvcore.common import param_scheduler
         from fvcore.common.checkpoint import Checkpointer, PeriodicCheckpointer
+
+        detection_checkpoint = importlib.import_module("detectron2.checkpoint.detection_checkpoint")
 
     return Engine(
         name="d2src",
@@ -194,6 +216,9 @@ def _d2src() -> Engine:
         comm=comm,
         solver=_solver(lr_scheduler, param_scheduler),
         precise_bn=importlib.import_module("fvcore.nn.precise_bn"),
+        DetectionCheckpointer=detection_checkpoint.DetectionCheckpointer,
+        checkpoint_module=fv_checkpoint,
+        c2_model_loading=sys.modules["detectron2.checkpoint.c2_model_loading"],
     )
 
 

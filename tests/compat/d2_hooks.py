@@ -1,14 +1,21 @@
 """The reference engine's checkpointing hook: fvcore's own ``PeriodicCheckpointer`` (the real
 upstream, a test dependency) as a ``compat.d2`` hook, as ``detectron2.engine.hooks`` defines
-it. It lives here rather than in ``compat.d2`` because the package does not depend on fvcore.
+it, and a small model of detectron2's ``DetectionCheckpointer`` on fvcore's ``Checkpointer``.
+They live here rather than in ``compat.d2`` because the package does not depend on fvcore.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import operator
+import pickle
+import re
+from urllib.parse import parse_qs, urlparse
 
+import torch
+from fvcore.common import checkpoint as fv_checkpoint
 from fvcore.common.checkpoint import Checkpointer
 from fvcore.common.checkpoint import PeriodicCheckpointer as FvPeriodicCheckpointer
 from fvcore.nn import precise_bn as fv_precise_bn
@@ -23,6 +30,8 @@ __all__ = [
     "BestCheckpointer",
     "PreciseBN",
     "fv_precise_bn",
+    "fv_checkpoint",
+    "DetectionCheckpointer",
 ]
 
 
@@ -145,3 +154,215 @@ class PreciseBN(d2.HookBase):
                 + "Note that this could produce different statistics every time."
             )
             update_bn_stats(self._model, data_loader(), self._num_iter)
+
+
+# --- detectron2.checkpoint ------------------------------------------------------------------
+
+_detection_logger = logging.getLogger("compat.d2.checkpoint.detection_checkpoint")
+_c2_logger = logging.getLogger("compat.d2.checkpoint.c2_model_loading")
+
+
+class DetectionCheckpointer(Checkpointer):
+    """detectron2's checkpointer: reads model-zoo ``.pkl`` files (detectron2's, with
+    ``__author__``, as they are; Caffe2's, with ``blobs``, renamed and matched by suffix), a
+    ``?matching_heuristics=True`` query on other files, and drops the missing
+    ``pixel_mean``/``pixel_std`` and unexpected ``cell_anchors`` keys from what it reports."""
+
+    def __init__(self, model, save_dir="", *, save_to_disk=None, **checkpointables):
+        main = d2.comm.is_main_process()
+        super().__init__(
+            model,
+            save_dir,
+            save_to_disk=main if save_to_disk is None else save_to_disk,
+            **checkpointables,
+        )
+        self._parsed_url_during_load = None
+
+    def load(self, path, *args, **kwargs):
+        assert self._parsed_url_during_load is None
+        _detection_logger.info("[DetectionCheckpointer] Loading from {} ...".format(path))
+        if path:
+            parsed_url = urlparse(path)
+            self._parsed_url_during_load = parsed_url
+            path = self.path_manager.get_local_path(parsed_url._replace(query="").geturl())
+        ret = super().load(path, *args, **kwargs)
+        self._parsed_url_during_load = None  # not reset when the load raises, as upstream
+        return ret
+
+    def _load_file(self, filename):
+        if filename.endswith(".pkl"):
+            with self.path_manager.open(filename, "rb") as f:
+                data = pickle.load(f, encoding="latin1")
+            if "model" in data and "__author__" in data:
+                self.logger.info("Reading a file from '{}'".format(data["__author__"]))
+                return data
+            data = data.get("blobs", data)
+            data = {k: v for k, v in data.items() if not k.endswith("_momentum")}
+            return {"model": data, "__author__": "Caffe2", "matching_heuristics": True}
+        loaded = self._torch_load(filename)
+        if "model" not in loaded:
+            loaded = {"model": loaded}
+        assert self._parsed_url_during_load is not None, "`_load_file` must be called inside `load`"
+        parsed_url = self._parsed_url_during_load
+        queries = parse_qs(parsed_url.query)
+        if queries.pop("matching_heuristics", "False") == ["True"]:
+            loaded["matching_heuristics"] = True
+        if len(queries) > 0:
+            raise ValueError(
+                f"Unsupported query remaining: f{queries}, orginal filename: {parsed_url.geturl()}"
+            )
+        return loaded
+
+    def _torch_load(self, f):
+        return super()._load_file(f)
+
+    def _load_model(self, checkpoint):
+        if checkpoint.get("matching_heuristics", False):
+            self._convert_ndarray_to_tensor(checkpoint["model"])
+            checkpoint["model"] = align_and_update_state_dicts(
+                self.model.state_dict(),
+                checkpoint["model"],
+                c2_conversion=checkpoint.get("__author__", None) == "Caffe2",
+            )
+        incompatible = super()._load_model(checkpoint)
+        buffers = dict(self.model.named_buffers(recurse=False))
+        for k in ["pixel_mean", "pixel_std"]:
+            if k in buffers and k in incompatible.missing_keys:
+                incompatible.missing_keys.remove(k)
+        for k in incompatible.unexpected_keys[:]:
+            if "anchor_generator.cell_anchors" in k:
+                incompatible.unexpected_keys.remove(k)
+        return incompatible
+
+
+# Caffe2 blob names -> detectron2 names, in order (detectron2's convert_basic_c2_names and
+# the box-head part of convert_c2_detectron_names; no RPN, FPN, mask or keypoint heads).
+_C2_RENAMES = [
+    (r"^pred_b$", "linear_b"),
+    (r"^pred_w$", "linear_w"),
+    (r"_", "."),
+    (r"\.b$", ".bias"),
+    (r"\.w$", ".weight"),
+    (r"bn\.s$", "norm.weight"),
+    (r"bn\.bias$", "norm.bias"),
+    (r"bn\.rm", "norm.running_mean"),
+    (r"bn\.riv$", "norm.running_var"),
+    (r"^res\.conv1\.norm\.", "conv1.norm."),
+    (r"^conv1\.", "stem.conv1."),
+    (r"\.branch1\.", ".shortcut."),
+    (r"\.branch2a\.", ".conv1."),
+    (r"\.branch2b\.", ".conv2."),
+    (r"\.branch2c\.", ".conv3."),
+    (r"^bbox\.pred", "bbox_pred"),
+    (r"^cls\.score", "cls_score"),
+    (r"^fc6\.", "box_head.fc1."),
+    (r"^fc7\.", "box_head.fc2."),
+]
+
+
+def _convert_c2_names(weights):
+    _c2_logger.info("Renaming Caffe2 weights ......")
+    new_weights, original = {}, {}
+    for orig in sorted(weights):
+        name = orig
+        for pattern, repl in _C2_RENAMES:
+            name = re.sub(pattern, repl, name)
+        original[name] = orig
+        w = weights[orig]
+        if name.startswith("bbox_pred."):
+            new_weights[name] = w[4:]  # the background class's box deltas
+            _c2_logger.info(
+                "Remove prediction weight for background class in {}. The shape changes from "
+                "{} to {}.".format(name, tuple(w.shape), tuple(new_weights[name].shape))
+            )
+        elif name.startswith("cls_score."):
+            _c2_logger.info(
+                "Move classification weights for background class in {} from index 0 to "
+                "index {}.".format(name, w.shape[0] - 1)
+            )
+            new_weights[name] = torch.cat([w[1:], w[:1]])
+        else:
+            new_weights[name] = w
+    return new_weights, original
+
+
+def _common_prefix(names):
+    split = [n.split(".") for n in names]
+    common = [a for a, b in zip(min(split), max(split)) if a == b]
+    return ".".join(common) + "." if common else ""
+
+
+def _common_prefix_str(names):
+    lo, hi = min(names), max(names)
+    n = 0
+    while n < min(len(lo), len(hi)) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n]
+
+
+def align_and_update_state_dicts(model_state_dict, ckpt_state_dict, c2_conversion=True):
+    """detectron2's suffix matching: each model key takes the longest checkpoint key that is
+    a whole-name suffix of it; unmatched checkpoint keys are kept as they are."""
+    model_keys = sorted(model_state_dict)
+    if c2_conversion:
+        ckpt_state_dict, original = _convert_c2_names(ckpt_state_dict)
+    else:
+        original = {k: k for k in ckpt_state_dict}
+    ckpt_keys = sorted(ckpt_state_dict)
+    matched, result = {}, {}
+    for key_model in model_keys:
+        sizes = [len(k) if key_model == k or key_model.endswith("." + k) else 0 for k in ckpt_keys]
+        if not sizes or max(sizes) == 0:
+            continue
+        key_ckpt = ckpt_keys[sizes.index(max(sizes))]
+        value = ckpt_state_dict[key_ckpt]
+        shape = model_state_dict[key_model].shape
+        if shape != value.shape:
+            _c2_logger.warning(
+                "Shape of {} in checkpoint is {}, while shape of {} in model is {}.".format(
+                    key_ckpt, value.shape, key_model, shape
+                )
+            )
+            _c2_logger.warning(
+                "{} will not be loaded. Please double check and see if this is desired.".format(
+                    key_ckpt
+                )
+            )
+            continue
+        result[key_model] = value
+        if key_ckpt in matched:
+            _c2_logger.error(
+                "Ambiguity found for {} in checkpoint!"
+                "It matches at least two keys in the model ({} and {}).".format(
+                    key_ckpt, key_model, matched[key_ckpt]
+                )
+            )
+            raise ValueError("Cannot match one checkpoint key to multiple keys in the model.")
+        matched[key_ckpt] = key_model
+    matched_model_keys = sorted(matched.values())
+    if not matched_model_keys:
+        _c2_logger.warning("No weights in checkpoint matched with model.")
+        return ckpt_state_dict
+    prefix = _common_prefix(matched_model_keys)
+    by_model = {v: original[k] for k, v in matched.items()}
+    # Rows of the table detectron2 builds (its contents are not logged, only their number):
+    # the keys of one submodule whose checkpoint names share a prefix make one row.
+    groups = {}
+    for sub in sorted({k[: k.rfind(".") + 1] for k in matched_model_keys if "." in k}, key=len):
+        group = [k for k in matched_model_keys if k.startswith(sub)]
+        if len(group) > 1 and _common_prefix_str([by_model[k] for k in group]):
+            for k in group:
+                groups.setdefault(k, group)
+    rows, seen = 0, set()
+    for k in matched_model_keys:
+        if k not in seen:
+            seen |= set(groups.get(k, [k]))
+            rows += 1
+    _c2_logger.info(
+        f"Following weights matched with submodule {prefix[:-1] if prefix else 'model'} - "
+        f"Total num: {rows}"
+    )
+    for k in ckpt_keys:
+        if k not in matched:
+            result[k] = ckpt_state_dict[k]
+    return result

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import re
 import warnings
@@ -91,7 +92,14 @@ ADDITIONS = {
     # where it kept the earlier file (detectron2 appends to it).
     "log:resume notices": re.compile(
         r"^(The data loader \(\w+\) cannot be resumed|The checkpoint holds no position of the "
-        r"data loader|\S+ held \d+ line\(s\) of an earlier run)"
+        r"data loader|\S+ held \d+ line\(s\) of an earlier run|Removed \d+ line\(s\) of "
+        r"iterations >= \d+ from \S+, left by an earlier run)"
+    ),
+    # A run whose length differs from its checkpoint's says so (detectron2 is silent): a
+    # schedule resumed over another max_iter, a train() whose start_iter is past max_iter.
+    "log:run length notices": re.compile(
+        r"^(LRMultiplier: the checkpoint was saved with max_iter=|train\(\) start_iter \(\d+\) "
+        r"is past max_iter)"
     ),
     # A checkpoint's trainer state carries the RNG states, the recent scalar history and the
     # data position, for exact resume, and the state of hooks that detectron2 keeps stateless
@@ -239,9 +247,10 @@ class _Capture(logging.Handler):
         elif not name.startswith("corpus") and not name.startswith("fvcore"):
             return  # another library's logger (torch, tensorboard)
         message = record.getMessage()
-        if ADDITIONS["log:time in hooks"].match(message):
-            return
-        if ADDITIONS["log:resume notices"].match(message):
+        if any(
+            ADDITIONS[k].match(message)
+            for k in ("log:time in hooks", "log:resume notices", "log:run length notices")
+        ):
             return
         self.records.append((name, record.levelname, mask_text(message, self.out)))
 
@@ -339,7 +348,14 @@ def _text(path: str, out: str) -> Any:
 
 
 def _checkpoint_summary(path: str) -> Any:
-    data = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, pickle.UnpicklingError):
+        if not path.endswith(".pkl"):
+            raise
+        # A model-zoo file pickled by hand (numpy arrays), read as detectron2 reads it.
+        with open(path, "rb") as f:
+            data = pickle.load(f, encoding="latin1")
     if not isinstance(data, dict):
         return ("object", type(data).__name__)
     summary: List[Any] = [("keys", sorted(data))]
@@ -356,7 +372,14 @@ def _checkpoint_summary(path: str) -> Any:
     model = data.get("model")
     if isinstance(model, dict):
         summary.append(
-            ("model", [(k, v.tolist()) for k, v in model.items() if isinstance(v, torch.Tensor)])
+            (
+                "model",
+                [
+                    (k, v.tolist())
+                    for k, v in model.items()
+                    if isinstance(v, (torch.Tensor, np.ndarray))
+                ],
+            )
         )
     return summary
 

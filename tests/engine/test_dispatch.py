@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
+import os
 
 import pytest
 import torch
 from hookloop import _core
-from hookloop.engine import HookBase, HookStat, TrainerBase, hooks
+from hookloop.engine import HookBase, HookStat, TrainerBase, dispatch, hooks
 from hookloop.utils.events import EventWriter, get_event_storage
 
 
@@ -477,29 +479,53 @@ def test_hook_stats_carry_over_an_edit_of_the_hook_list_in_the_middle_of_a_run()
     assert [(r.stage, r.calls) for r in t.hook_stats()] == [("after_step", 10)]
 
 
-def test_periodic_checkpointer_runs_after_the_evaluation_and_the_best_record(tmp_path):
-    """PeriodicCheckpointer's priority is LOW (the one ordering knob): registered before
-    EvalHook and BestCheckpointer, as DefaultTrainer and detectron2 register them, its stages
-    still run after theirs, so the checkpoint of an iteration holds that iteration's best
-    record."""
+def test_periodic_checkpointer_runs_where_registered_and_finishes_after_every_hook(tmp_path):
+    """PeriodicCheckpointer runs in registration order, as detectron2's; its finishing part
+    (the file written with the trainer's state) is an entry of its own after every other hook
+    of the stage, hooks of a lower priority included. hooks_table() lists each hook once and
+    hook_stats() counts the two parts as one row."""
     import torch
     from hookloop.checkpoint import Checkpointer
     from hookloop.engine import SimpleTrainer, hooks
 
+    class Last(HookBase):
+        priority = "LOWEST"
+
+        def after_step(self):
+            pass
+
     model = torch.nn.Linear(2, 1)
-    t = SimpleTrainer(model, [torch.zeros(1, 2)], torch.optim.SGD(model.parameters(), 0.1))
+    data = itertools.repeat(torch.zeros(1, 2))  # endless: no epochs in the file names
+    t = SimpleTrainer(model, data, torch.optim.SGD(model.parameters(), 0.1))
     ckpt = Checkpointer(model, str(tmp_path), trainer=t)
+    periodic = hooks.PeriodicCheckpointer(ckpt, period=10)
     t.register_hooks(
         [
             hooks.IterationTimer(),
-            hooks.PeriodicCheckpointer(ckpt, period=10),
+            periodic,
             hooks.EvalHook(10, lambda: {"val": {"mse": 1.0}}),
             hooks.BestCheckpointer(10, ckpt, "val/mse", mode="min"),
             hooks.PeriodicWriter([], period=5),
+            Last(),
         ]
     )
     table = {k: [type(h).__name__ for h in v] for k, v in t.hooks_table().items()}
     assert table["after_step"] == [
-        "IterationTimer", "EvalHook", "BestCheckpointer", "PeriodicWriter", "PeriodicCheckpointer"
+        "IterationTimer", "PeriodicCheckpointer", "EvalHook", "BestCheckpointer",
+        "PeriodicWriter", "Last",
     ]  # fmt: skip
-    assert table["after_train"][-1] == "PeriodicCheckpointer"
+    assert table["after_train"][:2] == ["IterationTimer", "PeriodicCheckpointer"]
+    entries = [
+        (type(t._hooks[i]).__name__, f.__name__)
+        for i, s, f, _, _ in dispatch.table_for(t._hooks)
+        if dispatch.STAGES[s] == "after_step"
+    ]
+    assert entries[-1] == ("PeriodicCheckpointer", "_finish_step")
+    assert entries[1] == ("PeriodicCheckpointer", "after_step")
+    t.train(0, 20)
+    rows = [(type(r.hook).__name__, r.stage, r.calls) for r in t.hook_stats()]
+    assert rows.count(("PeriodicCheckpointer", "after_step", 2)) == 1
+    assert sorted(os.listdir(tmp_path)) == [
+        "last_checkpoint", "model_0000009.pth", "model_0000019.pth", "model_best.pth",
+        "model_final.pth",
+    ]  # fmt: skip

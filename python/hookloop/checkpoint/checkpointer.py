@@ -17,6 +17,7 @@ Differences from ``fvcore.common.checkpoint``, all in what fvcore leaves undefin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import logging
@@ -26,7 +27,18 @@ import pickle
 import re
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Tuple,
+)
 
 import numpy as np
 import torch
@@ -43,6 +55,9 @@ __all__ = [
     "get_missing_parameters_message",
     "get_unexpected_parameters_message",
 ]
+
+# torch's (major, minor), as fvcore's module defines it.
+TORCH_VERSION: Tuple[int, ...] = tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 _LAST_CHECKPOINT = "last_checkpoint"
 
@@ -95,6 +110,52 @@ class _PendingSave:
 
 
 _DEFAULT_SAVE_OPTIONS: Tuple[bool, Optional[Callable[[], None]]] = (True, None)
+
+
+class DeferredSaves:
+    """Saves begun at one place and finished at another. While :func:`deferring` holds it on a
+    :class:`Checkpointer`, each ``save()`` logs its line and takes the model's state and every
+    checkpointable's (copied: later code may change the tensors in place), except those that
+    ``later(obj)`` picks; :meth:`finish` takes those (a trainer: its hooks' state, the storage,
+    the RNG) and writes the files. ``PeriodicCheckpointer`` saves what detectron2 saves at its
+    place in the hook order, with the trainer state of the end of the iteration."""
+
+    def __init__(self, later: Callable[[Any], bool]) -> None:
+        self.later = later
+        self._finishes: List[Callable[[], None]] = []
+
+    def queue(self, finish: Callable[[], None]) -> None:
+        self._finishes.append(finish)
+
+    def __len__(self) -> int:
+        return len(self._finishes)
+
+    def finish(self) -> None:
+        """Writes the saves begun since the last call, in order."""
+        finishes, self._finishes = self._finishes, []
+        for finish in finishes:
+            finish()
+
+    def discard(self) -> int:
+        """Drops the saves begun and not finished; returns how many."""
+        dropped = len(self._finishes)
+        self._finishes = []
+        return dropped
+
+
+@contextlib.contextmanager
+def deferring(checkpointer: Any, saves: DeferredSaves) -> Iterator[None]:
+    """Within it, ``checkpointer.save()`` begins a save that ``saves.finish()`` completes (see
+    :class:`DeferredSaves`). A checkpointer of another class (fvcore's) saves at once."""
+    if not isinstance(checkpointer, Checkpointer):
+        yield
+        return
+    previous = checkpointer._deferred
+    checkpointer._deferred = saves
+    try:
+        yield
+    finally:
+        checkpointer._deferred = previous
 
 
 def _numpy_data_globals() -> List[Any]:
@@ -190,6 +251,8 @@ class Checkpointer:
     weights_only: bool = True
     # load()'s weights_only while it runs (None: the checkpointer's), read by _load_file().
     _load_weights_only: Optional[bool] = None
+    # Where save() queues the rest of each save while a hook defers them (see deferring()).
+    _deferred: Optional[DeferredSaves] = None
 
     def __init__(
         self,
@@ -277,16 +340,24 @@ class Checkpointer:
         if os.path.basename(basename) != basename or name in (".", ".."):
             raise ValueError(f"checkpoint name must be a file name, not a path: {name!r}")
         self.wait()
-        # Every metric line and event written so far reaches its file (the page cache) before
-        # the checkpoint can: a run killed after this checkpoint resumes after its iteration
-        # and does not write those again. A writer's I/O error is raised here, as its next
-        # write would.
-        _core.flush_writers()
-
-        data: Dict[str, Any] = {"model": self.model.state_dict()}
-        for key, obj in self.checkpointables.items():
-            data[key] = obj.state_dict()
+        deferred = getattr(self, "_deferred", None)
+        if deferred is None:
+            _flush_writers()
+        objects = {"model": self.model, **self.checkpointables}
+        later = [k for k, obj in objects.items() if deferred is not None and deferred.later(obj)]
+        # Placeholders keep the file's key order whenever the states are taken.
+        data: Dict[str, Any] = {
+            k: None if k in later else obj.state_dict() for k, obj in objects.items()
+        }
         data.update(extra)
+        if deferred is not None:
+            # The hooks that run before the save is finished may change these tensors in place
+            # (an EMA hook swapping its weights in): the file holds them as they are now.
+            data = _copy_to_cpu(data)
+            for key in later:
+                # Taken here too, as detectron2 takes it, so that a state_dict() that raises
+                # does so before the log line; the file holds the one taken at the finish.
+                objects[key].state_dict()
 
         save_file = os.path.join(self.save_dir, basename)
         self.logger.info("Saving checkpoint to {}".format(save_file))
@@ -298,12 +369,24 @@ class Checkpointer:
             if on_saved is not None:
                 on_saved()
 
-        if self.async_save:
-            # The training thread goes on changing the tensors that state_dict() returned.
-            data = _copy_to_cpu(data)
-            self._pending = _PendingSave(write, save_file)
+        def finish() -> None:
+            if deferred is not None:
+                self.wait()
+                _flush_writers()
+                for key in later:
+                    data[key] = objects[key].state_dict()
+            if self.async_save:
+                # The training thread goes on changing the tensors that state_dict() returned.
+                for key in data if deferred is None else later:
+                    data[key] = _copy_to_cpu(data[key])
+                self._pending = _PendingSave(write, save_file)
+            else:
+                write()
+
+        if deferred is None:
+            finish()
         else:
-            write()
+            deferred.queue(finish)
 
     def _atomic(self, path: str) -> bool:
         """Whether ``path`` is written atomically: a local path (also with another
@@ -640,6 +723,13 @@ class Checkpointer:
                 raise ValueError("Unsupported type found in checkpoint! {}: {}".format(k, type(v)))
 
 
+def _flush_writers() -> None:
+    """Every metric line and event written so far reaches its file (the page cache) before the
+    checkpoint can: a run killed after this checkpoint resumes after its iteration and does not
+    write those again. A writer's I/O error is raised here, as its next write would."""
+    _core.flush_writers()
+
+
 def _is_uninitialized(t: Any) -> bool:
     return isinstance(t, (UninitializedParameter, UninitializedBuffer))
 
@@ -654,30 +744,20 @@ def _log_checkpointable_keys(logger: logging.Logger, key: str, result: Any) -> N
 
 
 def _strip_prefix_if_present(state_dict: Dict[str, Any], prefix: str) -> None:
-    """Strips ``prefix`` from every key, in place, if every key has it."""
-    keys = list(state_dict.keys())
-    if not keys or not all(key.startswith(prefix) for key in keys):
+    """Strips ``prefix`` from every key, in place, if every non-empty key has it (fvcore's
+    rule: the keys then come in sorted order). The ``_metadata`` of a torch state dict is
+    renamed too: its keys are module names without the trailing dot, so ``"module"`` (the
+    wrapped model) becomes ``""``, replacing the wrapper's own entry."""
+    keys = sorted(state_dict.keys())
+    if not all(not key or key.startswith(prefix) for key in keys):
         return
-
-    def strip(k: str) -> str:
-        return k[len(prefix) :] if k.startswith(prefix) else k
-
-    items = [(strip(k), v) for k, v in state_dict.items()]
-    state_dict.clear()
-    state_dict.update(items)
+    for key in keys:
+        state_dict[key[len(prefix) :]] = state_dict.pop(key)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        # metadata keys are module names without the trailing dot: "module" is the root.
-        renamed = []
-        for k, v in metadata.items():
-            if k + "." == prefix:
-                renamed.append(("", v))
-            elif k.startswith(prefix):
-                renamed.append((k[len(prefix) :], v))
-            else:
-                renamed.append((k, v))
-        metadata.clear()
-        metadata.update(renamed)
+        for key in list(metadata.keys()):
+            if key:  # "" is the wrapper's own entry: "module" replaces it
+                metadata[key[len(prefix) :]] = metadata.pop(key)
 
 
 def _add_prefix(state_dict: Dict[str, Any], prefix: str) -> None:
@@ -721,6 +801,15 @@ def _filter_reused_missing_keys(model: nn.Module, keys: List[str]) -> List[str]:
         if any(n in keyset for n in names) and not all(n in keyset for n in names):
             keyset -= names
     return [k for k in keys if k in keyset]
+
+
+def _named_modules_with_dup(model: nn.Module, prefix: str = "") -> Iterable[Tuple[str, nn.Module]]:
+    """``model.named_modules()``, but a module reachable under several names is yielded under
+    each of them (and ``prefix`` starts every name)."""
+    yield prefix, model
+    for name, child in model._modules.items():
+        if child is not None:
+            yield from _named_modules_with_dup(child, f"{prefix}.{name}" if prefix else name)
 
 
 def _group_checkpoint_keys(keys: Iterable[str]) -> Dict[str, List[str]]:

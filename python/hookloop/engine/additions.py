@@ -8,7 +8,7 @@ and the trainer's attributes are read at every step."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from hookloop.data.cursor import iters_per_epoch
 from hookloop.engine import dispatch
@@ -89,7 +89,12 @@ class TrainerAdditions:
         a ``priority``): what the dispatcher runs, for checking where a hook lands."""
         dispatch.set_table(self)  # for the list as it is now
         dispatcher = self._hookloop.dispatcher
-        return {stage: list(dispatcher.hooks_for(stage)) for stage in dispatch.STAGES}
+        table = {}
+        for stage in dispatch.STAGES:
+            hooks = list(dispatcher.hooks_for(stage))
+            # A hook's finishing part (dispatch._finishing_entries) is not a place of its own.
+            table[stage] = [h for i, h in enumerate(hooks) if not any(h is g for g in hooks[:i])]
+        return table
 
     def hook_stats(self) -> List[HookStat]:
         """Per hook and stage, the time spent in it since ``train()`` started: a
@@ -98,9 +103,18 @@ class TrainerAdditions:
         few nanoseconds; ``trainer._hookloop.dispatcher.timing = False`` turns it off, and the
         counts then stay zero). ``share`` is ``total_s`` over the training time so far."""
         total = elapsed(self._hookloop)
+        rows: Dict[Tuple[int, str], List[Any]] = {}
+        for h, stage, calls, t, longest in self._hookloop.dispatcher.hook_stats():
+            row = rows.get((id(h), stage))
+            if row is None:
+                rows[id(h), stage] = [h, stage, calls, t, longest]
+            else:
+                # A hook's finishing part (dispatch._finishing_entries) counts with its stage:
+                # both run on the same iterations.
+                row[2], row[3], row[4] = max(row[2], calls), row[3] + t, max(row[4], longest)
         return [
             HookStat(h, stage, calls, t, longest, t / total if total > 0 else 0.0)
-            for h, stage, calls, t, longest in self._hookloop.dispatcher.hook_stats()
+            for h, stage, calls, t, longest in rows.values()
         ]
 
 

@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import hookloop.engine.hooks as hooks
-from hookloop.checkpoint import Checkpointer
+from hookloop.checkpoint import DetectionCheckpointer
 from hookloop.engine.graph import CUDAGraphTrainer
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 from hookloop.nn.precise_bn import get_bn_modules
@@ -598,7 +598,8 @@ class DefaultTrainer(TrainerBase):
 
     Attributes:
         scheduler: the LR scheduler (:meth:`build_lr_scheduler`'s).
-        checkpointer (Checkpointer): saves the model and this trainer into ``cfg.output_dir``.
+        checkpointer (DetectionCheckpointer): saves the model and this trainer into
+            ``cfg.output_dir``; loads ``cfg.weights`` also from model-zoo ``.pkl`` files.
         cfg (TrainConfig):
         model, optimizer, data_loader: the wrapped trainer's (``self._trainer``), settable.
         epoch, iters_per_epoch: the wrapped trainer's, for epoch-based training (a subclass's
@@ -647,7 +648,7 @@ class DefaultTrainer(TrainerBase):
         self._trainer.after_backward = _weak_after_backward(self)  # type: ignore[method-assign]
 
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
-        self.checkpointer = Checkpointer(
+        self.checkpointer = DetectionCheckpointer(
             # Assume you want to save checkpoints together with logs/statistics
             model,
             cfg.output_dir,

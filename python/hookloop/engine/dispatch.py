@@ -105,7 +105,21 @@ def table_for(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
             else:
                 entries.append((index, stage_index, method, None, period))
     ranked = sorted(range(len(entries)), key=ranks.__getitem__)  # stable
-    return [entries[k] for k in ranked]
+    return [entries[k] for k in ranked] + _finishing_entries(hooks)
+
+
+def _finishing_entries(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
+    """The entries that run after every hook of their stage: a hook's ``_finishing`` maps a
+    stage to the name of a method that completes what its stage method began there
+    (``PeriodicCheckpointer`` writes the checkpoint it took at its place, once the iteration's
+    other hooks have run). Called on the stage method's period; registration order."""
+    entries = []
+    for index, hook in enumerate(hooks):
+        for stage, name in getattr(type(hook), "_finishing", {}).items():
+            period_of = getattr(hook, "_dispatch_period", None)
+            period = int((period_of(stage) if period_of is not None else None) or 0)
+            entries.append((index, STAGES.index(stage), getattr(type(hook), name), hook, period))
+    return entries
 
 
 def _missing_stage(hook: Any, stage: str) -> Any:

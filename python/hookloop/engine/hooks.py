@@ -19,14 +19,14 @@ import torch
 
 from hookloop import _core
 from hookloop.checkpoint import PeriodicCheckpointer as _PeriodicCheckpointer
-from hookloop.checkpoint.checkpointer import _save_with
+from hookloop.checkpoint.checkpointer import DeferredSaves, _save_with, deferring
 from hookloop.data.cursor import ReplayIterator, run_epochs
 from hookloop.engine._args import _callable_arg, _int_arg, _path_arg
 from hookloop.engine.extra_hooks import EarlyStopping, OptimizationHook, PreemptionHandler
 from hookloop.engine.metrics import metrics_of
 from hookloop.engine.parts import hook_keys, report_secondary
 from hookloop.engine.stop import Preempted
-from hookloop.engine.train_loop import HookBase
+from hookloop.engine.train_loop import HookBase, TrainerBase
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
 from hookloop.utils import comm
 from hookloop.utils._base import writer_protocol
@@ -825,17 +825,25 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     ``save_to_disk``: registered on every rank (or, as detectron2 does, on the main process
     only), each checkpoint is written once.
 
-    It runs after the other hooks of normal priority (detectron2 runs it in registration
-    order, before the evaluation and the writers): its checkpoint of an iteration then holds
-    that iteration's evaluation and best-model record, which a resumed run would otherwise
-    lose, and its ``after_train`` saves the stop checkpoint after the final evaluation.
+    It runs where it is registered, as in detectron2, and saves in two parts: at its place the
+    model's and the optimizer's state (every checkpointable but the trainer) as detectron2
+    saves them there, and the "Saving checkpoint" line; after the iteration's last hook, the
+    trainer's state (the iteration's evaluation and best-model record, the writers' positions,
+    the RNG) and the file. A hook registered after it that changes the weights in the same
+    ``after_step`` (an EMA hook swapping its weights in) does not change what is saved, and a
+    resume still continues as if the run had never stopped. When a hook after it raises in
+    that iteration, the file is written in ``after_train`` all the same (detectron2's is on
+    disk before that hook runs). Before a save, the losses waiting in the storage's batched
+    read are read: a non-finite loss raises there, before a file holds the weights it made.
+    With a checkpointer that is not a :class:`hookloop.checkpoint.Checkpointer` (fvcore's),
+    the whole save happens at its place.
     """
 
-    #: mmengine's word (:data:`hookloop.engine.dispatch.PRIORITIES`): after NORMAL hooks.
-    priority = "LOW"
+    _deferred_saves: Optional[DeferredSaves] = None
 
     def before_train(self) -> None:
         self.max_iter = self.trainer.max_iter
+        self._saves().discard()
 
     def state_dict(self) -> Dict[str, Any]:
         # Stateless in the trainer's checkpoint, as detectron2's hook: detectron2 resuming a
@@ -848,6 +856,14 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         if stage == "after_step" and type(self).after_step is PeriodicCheckpointer.after_step:
             return self.period
         return None
+
+    def _saves(self) -> DeferredSaves:
+        """The saves this hook began and has not finished (made on first use: a subclass may
+        skip ``__init__``)."""
+        saves = self._deferred_saves
+        if saves is None:
+            saves = self._deferred_saves = DeferredSaves(_is_trainer)
+        return saves
 
     def _trainer_epoch(self) -> Optional[int]:
         """``trainer.epoch`` when the trainer runs epochs (a finite loader that ``max_iter``
@@ -865,23 +881,57 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
             return
         # step(self.trainer.iter, epoch), inlined. No way to use **kwargs.
         iteration = self.trainer.iter
-        if (iteration + 1) % self.period == 0:
-            self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
-        if self.max_iter is not None and iteration >= self.max_iter - 1:
-            self.checkpointer.save(f"{self.file_prefix}_final", iteration=iteration)
+        periodic = (iteration + 1) % self.period == 0
+        final = self.max_iter is not None and iteration >= self.max_iter - 1
+        if not (periodic or final):
+            return
+        _settle_losses(self.trainer)
+        with deferring(self.checkpointer, self._saves()):
+            if periodic:
+                self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
+            if final:
+                self.checkpointer.save(f"{self.file_prefix}_final", iteration=iteration)
 
     def after_train(self) -> None:
         trainer = self.trainer
-        stopped = bool(getattr(trainer, "stopped_early", False))
         iteration = trainer.iter
         if (
-            stopped
+            getattr(trainer, "stopped_early", False)
             and comm.is_main_process()
             and iteration >= trainer.start_iter
             and (iteration + 1) % self.period != 0
         ):
-            self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
-        _wait_for_saves(self.checkpointer, _training_finished(trainer) or stopped)
+            _settle_losses(trainer)
+            with deferring(self.checkpointer, self._saves()):
+                self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
+
+    # The dispatcher calls these after every hook of the stage (dispatch.FINISHING).
+    _finishing = {"after_step": "_finish_step", "after_train": "_finish_train"}
+
+    def _finish_step(self) -> None:
+        self._saves().finish()
+
+    def _finish_train(self) -> None:
+        finished = _ended_cleanly(self.trainer)
+        try:
+            # Also when a hook after this one raised in the iteration of a save: as in
+            # detectron2, whose file is on disk before that hook runs (to debug its failure).
+            self._saves().finish()
+        finally:
+            _wait_for_saves(self.checkpointer, finished)
+
+
+def _is_trainer(obj: Any) -> bool:
+    """Whether a checkpointable is a trainer, whose state a deferred save takes last."""
+    return isinstance(obj, TrainerBase)
+
+
+def _settle_losses(trainer: Any) -> None:
+    """Reads the losses waiting in the storage's batched read now, before a save: a
+    non-finite one raises (naming its iteration) before any file holds the weights it made."""
+    settle = getattr(getattr(trainer, "storage", None), "_settle", None)
+    if settle is not None:
+        settle()
 
 
 def _eval_period(hook: Any, cls: Any, stage: str) -> Optional[int]:

@@ -26,6 +26,7 @@ __all__ = [
     "TrainerParts",
     "check_iters",
     "elapsed",
+    "end_iter",
     "hook_keys",
     "report_secondary",
 ]
@@ -70,20 +71,26 @@ class TrainerParts:
         #: ``train()``'s loop raised (set before ``after_train``): no evaluation after it.
         self.failed = False
         self.train_time: List[Any] = [0.0, None]
+        #: The storage history of a loaded checkpoint, and the iteration it was saved at: it
+        #: goes into the run that resumes that checkpoint (train() starts at the iteration
+        #: after it, and has iterations to train) and is dropped by any other run
+        #: (fine-tuning from loaded weights starts with an empty history, as in detectron2).
         self.resume_storage: Optional[Mapping[str, Any]] = None
+        self.resume_storage_iter: Any = None
         #: Values a subclass assigned to hookloop's added names (``epoch``, ``stopped_early``,
         #: ...), which reads of them then give.
         self.assigned: Dict[str, Any] = {}
 
     def start_run(self, trainer: Any, storage: Any, max_iter: int) -> None:
         """``train()`` opened ``storage``: the recent history of a resumed checkpoint goes into
-        it (smoothing and the ETA continue), the dispatcher and the stop controller start."""
+        it (smoothing and the ETA continue) when this run resumes that checkpoint, the
+        dispatcher and the stop controller start."""
         self.stopped_early = False
         self.train_time = [time.perf_counter(), None]
-        if self.resume_storage is not None:
-            storage._load_state(dict(self.resume_storage))
+        saved, self.resume_storage = self.resume_storage, None
+        if saved is not None and _resumes(trainer.start_iter, max_iter, self.resume_storage_iter):
+            storage._load_state(dict(saved))
             storage.iter = trainer.start_iter
-            self.resume_storage = None
         self.begin(trainer, storage, max_iter)
         self.stop.begin()
 
@@ -122,7 +129,9 @@ class SimpleTrainerParts(TrainerParts):
 
 
 def check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
-    """Both as ints (numpy ints accepted, as range() accepts them), or a clear error."""
+    """Both as ints (numpy ints accepted, as range() accepts them), or a clear error. A
+    ``start_iter`` past ``max_iter`` (resuming a finished run with a lower ``max_iter``) runs
+    no iteration, as in detectron2, with one warning."""
     out = []
     for name, value in (("start_iter", start_iter), ("max_iter", max_iter)):
         if isinstance(value, bool):
@@ -133,8 +142,30 @@ def check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
             raise TypeError(f"train() {name} must be an int, got {type(value).__name__}") from None
     start_iter, max_iter = out
     if max_iter < start_iter:
-        raise ValueError(f"train() max_iter ({max_iter}) must be >= start_iter ({start_iter})")
+        logger.warning(
+            f"train() start_iter ({start_iter}) is past max_iter ({max_iter}): no iteration "
+            "runs; before_train and after_train do (a final evaluation, the writers' last write)."
+        )
     return start_iter, max_iter
+
+
+def end_iter(start_iter: int, max_iter: int) -> int:
+    """``trainer.iter`` after a ``train(start_iter, max_iter)`` whose loop finished:
+    ``max_iter``, or for a loop with no iteration (``start_iter >= max_iter``: a finished run
+    resumed), detectron2's ``start_iter + 1`` (its empty loop leaves ``iter`` at
+    ``start_iter``, then ``self.iter += 1``)."""
+    return max_iter if start_iter < max_iter else start_iter + 1
+
+
+def _resumes(start_iter: int, max_iter: int, saved_iter: Any) -> bool:
+    """Whether a run from ``start_iter`` to ``max_iter`` continues the training of a
+    checkpoint saved at the end of iteration ``saved_iter``: it starts at the iteration after
+    it and trains (a run with no iteration to train, such as a finished run resumed, would
+    only show the saved values again: a console line with old losses and a negative ETA)."""
+    try:
+        return start_iter == operator.index(saved_iter) + 1 and start_iter < max_iter
+    except TypeError:
+        return False
 
 
 def hook_keys(hooks: Iterable[Any], qualified: bool = True) -> List[Tuple[str, Any]]:

@@ -30,6 +30,7 @@ from hookloop.engine.parts import (
     SimpleTrainerParts,
     TrainerParts,
     check_iters,
+    end_iter,
     hook_keys,
     report_secondary,
 )
@@ -211,7 +212,7 @@ class TrainerBase(TrainerAdditions):
                 else:
                     # self.iter == max_iter can be used by `after_train` to tell whether the
                     # training successfully finished or failed due to exceptions.
-                    self.iter = max_iter
+                    self.iter = end_iter(start_iter, max_iter)
             except BaseException as exc:
                 parts.failed = True
                 if isinstance(exc, Exception):
@@ -305,8 +306,11 @@ class TrainerBase(TrainerAdditions):
             h.load_state_dict(value)
         if "rng" in state_dict:
             set_rng_state(state_dict["rng"])
-        # Applied to the storage that the next train() opens.
+        # Applied to the storage that the next train() opens, if that run resumes this state
+        # (starts at the iteration after it); detectron2 restores the iteration and the hooks'
+        # states whatever the run.
         self._hookloop.resume_storage = state_dict.get("storage")
+        self._hookloop.resume_storage_iter = state_dict["iteration"]
 
 
 class SimpleTrainer(EpochAdditions, TrainerBase):

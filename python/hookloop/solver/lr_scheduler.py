@@ -84,6 +84,14 @@ def _plain_lrs(lrs: List[Any]) -> bool:
     return all(type(lr) is float or type(lr) is int for lr in lrs)
 
 
+def _lrs_str(lrs: Optional[List[Any]]) -> str:
+    """LRs for a message: one group's as a number, several as a list."""
+    if not lrs:
+        return "unknown"
+    values = [f"{float(lr):.6g}" for lr in lrs]
+    return values[0] if len(values) == 1 else "[" + ", ".join(values) + "]"
+
+
 # Instance attributes that are not scheduler state (torch saves every other one).
 _NOT_STATE = frozenset({"optimizer", "_multiplier", "_native", "_fast"})
 
@@ -125,10 +133,12 @@ class LRMultiplier(LRScheduler):
     :meth:`step`.
 
     The state (:meth:`state_dict`) is torch's (``base_lrs``, ``last_epoch``, ``_step_count``,
-    ``_last_lr``, ...) plus ``_max_iter``. Loading a state saved with another ``max_iter``
-    raises ``ValueError`` (the schedule is relative to ``max_iter``, so every later LR would
-    change), and stepping past ``max_iter`` raises ``ValueError`` naming the iteration.
-    detectron2's states (``base_lrs`` and ``last_epoch`` only) load as they are.
+    ``_last_lr``, ...) plus ``_max_iter``. A state saved with another ``max_iter`` loads as
+    in detectron2 (the rest of the schedule is evaluated over the new length), with one
+    warning naming both lengths and the LR before and after; a saved ``last_epoch`` past
+    ``max_iter`` loads with one warning naming both, and stepping past ``max_iter`` raises
+    ``ValueError`` naming the iteration. detectron2's states (``base_lrs`` and
+    ``last_epoch`` only) load as they are.
     """
 
     # Whether step() may take the one-call native path; set once base_lrs are known.
@@ -172,14 +182,43 @@ class LRMultiplier(LRScheduler):
         return {k: v for k, v in self.__dict__.items() if k not in _NOT_STATE}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads :meth:`state_dict`'s state (or detectron2's), keeping this scheduler's
+        ``max_iter``. A state saved with another ``max_iter`` loads as in detectron2: the rest
+        of the schedule is evaluated over this scheduler's length from the saved
+        ``last_epoch`` (a finished run extended by raising ``max_iter``), with one warning
+        naming both lengths and the LR at ``last_epoch`` under each. A ``last_epoch`` past
+        ``max_iter`` (a finished run relaunched with a lower ``max_iter``, whose ``train()``
+        then runs no iteration) loads too, with one warning naming both: the schedule has no
+        value there, and a :meth:`step` raises ``ValueError``. detectron2's states (no
+        ``_max_iter``) load without a word, as in detectron2."""
         state = {k: v for k, v in state_dict.items() if k not in _NOT_STATE}
         saved_max_iter = state.pop("_max_iter", None)
-        if saved_max_iter is not None:
-            _core.NativeSchedule.check_resume(
-                saved_max_iter, self._max_iter, state.get("last_epoch", self.last_epoch)
-            )
         self.__dict__.update(state)
         self._fast = self._native is not None and _plain_lrs(self.base_lrs)
+        last_epoch = self.last_epoch
+        if saved_max_iter is None or saved_max_iter == self._max_iter:
+            return
+        if isinstance(last_epoch, int) and last_epoch > self._max_iter:
+            logger.warning(
+                f"LRMultiplier: the checkpoint was saved with max_iter={saved_max_iter} at "
+                f"iteration {last_epoch} (last_epoch), past this scheduler's "
+                f"max_iter={self._max_iter}: the schedule has no LR there, and a step raises "
+                f"ValueError. Build the LRMultiplier with a max_iter of at least {last_epoch} "
+                "to train on."
+            )
+        else:
+            before = state.get("_last_lr")
+            try:
+                after: Optional[List[Any]] = self.get_lr()
+            except (ValueError, RuntimeError, IndexError):  # no value at where = 1.0
+                after = None
+            logger.warning(
+                f"LRMultiplier: the checkpoint was saved with max_iter={saved_max_iter}; this "
+                f"scheduler has max_iter={self._max_iter}. The schedule continues from "
+                f"iteration {last_epoch} over the new length (as detectron2 does): the LR at "
+                f"iteration {last_epoch} was {_lrs_str(before)} and is {_lrs_str(after)} "
+                "under the new length."
+            )
 
     def get_lr(self) -> List[Any]:
         native = self._native

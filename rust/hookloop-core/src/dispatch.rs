@@ -193,11 +193,20 @@ impl<C> Table<C> {
     }
 
     /// A table rebuilt for an edited hook list continues each hook's statistics per stage
-    /// from `old` (the same hook: the same `key`); new hooks start at zero.
+    /// from `old` (the same hook: the same `key`); new hooks start at zero. A hook with two
+    /// entries in one stage (a part that runs after every other hook's) carries each from
+    /// the entry at the same place among its own.
     pub fn carry_stats_from<D>(&self, old: &Table<D>) {
-        for (stage, entry) in self.all() {
-            if let Some(prev) = old.entries(stage).iter().find(|e| e.key == entry.key) {
-                entry.stats.restore(prev.stats.ticks());
+        for stage in Stage::ALL {
+            let previous = old.entries(stage);
+            for (n, entry) in self.entries(stage).iter().enumerate() {
+                let nth = self.entries(stage)[..n]
+                    .iter()
+                    .filter(|e| e.key == entry.key)
+                    .count();
+                if let Some(prev) = previous.iter().filter(|e| e.key == entry.key).nth(nth) {
+                    entry.stats.restore(prev.stats.ticks());
+                }
             }
         }
     }
@@ -271,6 +280,23 @@ mod tests {
             ticks,
             [("a", (0, 0, 0)), ("c", (0, 0, 0)), ("a", (1, 7, 7))]
         );
+    }
+
+    #[test]
+    fn two_entries_of_one_hook_carry_their_own_statistics() {
+        let mut old: Table<&str> = Table::default();
+        old.push(Stage::AfterStep, 0, 10, "capture", 0);
+        old.push(Stage::AfterStep, 1, 11, "b", 0);
+        old.push(Stage::AfterStep, 0, 10, "finish", 0);
+        old.entries(Stage::AfterStep)[0].stats.record(3);
+        old.entries(Stage::AfterStep)[2].stats.record(9);
+        old.entries(Stage::AfterStep)[2].stats.record(9);
+        let mut new: Table<&str> = Table::default();
+        new.push(Stage::AfterStep, 0, 10, "capture", 0);
+        new.push(Stage::AfterStep, 0, 10, "finish", 0);
+        new.carry_stats_from(&old);
+        let ticks: Vec<_> = new.all().map(|(_, e)| (e.call, e.stats.ticks())).collect();
+        assert_eq!(ticks, [("capture", (1, 3, 3)), ("finish", (2, 18, 9))]);
     }
 
     #[test]

@@ -167,17 +167,6 @@ pub enum Error {
          train longer, build the LRMultiplier and its ParamScheduler for the new max_iter"
     )]
     IterOutOfRange { iter: i64, max_iter: i64 },
-
-    /// `LRMultiplier` state saved with another `max_iter`. Mapped to `ValueError`.
-    #[error(
-        "LRMultiplier: the checkpoint was saved with max_iter={saved}, but this scheduler has \
-         max_iter={current} (resuming at iteration {iter}). The schedule is a function of \
-         iter / max_iter, so resuming would change the LR at every remaining iteration. To \
-         extend the schedule, build the ParamScheduler for the new length (milestones, \
-         num_updates and warmup_length in units of the new max_iter), then drop the old \
-         length from the state before loading it: `state.pop(\"_max_iter\")`"
-    )]
-    MaxIterChanged { saved: i64, current: i64, iter: i64 },
 }
 
 /// Why an image cannot be encoded as PNG.

@@ -755,19 +755,6 @@ pub fn progress(iter: i64, max_iter: i64) -> Result<f64> {
     Ok(iter as f64 / max_iter as f64)
 }
 
-/// `LRMultiplier.load_state_dict`: a state saved with another `max_iter` would silently
-/// change the LR at every iteration (the schedule is a function of `iter / max_iter`).
-pub fn check_resume(saved_max_iter: i64, max_iter: i64, iter: i64) -> Result<()> {
-    if saved_max_iter != max_iter {
-        return Err(Error::MaxIterChanged {
-            saved: saved_max_iter,
-            current: max_iter,
-            iter,
-        });
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1253,11 +1240,5 @@ mod tests {
         );
         assert!(progress(-1, 10).is_err());
         assert!(progress(0, 0).unwrap_err().to_string().contains("max_iter"));
-        check_resume(100, 100, 5).unwrap();
-        let msg = check_resume(100, 200, 50).unwrap_err().to_string();
-        assert!(
-            msg.contains("max_iter=100") && msg.contains("max_iter=200"),
-            "{msg}"
-        );
     }
 }

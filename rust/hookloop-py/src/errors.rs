@@ -30,8 +30,7 @@ pub fn to_py(err: Error) -> PyErr {
         | Error::Closed { .. }
         | Error::BadSchedule { .. }
         | Error::BadScheduleArg { .. }
-        | Error::IterOutOfRange { .. }
-        | Error::MaxIterChanged { .. } => PyValueError::new_err(err.to_string()),
+        | Error::IterOutOfRange { .. } => PyValueError::new_err(err.to_string()),
         // fvcore raises RuntimeError for a `where` outside a schedule's range.
         Error::WhereOutOfRange { .. } => PyRuntimeError::new_err(err.to_string()),
         Error::NonFiniteLoss { ref losses, .. } => {

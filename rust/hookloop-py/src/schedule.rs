@@ -377,13 +377,6 @@ impl PyNativeSchedule {
         schedule::progress(iter, max_iter).py_err()
     }
 
-    /// `ValueError` when a state saved with `saved_max_iter` is loaded into a scheduler of
-    /// `max_iter`, saying what changed and how to extend the schedule.
-    #[staticmethod]
-    fn check_resume(saved_max_iter: i64, max_iter: i64, iter: i64) -> PyResult<()> {
-        schedule::check_resume(saved_max_iter, max_iter, iter).py_err()
-    }
-
     /// `LRMultiplier`'s step in one call: computes the multiplier at `last_iter` of
     /// `max_iter` once, sets `param_groups[i]["lr"] = base_lrs[i] * multiplier` for every
     /// group, and returns the new LRs (what torch keeps as `_last_lr`). Nothing is written

@@ -210,3 +210,30 @@ def test_make_demo_installs_the_package_without_the_test_extras():
     recipes = [targets[d] for d in demo_deps.group(1).split() if d in targets]
     assert recipes and any("pip install" in r for r in recipes)
     assert not any("test" in r or "dev" in r for r in recipes), recipes
+
+
+@pytest.mark.slow
+def test_demo_data_on_device_trains_on_the_same_batches_and_resumes(tmp_path):
+    """--data-on-device gathers the batches with DeviceResidentLoader: the same batches as the
+    demo's own loader (TrainingSampler's stream), so the same metrics.json; interrupted and
+    resumed, it ends as the run that never stopped."""
+    common = ["--iters", "200", "--checkpoint-period", "100", "--eval-period", "100"]
+
+    def demo(out, *extra, rc=0):
+        cmd = [sys.executable, "-m", "hookloop", "demo", "--output", str(out), *common, *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == rc, proc.stderr
+        return proc
+
+    def rows(out):
+        timing = {"time", "data_time", "rank_data_time", "eta_seconds"}
+        lines = (out / "metrics.json").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in timing} for x in lines]
+
+    demo(tmp_path / "host")
+    demo(tmp_path / "device", "--data-on-device")
+    assert rows(tmp_path / "device") == rows(tmp_path / "host")
+    demo(tmp_path / "resumed", "--data-on-device", "--interrupt-at", "150", rc=130)
+    proc = demo(tmp_path / "resumed", "--data-on-device", "--resume")
+    assert "resuming from" in proc.stdout
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "host")

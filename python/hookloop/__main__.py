@@ -33,7 +33,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from hookloop.data import TrainingSampler
+    from hookloop.data import DeviceResidentLoader, TrainingSampler
     from hookloop.engine import DefaultTrainer, TrainConfig, hooks
     from hookloop.engine.train_loop import HookBase
     from hookloop.utils.progress import ProgressBar
@@ -132,6 +132,11 @@ def _demo(args: argparse.Namespace) -> int:
 
         @classmethod
         def build_train_loader(cls, cfg: TrainConfig) -> Any:
+            if cfg.data_on_device:
+                # The same batches (TrainingSampler's stream), gathered on the device.
+                return DeviceResidentLoader(
+                    (train_x, train_y, train_t), batch, seed=args.seed, endless=True
+                )
             return Batches()
 
         @classmethod
@@ -168,6 +173,7 @@ def _demo(args: argparse.Namespace) -> int:
         log_period=args.period,
         amp=args.amp,
         cuda_graph=args.cuda_graph,
+        data_on_device=args.data_on_device,
         base_lr=args.lr,
         weight_decay=0.0,
         warmup_iters=max(1, min(100, args.iters // 10)),
@@ -252,6 +258,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--cuda-graph",
         action="store_true",
         help="capture the whole step as one CUDA graph (CUDAGraphTrainer; needs --device cuda)",
+    )
+    demo.add_argument(
+        "--data-on-device",
+        action="store_true",
+        help="gather the batches on --device with hookloop.data.DeviceResidentLoader",
     )
     demo.add_argument(
         "--checkpoint-period", type=int, default=1000, help="save a checkpoint every N iterations"

@@ -12,8 +12,11 @@ does it in the middle of the checkpoint save of iteration N (after the file's by
 written, before the rename). ``--async-save`` saves checkpoints on a background thread.
 ``--loader`` picks the training data: ``sampler`` (the default, a ``TrainingSampler``),
 ``shuffle`` (``DataLoader(shuffle=True)``, finite: the run goes over it in epochs),
-``shuffle-workers`` (the same with two workers) or ``generator`` (a plain generator, which
-cannot be resumed). ``--precise-bn`` adds a BatchNorm layer and a ``PreciseBN`` hook over a
+``shuffle-workers`` (the same with two workers), ``resident`` (a ``DeviceResidentLoader``,
+finite: epochs with a last partial batch), ``resident-endless`` (the same over
+TrainingSampler's endless stream), ``resident-augmented`` (finite, with an augmentation drawn
+from its counter-based randoms) or ``generator`` (a plain generator, which cannot be
+resumed). ``--precise-bn`` adds a BatchNorm layer and a ``PreciseBN`` hook over a
 shuffled loader of its own. ``--mlflow`` adds an ``MLflowWriter`` (a sqlite store in OUT),
 ``--wandb`` a ``WandbWriter`` (offline, its runs under ``OUT/wandb/offline-run-*``).
 ``--cuda-graph`` trains with ``CUDAGraphTrainer`` through its eager seam (``graph="eager"``):
@@ -27,11 +30,18 @@ import signal
 
 import torch
 from hookloop.checkpoint import Checkpointer
-from hookloop.data import TrainingSampler
+from hookloop.data import DeviceResidentLoader, TrainingSampler
 from hookloop.engine import CUDAGraphTrainer, HookBase, SimpleTrainer, hooks
 from hookloop.utils.events import JSONWriter, TensorboardXWriter
 
 torch.set_num_threads(1)
+
+
+class _Jitter:
+    """An augmentation of the inputs drawn from the loader's counter-based randoms."""
+
+    def __call__(self, x, randoms):
+        return x + 0.1 * randoms.uniform(*x.shape)
 
 
 class Model(torch.nn.Module):
@@ -82,6 +92,13 @@ def main():
         workers = 2 if args.loader == "shuffle-workers" else 0
         loader = torch.utils.data.DataLoader(
             train, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=False
+        )
+    elif args.loader in ("resident", "resident-endless", "resident-augmented"):
+        # On the CPU here: the same loader a GPU run keeps on the device. 48 samples in
+        # batches of 5: epochs of 10 batches, the last one of 3 samples.
+        augment = [_Jitter()] if args.loader == "resident-augmented" else []
+        loader = DeviceResidentLoader(
+            train, 5, seed=3, endless=args.loader == "resident-endless", augment=augment
         )
     elif args.loader == "generator":
 

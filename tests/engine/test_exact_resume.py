@@ -126,6 +126,25 @@ def test_shuffled_loaders_and_precise_bn_resume_exactly(straight, tmp_path, conf
 @pytest.mark.parametrize(
     "config, kill",
     [
+        (("--loader", "resident"), ["--kill-at", "14"]),
+        (("--loader", "resident"), ["--kill-at", "19"]),
+        (("--loader", "resident-endless"), ["--kill-at", "23"]),
+        (("--loader", "resident-augmented"), ["--kill-at", "33"]),
+        (("--loader", "resident", "--cuda-graph"), ["--kill-at", "25"]),
+    ],
+    ids=["mid-epoch", "epoch-end", "endless", "augmented", "cuda-graph-eager"],
+)
+def test_a_device_resident_loader_resumes_exactly(straight, tmp_path, config, kill):
+    """DeviceResidentLoader (its epochs with a partial last batch, its endless stream, its
+    counter-based augmentations; under CUDAGraphTrainer's eager seam too), killed and
+    resumed: the batches, weights, optimizer and curves of the uninterrupted run."""
+    assert_resumed_equals_straight(straight(*config), tmp_path, kill, config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, kill",
+    [
         (("--cuda-graph",), ["--kill-at", "14"]),
         (("--cuda-graph", "--precise-bn"), ["--kill-at", "33"]),
     ],

@@ -1,5 +1,18 @@
-"""Data utilities, mirroring ``detectron2.data`` (so far: the training sampler)."""
+"""Data utilities, mirroring ``detectron2.data``: the training sampler, and a loader whose data
+stays on the device (:mod:`hookloop.data.resident`)."""
 
+from hookloop.data.resident import (
+    DeviceResidentLoader,
+    Normalize,
+    RandomCrop,
+    RandomHorizontalFlip,
+)
 from hookloop.data.samplers import TrainingSampler
 
-__all__ = ["TrainingSampler"]
+__all__ = [
+    "DeviceResidentLoader",
+    "Normalize",
+    "RandomCrop",
+    "RandomHorizontalFlip",
+    "TrainingSampler",
+]

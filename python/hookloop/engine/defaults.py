@@ -73,6 +73,9 @@ class TrainConfig:
         cuda_graph: train with :class:`~hookloop.engine.graph.CUDAGraphTrainer` (the whole
             step as one CUDA graph; needs a CUDA device; with ``amp``, bfloat16 autocast);
             :meth:`DefaultTrainer.build_optimizer` then builds a fused SGD.
+        data_on_device: for :meth:`DefaultTrainer.build_train_loader`, which is yours: keep
+            in-memory data on the device with :class:`hookloop.data.DeviceResidentLoader`
+            (the demo's reads it; see docs/data.md).
         gather_metric_period: put the losses into the storage every N iterations.
         base_lr, momentum, nesterov, weight_decay: SGD's; ``weight_decay_norm`` is the weight
             decay of normalization layers' parameters (detectron2's default 0).
@@ -100,6 +103,7 @@ class TrainConfig:
     window_size: int = 20
     amp: bool = False
     cuda_graph: bool = False
+    data_on_device: bool = False
     gather_metric_period: int = 1
     base_lr: float = 0.001
     base_lr_end: float = 0.0
@@ -935,7 +939,8 @@ class DefaultTrainer(TrainerBase):
 
         hookloop has no datasets: overwrite it to return your (infinite) training loader.
         To resume exactly where a run stopped, give it a ``state_dict``/``load_state_dict`` or
-        a resumable sampler (:class:`hookloop.data.TrainingSampler`).
+        a resumable sampler (:class:`hookloop.data.TrainingSampler`). Data that fits in the
+        device's memory: :class:`hookloop.data.DeviceResidentLoader` (``cfg.data_on_device``).
         """
         raise NotImplementedError(
             f"{cls.__name__}.build_train_loader(cfg) is not implemented: hookloop has no "

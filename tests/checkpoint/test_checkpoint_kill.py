@@ -1,6 +1,8 @@
 """A process killed with SIGKILL while saving checkpoints (synchronously or with
 ``async_save``): ``last_checkpoint`` always names a file that loads, and holds the state
-that was saved under that name.
+that was saved under that name; and killed while it overwrites a name it saved before
+(``model_final.pth`` saved again, ``model_best.pth`` improved), the file of that name still
+loads with its old content.
 
 One helper process imports torch once and forks a saver for each kill, so ten kills cost
 well under the time of ten interpreter starts.
@@ -91,18 +93,23 @@ def _check_last_checkpoint(save_dir: Path) -> int:
     return it
 
 
-@pytest.mark.slow
-def test_sigkill_during_saves_leaves_a_loadable_last_checkpoint(tmp_path):
+def _env() -> dict:
+    """The environment of a child: it imports this hookloop."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(hookloop.__file__)), env.get("PYTHONPATH", "")]
     )
+    return env
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_leaves_a_loadable_last_checkpoint(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(ZYGOTE), str(tmp_path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
+        env=_env(),
     )
     rng = random.Random(0)
     seen = []
@@ -136,3 +143,107 @@ def test_sigkill_during_saves_leaves_a_loadable_last_checkpoint(tmp_path):
         proc.stdout.close()
     assert proc.returncode == 0
     assert len(seen) == KILLS
+
+
+OVERWRITE = """
+    import io, sys, threading
+    import torch
+    from torch import nn
+    from hookloop.checkpoint import Checkpointer
+    from hookloop.engine import BestCheckpointer, EvalHook, TrainerBase
+
+    torch.set_num_threads(1)
+    save_dir, case, use_async = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    model = nn.Linear(512, 512)
+    ckpt = Checkpointer(model, save_dir, async_save=use_async)
+    real_save, saves = torch.save, []
+
+    def save_half_then_wait(obj, f, *args, **kwargs):
+        # The first save is whole; the second puts the first half of its bytes where the
+        # checkpointer writes, says so, and waits to be killed.
+        saves.append(1)
+        if len(saves) == 1:
+            return real_save(obj, f, *args, **kwargs)
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        print("half", flush=True)
+        threading.Event().wait()
+
+    torch.save = save_half_then_wait
+
+    def fill(value):
+        with torch.no_grad():
+            model.weight.fill_(value)
+            model.bias.fill_(value)
+
+    if case == "final":  # model_final.pth saved at iteration 1, then again at 2
+        for it in (1, 2):
+            fill(float(it))
+            ckpt.save("model_final", iteration=it)
+            ckpt.wait()
+    else:  # model_best.pth saved at iteration 0 (weights 1), improved at 1 (weights 2)
+
+        class Trainer(TrainerBase):
+            def run_step(self):
+                fill(float(self.iter + 1))
+
+        accuracies = iter([0.5, 0.7])
+        trainer = Trainer()
+        trainer.register_hooks(
+            [EvalHook(1, lambda: {"acc": next(accuracies)}), BestCheckpointer(1, ckpt, "acc")]
+        )
+        trainer.train(0, 3)
+    print("not killed", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "case, name, old_iteration, old_value",
+    [("final", "model_final.pth", 1, 1.0), ("best", "model_best.pth", 0, 1.0)],
+    ids=["final", "best"],
+)
+def test_sigkill_while_overwriting_a_name_keeps_its_old_file(
+    tmp_path, case, name, old_iteration, old_value, use_async
+):
+    """The kill lands while the new file of a name is half written (the child's torch.save
+    writes half, says so on stdout and blocks): the name still holds the whole old file.
+    A save that wrote in place would leave half a file under the name, which fails to load."""
+    save_dir = tmp_path / "out"
+    save_dir.mkdir()
+    with open(tmp_path / "stderr", "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(OVERWRITE), str(save_dir), case]
+            + [str(int(use_async))],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=_env(),
+        )
+        try:
+            said = _readline(proc, TIMEOUT)
+        finally:
+            proc.kill()
+            proc.wait(TIMEOUT)
+            proc.stdout.close()
+    assert said == "half", (tmp_path / "stderr").read_text()
+    assert proc.returncode == -signal.SIGKILL
+
+    ckpt = Checkpointer(nn.Linear(512, 512), str(save_dir))
+    extra = ckpt.load(str(save_dir / name))
+    assert extra["iteration"] == old_iteration
+    assert torch.equal(ckpt.model.weight, torch.full((512, 512), old_value))
+    assert torch.equal(ckpt.model.bias, torch.full((512,), old_value))
+    # The half-written bytes are in a temporary file (which the next save removes); the best
+    # model never moves last_checkpoint.
+    files = sorted(os.listdir(save_dir))
+    tmp = [n for n in files if n.endswith(".tmp")]
+    assert len(tmp) == 1 and tmp[0].startswith(f".{name}."), files
+    others = [n for n in files if n not in tmp]
+    assert others == (["last_checkpoint", name] if case == "final" else [name])
+    if case == "final":
+        assert ckpt.get_checkpoint_file() == str(save_dir / name)

@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import subprocess
 import sys
 from collections import OrderedDict
@@ -475,6 +476,75 @@ def test_disk_full_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch)
     assert _files(tmp_path) == ["first.pth", "last_checkpoint"]
     assert (tmp_path / "first.pth").read_bytes() == first
     assert ckpt.get_checkpoint_file() == str(tmp_path / "first.pth")
+
+
+def _record_durability(monkeypatch, directory):
+    """Records, in order, the fsyncs (``("fsync", "file" or "dir", path)``) and renames
+    (``("rename", src, dst)``) of paths in ``directory``. A temporary file's path is written
+    ``tmp(<target basename>)``. The fd of each fsync is told apart by ``os.fstat``; its path is
+    the one ``os.open`` (which ``tempfile.mkstemp`` calls) opened it with."""
+    directory = os.fspath(directory)
+    events, paths = [], {}
+    real_open, real_fsync = os.open, os.fsync
+    real_replace, real_rename = os.replace, os.rename
+
+    def name(path):
+        path = os.fspath(path)
+        tmp = re.fullmatch(r"\.(.+)\.[^.~]*~\d+~\w+\.tmp", os.path.basename(path))
+        return f"tmp({tmp[1]})" if tmp and os.path.dirname(path) == directory else path
+
+    def open_(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        paths[fd] = os.fspath(path)
+        return fd
+
+    def fsync(fd):
+        path = paths.get(fd, "")
+        if path == directory or os.path.dirname(path) == directory:
+            kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+            events.append(("fsync", kind, name(path)))
+        return real_fsync(fd)
+
+    def rename(real):
+        def renamed(src, dst, *args, **kwargs):
+            if os.path.dirname(os.fspath(dst)) == directory:
+                events.append(("rename", name(src), name(dst)))
+            return real(src, dst, *args, **kwargs)
+
+        return renamed
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", rename(real_replace))
+    monkeypatch.setattr(os, "rename", rename(real_rename))
+    return events
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_fsync_the_file_then_rename_then_fsync_the_directory(
+    tmp_path, monkeypatch, async_save
+):
+    """docs/resume.md: the temporary file is fsynced, renamed, and the directory fsynced,
+    for the checkpoint and then for last_checkpoint. Without the directory's fsync a crash
+    of the machine can lose the rename: the new name, or the file, is gone after reboot."""
+    ckpt = Checkpointer(_model(), str(tmp_path), async_save=async_save)
+    ckpt.save("first")  # creates the directory's files: the next save replaces both names
+    ckpt.wait()
+    events = _record_durability(monkeypatch, tmp_path)
+    ckpt.save("first")
+    ckpt.wait()
+    monkeypatch.undo()
+
+    def atomic(target):
+        tmp = f"tmp({target})"
+        return [
+            ("fsync", "file", tmp),
+            ("rename", tmp, str(tmp_path / target)),
+            ("fsync", "dir", str(tmp_path)),
+        ]
+
+    assert events == atomic("first.pth") + atomic("last_checkpoint")
+    assert _files(tmp_path) == ["first.pth", "last_checkpoint"]
 
 
 def test_unpicklable_extra_leaves_no_partial_file(tmp_path):

@@ -5,10 +5,13 @@ load; what needs arbitrary unpickling is refused naming the file and the opt-in
 
 from __future__ import annotations
 
+import copy
 import io
 import os
+import pickle
 import re
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,8 +120,205 @@ def test_numpy_scalars_and_arrays_load_and_object_arrays_do_not(tmp_path):
     assert loaded["n"] == 3 and np.array_equal(loaded["hist"], extra["hist"])
 
     torch.save({"model": {}, "o": np.array([{"a": 1}], dtype=object)}, tmp_path / "obj.pth")
-    with pytest.raises(ValueError, match=r"obj\.pth.*weights_only=False"):
+    with pytest.raises(ValueError, match=r"obj\.pth.*a numpy object array.*weights_only=False"):
         Checkpointer(_model()).load(str(tmp_path / "obj.pth"))
+
+
+# numpy data as checkpoints hold it: an evaluator's metrics, arrays of every plain dtype. (Not
+# an empty array: protocol 2 pickles b"" as builtins.bytes(), which torch's unpickler refuses.)
+_NUMPY_DATA = {
+    "ap": np.float64(0.5),
+    "n": np.int64(3),
+    "ok": np.bool_(True),
+    "f32": np.float32(1.5),
+    "z": np.complex128(1 - 2j),
+    "ints": np.arange(6, dtype=np.int32).reshape(2, 3),
+    "u8": np.arange(4, dtype=np.uint8),
+    "floats": np.linspace(0, 1, 5),
+    "halves": np.ones(3, dtype=np.float16),
+    "bools": np.array([True, False]),
+    "zero_d": np.array(2.5),
+    "zero_d_int": np.array(7),
+    "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+    "big_endian": np.arange(3, dtype=">i4"),
+    "dtype": np.dtype("f4"),
+    "nested": [np.float64(1.0), (np.arange(2), {"x": np.array(True)})],
+}
+
+
+def _same(loaded, expected) -> bool:
+    """As numpy's own unpickling gives it: the same type, dtype, shape and values."""
+    if isinstance(expected, (list, tuple)):
+        return type(loaded) is type(expected) and all(map(_same, loaded, expected))
+    if isinstance(expected, dict):
+        return loaded.keys() == expected.keys() and all(
+            _same(loaded[k], expected[k]) for k in expected
+        )
+    if isinstance(expected, np.dtype):
+        return loaded == expected
+    mine = pickle.loads(pickle.dumps(expected, protocol=2))
+    return (
+        type(loaded) is type(mine)
+        and loaded.dtype == mine.dtype
+        and np.shape(loaded) == np.shape(mine)
+        and np.array_equal(loaded, mine)
+    )
+
+
+@pytest.mark.parametrize("names", ["numpy 2", "numpy 1"])
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-format"])
+def test_numpy_data_loads_as_numpy_unpickles_it(tmp_path, names, zipped):
+    """numpy 1.x pickles name ``numpy.core.multiarray``, numpy 2's ``numpy._core`` (only the
+    legacy format holds the pickle as plain bytes that can be renamed)."""
+    if names == "numpy 1" and zipped:
+        pytest.skip("the zip format's pickle cannot be renamed in place")
+    buf = io.BytesIO()
+    torch.save({"model": {}, **_NUMPY_DATA}, buf, _use_new_zipfile_serialization=zipped)
+    data = buf.getvalue()
+    if names == "numpy 1":
+        assert b"numpy._core.multiarray" in data
+        data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    (tmp_path / "np.pth").write_bytes(data)
+    loaded = Checkpointer(_model()).load(str(tmp_path / "np.pth"), checkpointables=[])
+    assert _same(loaded, _NUMPY_DATA)
+    # Nothing of hookloop's stand-ins is left in what a load returns.
+    assert b"hookloop" not in pickle.dumps(loaded)
+    copied = copy.deepcopy(loaded)
+    assert _same(copied, _NUMPY_DATA)
+
+
+def _load_as_06d76c0(path: Path):
+    """torch.load with numpy's classes allowed, as hookloop 06d76c0 loaded (for data that
+    is not crafted, which it rebuilt as numpy does)."""
+    from numpy._core import multiarray
+
+    allowed = [np.ndarray, np.dtype]
+    allowed += sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}, key=repr)
+    for name in ("scalar", "_reconstruct"):
+        allowed.append((getattr(multiarray, name), f"numpy._core.multiarray.{name}"))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy-format"])
+def test_every_pickle_protocol_loads_as_it_did_before_the_checks(tmp_path, protocol, zipped):
+    """torch's weights-only unpickler reads only protocol 2 (torch.save's default): each
+    protocol loads (the same data) exactly when it loaded with numpy's classes allowed."""
+    path = tmp_path / "np.pth"
+    torch.save(
+        {"model": {}, **_NUMPY_DATA},
+        path,
+        pickle_protocol=protocol,
+        _use_new_zipfile_serialization=zipped,
+    )
+    try:
+        before = _load_as_06d76c0(path)
+    except pickle.UnpicklingError:
+        before = None
+    if before is None:
+        with pytest.raises(ValueError, match="Unsupported operand"):
+            Checkpointer(_model()).load(str(path), checkpointables=[])
+    else:
+        loaded = Checkpointer(_model()).load(str(path), checkpointables=[])
+        assert _same(loaded, _NUMPY_DATA)
+    assert (before is not None) == (protocol == 2)
+
+
+def test_a_model_zoo_pkl_given_to_checkpointer_points_to_detection_checkpointer(tmp_path):
+    """Never to weights_only=False, which would run the file's code and then fail on its
+    format."""
+    path = tmp_path / "R-50.pkl"
+    with open(path, "wb") as f:
+        pickle.dump({"model": {"w": np.zeros(2, np.float32)}, "__author__": "x"}, f, protocol=2)
+    with pytest.raises(ValueError) as info:
+        Checkpointer(_model()).load(str(path))
+    message = str(info.value)
+    assert str(path) in message and "DetectionCheckpointer" in message
+    assert "weights_only=False" not in message
+    # A file of torch.save named .pkl is a checkpoint like any other.
+    torch.save({"model": _model().state_dict(), "note": _Note("x")}, tmp_path / "saved.pkl")
+    with pytest.raises(ValueError, match=r"saved\.pkl.*_Note.*weights_only=False"):
+        Checkpointer(_model()).load(str(tmp_path / "saved.pkl"))
+
+
+def test_another_threads_torch_load_during_a_load_is_refused_as_torch_refuses_it(
+    tmp_path, monkeypatch
+):
+    """torch's allowlist is one for the process: while a hookloop load holds numpy's names in
+    it, a plain ``torch.load(weights_only=True)`` on another thread meets them refused."""
+    torch.save({"a": np.arange(3)}, tmp_path / "plain.pth")
+    Checkpointer(_model(), str(tmp_path)).save("ckpt", a=np.arange(3))
+    with pytest.raises(pickle.UnpicklingError) as outside:
+        torch.load(tmp_path / "plain.pth", weights_only=True)
+
+    real_load = torch.load
+    seen: dict = {}
+
+    def other_thread() -> None:
+        try:
+            seen["result"] = real_load(tmp_path / "plain.pth", weights_only=True)
+        except BaseException as e:  # noqa: BLE001 (whatever it raises is the finding)
+            seen["error"] = e
+
+    def load_while_another_thread_loads(*args, **kwargs):
+        if not seen:  # the hookloop load's own torch.load, its allowance in place
+            seen["allowed"] = [
+                g[1] for g in torch.serialization.get_safe_globals() if isinstance(g, tuple)
+            ]
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load_while_another_thread_loads)
+    extra = Checkpointer(_model()).load(str(tmp_path / "ckpt.pth"))
+    assert np.array_equal(extra["a"], np.arange(3))
+    assert "numpy._core.multiarray._reconstruct" in seen["allowed"]
+    assert "result" not in seen
+    error = seen["error"]
+    assert type(error) is type(outside.value)
+    refusal = "GLOBAL numpy._core.multiarray._reconstruct was not an allowed global"
+    assert refusal in str(outside.value) and refusal in str(error)
+    assert "Weights only load failed" in str(error)
+
+
+def test_loads_on_two_threads_each_keep_their_allowance(tmp_path, monkeypatch):
+    """A load that finishes does not take numpy's names from one still running."""
+    Checkpointer(_model(), str(tmp_path)).save("ckpt", a=np.arange(3))
+    before = set(torch.serialization.get_safe_globals())
+    real_load = torch.load
+    second_inside, first_done = threading.Event(), threading.Event()
+
+    def load(*args, **kwargs):
+        if threading.current_thread().name == "second":
+            second_inside.set()
+            first_done.wait(30)  # the first load has come and gone meanwhile
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    results: dict = {}
+
+    def run() -> None:
+        try:
+            results[threading.current_thread().name] = Checkpointer(_model()).load(
+                str(tmp_path / "ckpt.pth")
+            )["a"]
+        except BaseException as e:  # noqa: BLE001 (whatever it raises is the finding)
+            results[threading.current_thread().name] = e
+
+    second = threading.Thread(target=run, name="second")
+    second.start()
+    assert second_inside.wait(30)
+    first = threading.Thread(target=run, name="first")
+    first.start()
+    first.join(30)
+    first_done.set()
+    second.join(30)
+    assert np.array_equal(results["first"], np.arange(3)), results["first"]
+    assert np.array_equal(results["second"], np.arange(3)), results["second"]
+    assert set(torch.serialization.get_safe_globals()) == before
 
 
 def test_numpy_data_pickled_by_numpy_1_loads(tmp_path):

@@ -18,3 +18,15 @@ def padded(data: bytes, offset: int = 0) -> bytes:
                 raise ValueError("the first line pads the file's last line: pass it in data")
         out += line
     return bytes(out)
+
+
+def crossed_boundaries(data: bytes) -> list:
+    """The page boundaries (multiples of PAGE) that fall inside a line of `data` written from
+    offset 0 as it is, after the line's first byte and before its newline: where a write cut
+    at the boundary would tear the line."""
+    out, start = [], 0
+    for line in data.splitlines(keepends=True):
+        end = start + len(line)
+        out += range((start // PAGE + 1) * PAGE, end - 1, PAGE)
+        start = end
+    return out

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import page_layout
 import pytest
 from hookloop.utils.events import EventStorage, JSONWriter
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -178,6 +179,73 @@ def test_every_line_up_to_4_kib_is_whole_after_sigkill(tmp_path):
         added = later[len(earlier) :]
         assert added == list(range(len(added)))
     assert runs[0] == list(range(len(runs[0])))
+
+
+PAGE_LIMITED_RUN = """
+    import resource, signal, sys
+    from hookloop.utils.events import EventStorage, JSONWriter
+
+    # Lines of ~40 B to ~4 KiB, as WIDE_RUN's; every other write is flushed, so that a line
+    # is padded both in its own batch and as the file's last line.
+    path, limit, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    writer = JSONWriter(path, fsync="never")
+    names = [f"metric/{k:03d}" for k in range(200)]
+    if limit:
+        # The file may not grow past `limit`: the write that would is cut at it, and the next
+        # write kills the process with SIGXFSZ (which Python ignores unless told otherwise).
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    with EventStorage() as storage:
+        for i in range(n):
+            storage.iter = i
+            storage.put_scalar("loss", i * 0.5, smoothing_hint=False)
+            for name in names[: (i * 37) % 200]:
+                storage.put_scalar(name, 0.25, smoothing_hint=False)
+            writer.write()
+            if i % 2:
+                writer.flush()
+    writer.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_where_a_line_would_cross_a_page_boundary_leaves_every_line_whole(tmp_path):
+    """The kill lands, without timing, where the padding matters. Linux stops a killed write
+    only at a page boundary of the file; each run here stops at one exactly: its file may
+    not grow past the boundary (RLIMIT_FSIZE), so the write crossing it is cut there and the
+    next write kills the process (SIGXFSZ), as a SIGKILL during that write would. The
+    boundaries are those that fall inside a line of detectron2's unpadded layout: without the
+    padding the run would be cut inside that line."""
+    n = 30
+    full = tmp_path / "full.json"
+    done = subprocess.run(
+        _child(PAGE_LIMITED_RUN, full, 0, n), capture_output=True, timeout=TIMEOUT
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    data = full.read_bytes()
+    rows = [json.loads(line) for line in data.splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(n))
+    unpadded = b"".join(line.rstrip(b" ") + b"\n" for line in data.splitlines())
+    assert max(map(len, unpadded.splitlines(keepends=True))) <= page_layout.PAGE
+    boundaries = page_layout.crossed_boundaries(unpadded)
+    assert len(boundaries) >= 10, boundaries
+    for limit in boundaries:
+        path = tmp_path / f"killed_at_{limit}.json"
+        done = subprocess.run(
+            _child(PAGE_LIMITED_RUN, path, limit, n),
+            capture_output=True,
+            timeout=TIMEOUT,
+            cwd=tmp_path,
+        )
+        assert done.returncode == -signal.SIGXFSZ, (limit, done.stderr.decode())
+        left = path.read_bytes()
+        assert len(left) == limit  # the run was stopped at the boundary, not before
+        # Every line parses, the last one included: none was cut at the boundary.
+        got = [json.loads(line) for line in left.decode().splitlines()]
+        assert got == rows[: len(got)], limit
+        assert left == data[:limit] and left.endswith(b"\n"), limit
 
 
 UNCLOSED_RUN = """

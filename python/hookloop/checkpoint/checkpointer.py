@@ -7,9 +7,10 @@ Differences from ``fvcore.common.checkpoint``, all in what fvcore leaves undefin
   path without moving ``last_checkpoint``;
 * ``async_save=True`` serializes on a background thread;
 * files load with torch's weights-only unpickler (``weights_only=True``, what ``torch.load``
-  does by default since torch 2.6): a file cannot run code when it is loaded, and one that
-  needs arbitrary unpickling is refused with a ``ValueError`` naming it and the opt-in
-  (``weights_only=False``, for files you trust);
+  does by default since torch 2.6), numpy's scalars, arrays and dtypes of bools and numbers
+  admitted too, each checked before numpy sees its bytes: a file cannot run code when it is
+  loaded, and one that needs arbitrary unpickling is refused with a ``ValueError`` naming it,
+  what it holds and the opt-in (``weights_only=False``, for files you trust);
 * bad input raises ``TypeError``/``ValueError``/``OSError`` instead of ``AssertionError``;
 * ``PeriodicCheckpointer(max_to_keep=N)`` also deletes older periodic files written before a
   restart.
@@ -47,6 +48,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from hookloop import _core
+from hookloop.checkpoint import _numpy_safe
 from hookloop.checkpoint._fileio import LocalPathManager, _io_error, atomic_write
 
 __all__ = [
@@ -158,60 +160,133 @@ def deferring(checkpointer: Any, saves: DeferredSaves) -> Iterator[None]:
         checkpointer._deferred = previous
 
 
-def _numpy_data_globals() -> List[Any]:
-    """What torch's weights-only unpickler must be allowed to rebuild numpy scalars and
-    arrays of numbers: the checkpoint format takes numpy arrays in ``model`` (fvcore converts
-    them to tensors), and extra data often holds numpy scalars (an evaluator's metrics). Each
-    rebuilds data from bytes and runs no other code. hookloop's own state needs nothing here:
-    it is plain data (tensors, numbers, strings, containers), which the unpickler takes as is.
-    """
-    try:
-        from numpy._core import multiarray  # numpy >= 2
-    except ImportError:  # pragma: no cover (numpy 1.x)
-        from numpy.core import multiarray  # type: ignore[no-redef]
-    allowed: List[Any] = [np.ndarray, np.dtype]
-    # The dtype classes of bools and numbers (numpy 2 has one class per dtype); not objects.
-    allowed += sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}, key=repr)
-    for name in ("scalar", "_reconstruct"):
-        function = getattr(multiarray, name)
-        # Under both module names: files written with numpy 1.x name numpy.core.
-        allowed += [(function, f"numpy.{m}.multiarray.{name}") for m in ("_core", "core")]
-    return allowed
-
-
-_SAFE_GLOBALS: List[Any] = _numpy_data_globals()
-# torch's safe_globals context removes on exit what it added, even a global the program had
-# allowed itself: only the missing ones are added, one load at a time.
+# numpy's names for its data, each mapped to hookloop's checking stand-in (see _numpy_safe):
+# torch's allowlist holds them while hookloop loads run, and they refuse on other threads.
+_SAFE_GLOBALS: List[Any] = list(_numpy_safe.TORCH_GLOBALS)
 _SAFE_GLOBALS_LOCK = threading.Lock()
 
 
+class _SafeGlobalsState:
+    """How many hookloop loads run (under ``_SAFE_GLOBALS_LOCK``), and the numpy globals the
+    program allowed itself, which are set aside meanwhile: torch's allowlist is one set for
+    the process, and with two entries of one name, which one a file gets depends on the
+    set's order."""
+
+    loads = 0
+    set_aside: List[Any] = []
+
+
+def _torch_global_name(entry: Any) -> str:
+    """The name under which torch's weights-only unpickler allows ``entry``."""
+    if isinstance(entry, tuple):
+        return entry[1] if len(entry) == 2 and isinstance(entry[1], str) else ""
+    return f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}"
+
+
+@contextlib.contextmanager
+def _numpy_allowed() -> Iterator[None]:
+    """numpy's data rebuilt, with its checks, by torch's weights-only unpickler on this
+    thread; on another thread, a ``torch.load`` meets numpy's names refused."""
+    from torch import _weights_only_unpickler
+
+    with _SAFE_GLOBALS_LOCK:
+        if _SafeGlobalsState.loads == 0:
+            present = torch.serialization.get_safe_globals()
+            own = [g for g in present if _torch_global_name(g).startswith("numpy.")]
+            _weights_only_unpickler._remove_safe_globals(own)
+            _SafeGlobalsState.set_aside = own
+            torch.serialization.add_safe_globals(_SAFE_GLOBALS)
+        _SafeGlobalsState.loads += 1
+    try:
+        with _numpy_safe.loading():
+            yield
+    finally:
+        with _SAFE_GLOBALS_LOCK:
+            _SafeGlobalsState.loads -= 1
+            if _SafeGlobalsState.loads == 0:
+                _weights_only_unpickler._remove_safe_globals(_SAFE_GLOBALS)
+                torch.serialization.add_safe_globals(_SafeGlobalsState.set_aside)
+                _SafeGlobalsState.set_aside = []
+
+
+class _NotTorchFile(Exception):
+    """A ``.pkl`` that is not a file of ``torch.save`` (a model-zoo pickle) failed to load as
+    one: ``clause`` says why."""
+
+    def __init__(self, clause: str) -> None:
+        super().__init__(clause)
+        self.clause = clause
+
+
+# The start of a file of torch.save: a zip archive, or (the legacy format) a pickled number.
+_TORCH_FILE_STARTS = (b"PK\x03\x04", pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2))
+
+
+def _is_torch_file(f: str) -> bool:
+    try:
+        with open(f, "rb") as file:
+            head = file.read(32)
+    except OSError:
+        return True
+    return head.startswith(_TORCH_FILE_STARTS)
+
+
 def _torch_load(f: str, weights_only: bool) -> Any:
-    """``torch.load`` to the CPU; with ``weights_only``, numpy's data types allowed too."""
+    """``torch.load`` to the CPU; with ``weights_only``, numpy's scalars, arrays and dtypes
+    of bools and numbers rebuilt too, each checked before numpy sees its bytes."""
     cpu = torch.device("cpu")
     if not weights_only:
         return torch.load(f, map_location=cpu, weights_only=False)
-    with _SAFE_GLOBALS_LOCK:
-        present = torch.serialization.get_safe_globals()
-        missing = [g for g in _SAFE_GLOBALS if g not in present]
-        with torch.serialization.safe_globals(missing):
-            return torch.load(f, map_location=cpu, weights_only=True)
+    try:
+        with _numpy_allowed():
+            return _numpy_safe.plain_data(torch.load(f, map_location=cpu, weights_only=True))
+    except OSError:
+        raise
+    except Exception as e:
+        if str(f).endswith(".pkl") and not _is_torch_file(f):
+            clause = _refusal_clause(e) or f"{type(e).__name__}: {e}"
+            raise _NotTorchFile(clause) from e
+        refused = _numpy_safe.refusal_in(e)
+        if refused is not None and refused is not e:
+            # torch's unpickler raised its own error in place of the one naming the type.
+            raise _numpy_safe.Refused(refused.clause) from e
+        raise
 
 
-def _weights_only_refusal(path: str, error: BaseException) -> Optional[ValueError]:
-    """The error for a file that torch's weights-only unpickler refused (None for another
-    error): it names the file, what the unpickler refused, and the opt-in."""
+def _refusal_clause(error: BaseException) -> Optional[str]:
+    """What a weights-only unpickler refused in the file ("it holds ..."), or None when
+    ``error`` is not such a refusal."""
+    refused = _numpy_safe.refusal_in(error)
+    if refused is not None:
+        return refused.clause
     if not isinstance(error, pickle.UnpicklingError) or "weights only" not in str(error).lower():
         return None
     found = re.search(r"GLOBAL ([\w.]+)", str(error))
     if found is not None:
-        what = f"it holds {found.group(1)}, which only arbitrary unpickling can rebuild"
-    else:
-        lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-        detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[-1])
-        what = f"it is damaged, or needs arbitrary unpickling ({detail})"
+        return f"it holds {found.group(1)}, which only arbitrary unpickling can rebuild"
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[-1])
+    return f"it is damaged, or needs arbitrary unpickling ({detail})"
+
+
+def _weights_only_refusal(path: str, error: BaseException) -> Optional[ValueError]:
+    """The error for a file that a weights-only unpickler refused (None for another error):
+    it names the file, what was refused (the numpy type, the global), and the opt-in; for a
+    ``.pkl`` that is not a file of ``torch.save``, ``DetectionCheckpointer`` instead, which
+    loads model-zoo pickles without running their code."""
+    if isinstance(error, _NotTorchFile):
+        return ValueError(
+            f"Cannot load checkpoint {path}: it is a pickle, not a file of torch.save "
+            f"({error.clause}). A model-zoo .pkl (detectron2's, Detectron's) loads with "
+            "hookloop.checkpoint.DetectionCheckpointer, whose restricted unpickler runs no "
+            "code of the file"
+        )
+    clause = _refusal_clause(error)
+    if clause is None:
+        return None
     return ValueError(
-        f"Cannot load checkpoint {path} with weights_only=True: {what}. Unpickling can run any "
-        "code the file holds: only if you trust the file, load it with weights_only=False "
+        f"Cannot load checkpoint {path} with weights_only=True: {clause}. Unpickling can run "
+        "any code the file holds: only if you trust the file, load it with weights_only=False "
         "(Checkpointer(..., weights_only=False), or load()/resume_or_load(..., "
         "weights_only=False))"
     )
@@ -231,8 +306,9 @@ class Checkpointer:
             :meth:`load` and :meth:`wait` wait for it; its error is raised by the next
             :meth:`save` or :meth:`wait`.
         weights_only (bool): how :meth:`load` unpickles (``torch.load``'s argument). True
-            (the default): only tensors, numbers, strings, containers and numpy's scalars and
-            arrays, so that loading a file cannot run code; every state hookloop and
+            (the default): only tensors, numbers, strings, containers and numpy's scalars,
+            arrays and dtypes of bools and numbers, so that loading a file cannot run code
+            nor make numpy read memory the file chose; every state hookloop and
             detectron2 save is such data. False: any object, which runs whatever code the
             file holds: only for files you trust. :meth:`load` can override it per call.
         checkpointables (object): any checkpointable objects, i.e., objects that have the
@@ -634,8 +710,9 @@ class Checkpointer:
             dict["model"] must be a dict which maps strings to torch.Tensor or numpy arrays.
 
         With ``weights_only`` (the checkpointer's, or :meth:`load`'s for this call), torch's
-        weights-only unpickler rebuilds only data (numpy's scalars and arrays too): a file that
-        holds anything else is refused, and no code of the file runs.
+        weights-only unpickler rebuilds only data (numpy's scalars, arrays and dtypes of bools
+        and numbers too, checked before numpy sees their bytes): a file that holds anything
+        else is refused, and no code of the file runs.
         """
         weights_only = getattr(self, "_load_weights_only", None)
         if weights_only is None:

@@ -19,9 +19,11 @@ Differences from detectron2:
 * a ``.pkl`` is unpickled by a restricted unpickler (detectron2 uses ``pickle.load``, which
   runs whatever code the file holds). It rebuilds only what model-zoo files hold: numpy arrays
   and scalars of bools and numbers (from numpy 1 or 2, any pickle protocol), ``OrderedDict``
-  and Python's own str/bytes/numbers/containers. Each array's and scalar's dtype is checked
-  while it is rebuilt, so a crafted dtype state cannot make an array of object pointers. Any
-  other global, an array of objects or of a structured dtype is refused: ``load`` raises
+  and Python's own str/bytes/numbers/containers. Each array's and scalar's dtype is made
+  from its type code, with only the state numpy writes for it, before numpy sees the bytes
+  (``hookloop.checkpoint._numpy_safe``, which ``Checkpointer`` uses too), so a crafted dtype
+  state cannot make an array of object pointers. Any other global, an array of objects, of
+  strings, of datetimes or of a structured dtype is refused: ``load`` raises
   ``ValueError`` naming the file, what it holds and the opt-in, ``weights_only=False`` (as
   for ``Checkpointer``), which unpickles as detectron2 does, for files you trust;
 * loading again after a failed ``load`` works, and so does ``_load_file`` called outside
@@ -41,21 +43,14 @@ import pickle
 from typing import IO, Any, Dict, List, Optional, Tuple
 from urllib.parse import ParseResult, parse_qs, urlparse
 
-import numpy as np
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hookloop.checkpoint import _numpy_safe
 from hookloop.checkpoint.c2_model_loading import align_and_update_state_dicts
 from hookloop.checkpoint.checkpointer import Checkpointer, _IncompatibleKeys, _torch_load
 from hookloop.utils import comm
-
-try:
-    from numpy._core import multiarray as _multiarray  # numpy >= 2
-    from numpy._core import numeric as _numeric
-except ImportError:  # pragma: no cover (numpy 1.x)
-    from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
-    from numpy.core import numeric as _numeric  # type: ignore[no-redef]
 
 __all__ = ["DetectionCheckpointer"]
 
@@ -64,131 +59,19 @@ __all__ = ["DetectionCheckpointer"]
 # The model-zoo unpickler
 
 
-class _Refused(pickle.UnpicklingError):
-    """What the model-zoo unpickler refuses. Its text has the form of torch's weights-only
-    refusals ("Weights only load failed", then "GLOBAL module.name" or an "Unsupported: ..."
-    line), which :meth:`Checkpointer.load` turns into its ``ValueError`` naming the file, what
-    it holds and the opt-in: a refused ``.pkl`` reads like a refused ``.pth``."""
-
-
-def _refuse_global(module: str, name: str) -> _Refused:
-    return _Refused(
-        f"Weights only load failed: GLOBAL {module}.{name} is not one of the numpy functions "
-        "that rebuild the arrays of a model-zoo .pkl"
-    )
-
-
-def _refuse(what: str) -> _Refused:
-    return _Refused(f"Weights only load failed: the file is not numpy arrays.\nUnsupported: {what}")
-
-
-# Booleans, signed and unsigned integers, floats, complex numbers.
-_PLAIN_KINDS = frozenset("biufc")
-
-
-def _plain_dtype(dtype: Any) -> np.dtype:
-    """A fresh dtype equal to ``dtype``, which must be numpy's dtype of bools or numbers
-    (``np.dtype("<f4")``, or its str/bytes code): no objects, fields or subarrays.
-
-    The dtype is built anew from its code, so whatever a pickle's BUILD set in the given
-    object (flags, fields, a subarray, an item size) cannot reach the array or scalar.
-    """
-    if isinstance(dtype, bytes):
-        dtype = dtype.decode("latin1")
-    if isinstance(dtype, str):
-        try:
-            dtype = np.dtype(dtype)
-        except (TypeError, ValueError):
-            raise _refuse(f"numpy dtype {dtype!r}") from None
-    if not isinstance(dtype, np.dtype):
-        raise _refuse(f"a numpy dtype that is a {type(dtype).__name__}")
-    if (
-        dtype.kind not in _PLAIN_KINDS
-        or dtype.hasobject
-        or dtype.names is not None
-        or dtype.fields is not None
-        or dtype.subdtype is not None
-    ):
-        raise _refuse(f"an array or scalar of numpy dtype {dtype} (only bools and numbers)")
-    plain = np.dtype(dtype.str)
-    if plain.itemsize != dtype.itemsize:
-        raise _refuse(f"numpy dtype {dtype.str} with an item size of {dtype.itemsize}")
-    return plain
-
-
-def _new_dtype(spec: Any, align: Any = False, copy: Any = True) -> np.dtype:
-    """``numpy.dtype`` as pickles call it (``dtype("f4", False, True)``), from a type code only.
-    Always a copy: the BUILD that follows sets the state of the object returned, which must
-    not be numpy's shared instance."""
-    if not isinstance(spec, (str, bytes)) or not isinstance(align, (bool, int)):
-        raise _refuse(f"numpy.dtype({spec!r}, {align!r}, ...)")
-    plain = _plain_dtype(spec)
-    return np.dtype(plain, align=bool(align), copy=True)
-
-
-class _ArrayBeingLoaded(np.ndarray):
-    """An array that the unpickler is rebuilding: pickle's BUILD calls its ``__setstate__``,
-    which admits only a plain dtype (and then sets the state with a fresh one). The loader
-    hands out plain ``ndarray`` views of these."""
-
-    def __setstate__(self, state: Any) -> None:
-        # (version, shape, dtype, is_fortran, data); numpy 1.0's pickles have no version.
-        if not isinstance(state, tuple) or len(state) not in (4, 5):
-            raise _refuse("a numpy array state that is not numpy's")
-        *head, dtype, is_fortran, data = state
-        if not isinstance(data, (bytes, bytearray, str)):
-            # A list is what arrays of objects pickle as.
-            raise _refuse(f"numpy array data that is a {type(data).__name__}")
-        super().__setstate__((*head, _plain_dtype(dtype), is_fortran, data))
-
-
-class _NdarrayType:
-    """What ``numpy.ndarray`` unpickles as: the first argument of ``_reconstruct``. Called
-    itself, it would make arrays without the checks."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise _refuse("numpy.ndarray called directly, not through numpy's _reconstruct")
-
-
-_NDARRAY = _NdarrayType()
-
-
-def _reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
-    if subtype is not _NDARRAY:
-        raise _refuse(f"numpy's _reconstruct of a {type(subtype).__name__}")
-    return _multiarray._reconstruct(_ArrayBeingLoaded, shape, _plain_dtype(dtype))
-
-
-def _scalar(dtype: Any, data: Any = None) -> Any:
-    if not isinstance(data, (bytes, str)):
-        raise _refuse(f"a numpy scalar whose data is a {type(data).__name__}")
-    return _multiarray.scalar(_plain_dtype(dtype), data)
-
-
-def _frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
-    """Arrays in pickles of protocol 5."""
-    if not isinstance(buffer, (bytes, bytearray, memoryview, pickle.PickleBuffer)):
-        raise _refuse(f"numpy array data that is a {type(buffer).__name__}")
-    return _numeric._frombuffer(buffer, _plain_dtype(dtype), shape, order)  # type: ignore[attr-defined]
-
-
 def _encode(text: Any, encoding: Any = "latin1") -> bytes:
     """``_codecs.encode``, as Python 3 pickles bytes in protocols 0 to 2: latin-1 only."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise _refuse(f"_codecs.encode(..., {encoding!r})")
+        raise _numpy_safe.refuse_global(f"_codecs.encode(..., {encoding!r})")
     return text.encode("latin1")
 
 
-_ALLOWED: Dict[Tuple[str, str], Any] = {
-    ("numpy", "ndarray"): _NDARRAY,
-    ("numpy", "dtype"): _new_dtype,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("_codecs", "encode"): _encode,
+# numpy's names (see hookloop.checkpoint._numpy_safe), and what else model-zoo files hold.
+_ALLOWED: Dict[str, Any] = {
+    **_numpy_safe.GLOBALS,
+    "collections.OrderedDict": collections.OrderedDict,
+    "_codecs.encode": _numpy_safe.Global("_codecs.encode", _encode),
 }
-for _core in ("core", "_core"):  # numpy 1's pickles name numpy.core, numpy 2's numpy._core
-    _ALLOWED[(f"numpy.{_core}.multiarray", "_reconstruct")] = _reconstruct
-    _ALLOWED[(f"numpy.{_core}.multiarray", "scalar")] = _scalar
-    _ALLOWED[(f"numpy.{_core}.numeric", "_frombuffer")] = _frombuffer
 
 
 class _ModelZooUnpickler(pickle.Unpickler):
@@ -196,33 +79,10 @@ class _ModelZooUnpickler(pickle.Unpickler):
     docstring); any other global is refused before it is looked up."""
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
+        found = _ALLOWED.get(f"{module}.{name}")
         if found is None:
-            raise _refuse_global(module, name)
+            raise _numpy_safe.refuse_global(f"{module}.{name}")
         return found
-
-
-def _plain_arrays(obj: Any, done: Dict[int, Any]) -> Any:
-    """``obj`` with its arrays being loaded turned into plain ``ndarray`` views (dicts and
-    lists changed in place, tuples rebuilt)."""
-    if isinstance(obj, _ArrayBeingLoaded):
-        return obj.view(np.ndarray)
-    if not isinstance(obj, (dict, list, tuple)):
-        return obj
-    if id(obj) in done:
-        return done[id(obj)]
-    if isinstance(obj, tuple):
-        items = [_plain_arrays(v, done) for v in obj]
-        out = obj if all(a is b for a, b in zip(items, obj)) else tuple(items)
-        done[id(obj)] = out
-        return out
-    done[id(obj)] = obj  # before its items: a list may hold itself
-    if isinstance(obj, dict):
-        for k, v in list(obj.items()):
-            obj[k] = _plain_arrays(v, done)
-    else:
-        obj[:] = [_plain_arrays(v, done) for v in obj]
-    return obj
 
 
 def _load_pkl(f: IO[bytes], weights_only: bool) -> Any:
@@ -230,8 +90,8 @@ def _load_pkl(f: IO[bytes], weights_only: bool) -> Any:
     ``weights_only``, by the model-zoo unpickler."""
     if not weights_only:
         return pickle.load(f, encoding="latin1")
-    data = _ModelZooUnpickler(f, encoding="latin1").load()
-    return _plain_arrays(data, {})
+    with _numpy_safe.loading():
+        return _numpy_safe.plain_data(_ModelZooUnpickler(f, encoding="latin1").load())
 
 
 # ----------------------------------------------------------------------------------------------

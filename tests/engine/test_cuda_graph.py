@@ -62,17 +62,19 @@ def build(
     bn: bool = False,
     extra_hooks: Optional[List[HookBase]] = None,
     period: int = 5,
+    net: type = Net,
+    head_later: bool = False,
     **kw: Any,
 ) -> Any:
+    """``head_later``: the head frozen and outside the optimizer (for :class:`AddHead`)."""
     torch.manual_seed(0)
-    model = Net(bn)
+    model = net(bn)
+    trained = frozen_head(model) if head_later else model.parameters()
     if optim in ("sgd", "fused"):
         fused = {"fused": True} if optim == "fused" else {}
-        opt: torch.optim.Optimizer = torch.optim.SGD(
-            model.parameters(), lr=0.1, momentum=0.9, **fused
-        )
+        opt: torch.optim.Optimizer = torch.optim.SGD(trained, lr=0.1, momentum=0.9, **fused)
     else:
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt = torch.optim.Adam(trained, lr=0.01)
     if cls is CUDAGraphTrainer:
         kw.setdefault("graph", "eager")
     trainer = cls(model, batches() if data is None else data, opt, **kw)
@@ -90,6 +92,61 @@ def build(
         hs.append(hooks.PeriodicWriter([JSONWriter(str(out / "metrics.json"))], period=period))
     trainer.register_hooks(hs)
     return trainer
+
+
+def frozen_head(model: nn.Module) -> List[nn.Parameter]:
+    """Freezes the model's head: the parameters to train first (the body's)."""
+    for p in model.head.parameters():
+        p.requires_grad_(False)
+    return list(model.body.parameters())
+
+
+class AddHead(HookBase):
+    """Gradual unfreezing: after iteration ``at``, the head (frozen, outside the optimizer)
+    trains, in a param group of its own with its own LR."""
+
+    def __init__(self, at: int = 9) -> None:
+        self.at = at
+
+    def after_step(self) -> None:
+        if self.trainer.iter == self.at:
+            head = list(self.trainer.model.head.parameters())
+            for p in head:
+                p.requires_grad_(True)
+            self.trainer.optimizer.add_param_group({"params": head, "lr": 0.05})
+
+
+class ResetState(HookBase):
+    """Changes the optimizer's state between steps: clears it after iteration 9, gives the
+    first layer's weight a new state after 19 (zeros), replaces one of the head weight's
+    state tensors after 29 (halved); from 31 on, gives the head weight a new dict holding the
+    same tensors at every step (no change to what a replay updates)."""
+
+    def after_step(self) -> None:
+        it, opt, model = self.trainer.iter, self.trainer.optimizer, self.trainer.model
+        if it == 9:
+            opt.state.clear()
+        elif it == 19:
+            w = model.body[0].weight
+            opt.state[w] = {k: torch.zeros_like(v) for k, v in opt.state[w].items()}
+        elif it == 29:
+            s = opt.state[model.head.weight]
+            for key in [k for k in s if k != "step"][:1]:  # none where a replay kept it empty
+                s[key] = s[key] * 0.5
+        elif it >= 31:
+            opt.state[model.head.weight] = dict(opt.state[model.head.weight])
+
+
+BIG_COUNT = 2**24 + 1  # float32 holds 2**24 and 2**24 + 2, not this
+
+
+class WithCount(Net):
+    """Net whose loss dict also holds an int64 count float32 cannot hold exactly."""
+
+    def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+        out = super().forward(batch)
+        out["loss_count"] = torch.full((), BIG_COUNT, dtype=torch.int64, device=batch[0].device)
+        return out
 
 
 def two_dirs(tmp_path: Path) -> None:
@@ -173,11 +230,27 @@ def test_losses_reach_the_storage_from_the_ring_buffer_at_their_iterations():
     # One dict of views per slot, made once: a step hands over views[iter % R].
     assert step.losses_at(3) is step.losses_at(3 + ring_size)
     assert step.losses_at(3)["loss_mse"].data_ptr() == step.ring[3, 0].data_ptr()
+    assert step.ring.dtype == torch.float32  # float32 losses: float32 holds them exactly
     history = trainer.storage.history("loss_mse").values()
     assert [it for _, it in history] == list(range(50))
     # The last R iterations are still in the ring: the storage read these values.
     for value, it in history[-ring_size:]:
         assert value == float(step.ring[it % ring_size, 0])
+
+
+def test_an_int64_loss_above_2_24_is_logged_exactly(tmp_path):
+    # The ring is float64 when a loss holds values float32 does not (here 2**24 + 1, which
+    # float32 rounds to 2**24); the storage's reads are float64.
+    two_dirs(tmp_path)
+    build(SimpleTrainer, tmp_path / "a", net=WithCount).train(0, 30)
+    graphed = build(CUDAGraphTrainer, tmp_path / "b", net=WithCount)
+    graphed.train(0, 30)
+    assert graphed._hookloop.graph.ring.dtype == torch.float64
+    history = graphed.storage.history("loss_count").values()
+    assert [it for _, it in history] == list(range(30))
+    assert {v for v, _ in history} == {BIG_COUNT}
+    assert {r["loss_count"] for r in metrics(tmp_path / "b")} == {BIG_COUNT}
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
 
 
 def test_gather_metric_period_and_the_ring_size_invariant():
@@ -271,8 +344,9 @@ def test_eval_and_precise_bn_run_eagerly_on_the_same_parameters(tmp_path):
 class HeldSeam(EagerStepGraph):
     """The eager seam with what a CUDA graph holds from the capture on: a replay runs with the
     model's buffers and parameters, the parameters' ``requires_grad``, the modules' training
-    modes and the param groups' options (all but the LR) that the capture saw, whatever they
-    are now (put back after the replay, without torch's registration hooks)."""
+    modes, the optimizer's param groups and their options (all but the LR) and the optimizer's
+    state tensors that the capture saw, whatever they are now (put back after the replay,
+    without torch's registration hooks; the held tensors keep what the replay wrote)."""
 
     def __init__(self, trainer: Any) -> None:
         super().__init__()
@@ -280,7 +354,8 @@ class HeldSeam(EagerStepGraph):
         self._held: Any = None
 
     def _state(self) -> Any:
-        model, groups = self._trainer.model, self._trainer.optimizer.param_groups
+        opt = self._trainer.optimizer
+        model, groups = self._trainer.model, opt.param_groups
         return (
             [
                 (m, kind, n, t)
@@ -291,11 +366,19 @@ class HeldSeam(EagerStepGraph):
             [(p, p.requires_grad) for p in model.parameters()],
             [(m, m.training) for m in model.modules()],
             [(g, {k: v for k, v in g.items() if k not in ("params", "lr")}) for g in groups],
+            (opt, groups, list(groups), opt.state, [(p, d, dict(d)) for p, d in opt.state.items()]),
         )
 
     @staticmethod
     def _set(state: Any) -> None:
-        tensors, grads, modes, options = state
+        tensors, grads, modes, options, (opt, groups, members, held, entries) = state
+        groups[:] = members
+        opt.param_groups, opt.state = groups, held
+        held.clear()
+        for p, d, items in entries:
+            d.clear()
+            d.update(items)
+            held[p] = d
         for m, kind, n, t in tensors:
             getattr(m, kind)[n] = t
         for p, flag in grads:
@@ -403,6 +486,128 @@ def test_frozen_parameters_eval_modules_and_new_options_are_captured_again(tmp_p
         f"CUDAGraphTrainer: captured the step at iteration {it}" for it in (3, 13, 23, 33)
     ]
     assert step.recaptures == 3
+
+
+@pytest.mark.parametrize("at", [1, 9])
+def test_a_param_group_added_between_steps_rebuilds_the_lr_table(tmp_path, caplog, at):
+    # Gradual unfreezing: the head joins the optimizer in a group of its own after iteration
+    # `at` (1: while the first graph warms up; 9: after its capture). The LR table gets a
+    # column for it, its rows from the schedulers as they are then (MultiStepLR halves both
+    # groups at 15 and 35: no row is rewritten), the graphs are dropped, and the next steps
+    # warm up and capture again, with the new group.
+    two_dirs(tmp_path)
+    run: Dict[str, Any] = {"schedule": "torch", "head_later": True}
+    eager = build(SimpleTrainer, tmp_path / "a", extra_hooks=[AddHead(at)], **run)
+    eager.train(0, 40)
+    graphed = build(CUDAGraphTrainer, tmp_path / "b", extra_hooks=[AddHead(at)], **run)
+    step = graphed._hookloop.graph
+    step._new_seam = lambda: HeldSeam(graphed)
+    with caplog.at_level(logging.INFO, logger="hookloop.engine.train_loop"):
+        graphed.train(0, 40)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    lrs = [g["lr"] for g in graphed.optimizer.param_groups]
+    assert lrs == [g["lr"] for g in eager.optimizer.param_groups] == [0.025, 0.0125]
+    assert step.table.shape[1] == 2 and step.rows_rewritten == 0 and step.captured
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "LR table" in m] == [
+        f"CUDAGraphTrainer: the optimizer has 2 param groups before iteration {at + 1} (the "
+        "LR table was built for 1): the table is built again from this iteration on, and the "
+        "next steps warm up and capture again"
+    ]
+    assert [m for m in said if "captured again (a replay" in m] == (
+        [
+            "CUDAGraphTrainer: requires_grad of head.weight changed to True before iteration "
+            "10: the step is captured again (a replay runs the step as it was captured)"
+        ]  # the first change found is named (the group too: test_what_the_capture_holds_...)
+        if at == 9
+        else []
+    )
+    # The warm-ups start again after the change: the capture is 3 steps later.
+    assert [m[: m.index(" for")] for m in said if "captured the step at" in m] == [
+        f"CUDAGraphTrainer: captured the step at iteration {it}"
+        for it in ((5,) if at == 1 else (3, 13))
+    ]
+
+
+def test_the_optimizers_state_changed_between_steps_is_captured_again(tmp_path, caplog):
+    # A replay updates the state tensors it captured: after `state.clear()` or a new state,
+    # a graph would go on updating the old tensors (and the optimizer's own would never
+    # move). The tensors are compared by identity before each replay; a change captures again.
+    two_dirs(tmp_path)
+    eager = build(SimpleTrainer, tmp_path / "a", extra_hooks=[ResetState()])
+    eager.train(0, 40)
+    graphed = build(CUDAGraphTrainer, tmp_path / "b", extra_hooks=[ResetState()])
+    step = graphed._hookloop.graph
+    step._new_seam = lambda: HeldSeam(graphed)
+    with caplog.at_level(logging.INFO, logger="hookloop.engine.train_loop"):
+        graphed.train(0, 40)
+    assert_same_metrics(tmp_path / "a", tmp_path / "b")
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
+        a, b = eager.optimizer.state[p], graphed.optimizer.state[q]
+        assert a.keys() == b.keys() == {"momentum_buffer"}
+        torch.testing.assert_close(b["momentum_buffer"], a["momentum_buffer"])
+    said = [r.getMessage() for r in caplog.records]
+    suffix = ": the step is captured again (a replay runs the step as it was captured)"
+    assert [m for m in said if "captured again" in m] == [
+        f"CUDAGraphTrainer: {why}{suffix}"
+        for why in (
+            "the optimizer's state was cleared before iteration 10",
+            "the optimizer's state of body.0.weight changed (momentum_buffer replaced) before "
+            "iteration 20",
+            "the optimizer's state of head.weight changed (momentum_buffer replaced) before "
+            "iteration 30",
+        )
+    ]
+    # A new dict holding the same tensors (iterations 31 to 39) is no change.
+    assert [m[: m.index(" for")] for m in said if "captured the step at" in m] == [
+        f"CUDAGraphTrainer: captured the step at iteration {it}" for it in (3, 13, 23, 33)
+    ]
+    assert step.recaptures == 3
+
+
+def test_without_warm_up_the_capture_holds_the_state_its_first_replay_made():
+    # warmup_iters=0: the optimizer's state is made by the first step (a CUDA capture records
+    # it; the eager seam's first replay runs it). What the capture holds is taken after it:
+    # no change is seen at the next step.
+    trainer = build(CUDAGraphTrainer, warmup_iters=0)
+    trainer.train(0, 10)
+    step = trainer._hookloop.graph
+    assert step.captured and step.recaptures == 0
+
+
+def test_what_the_capture_holds_of_the_optimizers_state_names_each_change():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    w = model.body[0].weight
+
+    def replaced() -> None:  # a copy, equal in value: another tensor all the same
+        opt.state[w]["momentum_buffer"] = opt.state[w]["momentum_buffer"].clone()
+
+    checks = [
+        (lambda: opt.state.update({w: dict(opt.state[w])}), None),  # the same tensors
+        (opt.state.clear, "the optimizer's state was cleared"),
+        (replaced, "the optimizer's state of body.0.weight changed (momentum_buffer replaced)"),
+        (
+            lambda: opt.state.update({w: {}}),
+            "the optimizer's state of body.0.weight changed (momentum_buffer removed)",
+        ),
+        (
+            lambda: opt.state[w].update(extra=torch.zeros(())),
+            "the optimizer's state of body.0.weight changed (extra added)",
+        ),
+    ]
+    for change, said in checks:
+        opt.zero_grad()
+        sum(model(batches(1)[0]).values()).backward()
+        opt.step()  # the state, made again after a clear
+        baked = graph_module._Baked(model, opt)
+        assert baked.changed(model, opt) is None
+        change()
+        assert baked.changed(model, opt) == said
 
 
 def test_what_the_capture_holds_names_each_change():
@@ -798,13 +1003,15 @@ def test_batch_shapes_beyond_max_graphs_are_refused_naming_them():
     msg = str(info.value)
     assert "at iteration 3" in msg
     assert "a batch (torch.float32 (10, 4), torch.float32 (10, 1))" in msg
-    assert "captured with (torch.float32 (16, 4), torch.float32 (16, 1))" in msg
-    assert "max_graphs=1" in msg and "drop_last=True" in msg
+    # Iteration 3 would have captured the first batches' step: nothing is captured yet.
+    assert "but the max_graphs=1 batch signature is taken by (torch.float32 (16, 4), " in msg
+    assert "captured" not in msg
+    assert "drop_last=True" in msg
 
     data = short_last(4)
     data[1] = (data[1][0][:8], data[1][1][:8])
     trainer = build(CUDAGraphTrainer, data=data, max_graphs=2)
-    with pytest.raises(ValueError, match=r"\(10, 4\).*\(16, 4\).* and .*\(8, 4\).*max_graphs=2"):
+    with pytest.raises(ValueError, match=r"\(10, 4\).*max_graphs=2.*\(16, 4\).* and .*\(8, 4\)"):
         trainer.train(0, 5)
 
 
@@ -906,8 +1113,13 @@ def test_losses_must_keep_their_names():
     trainer = CUDAGraphTrainer(
         model, batches(), torch.optim.SGD(model.parameters(), lr=0.1), graph="eager"
     )
-    with pytest.raises(ValueError, match=r"returned losses \['other'\].*captured with"):
+    with pytest.raises(ValueError) as info:
         trainer.train(0, 5)
+    # At iteration 2, a warm-up: nothing was captured.
+    assert str(info.value).startswith(
+        "CUDAGraphTrainer: the model returned losses ['other'] at iteration 2, but ['loss_mse', "
+        "'loss_l1'] at its first step: every step must return the same losses"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -921,14 +1133,21 @@ def _cuda_trainer(
     *,
     data: Optional[List[Any]] = None,
     extra_hooks: Optional[List[HookBase]] = None,
+    net: type = Net,
+    head_later: bool = False,
     **kw: Any,
 ) -> Any:
+    """``head_later``: the head frozen and outside the optimizer (for :class:`AddHead`), and
+    torch's MultiStepLR (hookloop's schedules refuse a param group added later)."""
     torch.manual_seed(0)
-    model = Net(bn=True).cuda()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True)
+    model = net(bn=True).cuda()
+    trained = frozen_head(model) if head_later else model.parameters()
+    opt = torch.optim.Adam(trained, lr=0.01, capturable=True)
     data = [(x.cuda(), y.cuda()) for x, y in (batches() if data is None else data)]
     trainer = CUDAGraphTrainer(model, data, opt, **kw)
-    sched = WarmupParamScheduler(CosineParamScheduler(1, 0), 0.01, 0.1)
+    sched: Any = WarmupParamScheduler(CosineParamScheduler(1, 0), 0.01, 0.1)
+    if head_later:
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[15, 35], gamma=0.5)
     hs: List[Optional[HookBase]] = [hooks.IterationTimer(), hooks.LRScheduler(opt, sched)]
     hs += extra_hooks or []
     if out is not None:
@@ -1003,6 +1222,54 @@ def test_cuda_a_frozen_layer_and_an_eval_module_are_captured_again(tmp_path):
     assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
     for p, q in zip(params(eager.model), params(graphed.model)):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_a_param_group_added_between_steps_is_captured_again(tmp_path):
+    # AddHead puts the head in a group of its own after iteration 9: the LR table gets its
+    # column and the step is captured again, so the replays train the head (at its own LR)
+    # as the eager seam's steps do.
+    eager, graphed = _eager_and_captured(tmp_path, 40, AddHead, head_later=True)
+    step = graphed._hookloop.graph
+    assert step.captured and step.recaptures == 1
+    assert step.table.shape[1] == 2 and step.rows_rewritten == 0
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_the_optimizers_state_changed_between_steps_is_captured_again(tmp_path):
+    # ResetState clears the state after iteration 9, gives a weight a new one after 19 and
+    # replaces one of Adam's tensors after 29: each is captured again, so the replays update
+    # the optimizer's tensors, as the eager seam's steps do.
+    eager, graphed = _eager_and_captured(tmp_path, 40, ResetState)
+    assert graphed._hookloop.graph.recaptures == 3
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
+        a, b = eager.optimizer.state[p], graphed.optimizer.state[q]
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.filterwarnings("ignore:This instance was constructed with capturable")
+def test_cuda_an_int64_loss_is_logged_exactly(tmp_path):
+    _, graphed = _eager_and_captured(tmp_path, 30, net=WithCount)
+    step = graphed._hookloop.graph
+    assert step.captured and step.ring.dtype == torch.float64
+    history = graphed.storage.history("loss_count").values()
+    assert [it for _, it in history] == list(range(30))
+    assert {v for v, _ in history} == {BIG_COUNT}
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
 
 
 SYNCING_CHILD = """
@@ -1202,6 +1469,30 @@ def test_static_batch_buffers_are_what_the_model_sees():
     # One static buffer, filled with each batch: never a loader's tensor.
     assert len(set(model.ptrs)) == 1
     assert model.ptrs[0] not in {x.data_ptr() for x, _ in data}
+
+
+def test_batches_are_copied_outside_autograd():
+    # A model that asks for its input's gradients makes the static batch require them, and a
+    # loader's tensor may require them too: each batch is still copied in, as no part of an
+    # autograd graph (the copy skips torch.no_grad() where nothing requires gradients).
+    class InputGrad(Net):
+        def forward(self, batch: Any) -> Dict[str, torch.Tensor]:
+            batch[0].requires_grad_(True)
+            return super().forward(batch)
+
+    def data() -> List[Any]:
+        out = batches(4)
+        out[1] = (out[1][0].clone().requires_grad_(True), out[1][1])
+        return out
+
+    eager = build(SimpleTrainer, data=data(), net=InputGrad)
+    eager.train(0, 10)
+    graphed = build(CUDAGraphTrainer, data=data(), net=InputGrad)
+    graphed.train(0, 10)
+    static = graphed._hookloop.graph.shapes[0].static[0]
+    assert static.requires_grad and static.grad_fn is None  # a leaf: no copy was recorded
+    a = eager.storage.history("loss_mse").values()
+    assert graphed.storage.history("loss_mse").values() == a
 
 
 def test_a_different_non_tensor_value_is_refused():

@@ -27,15 +27,18 @@ addresses, so one replay is one training step:
   optimizer reads as its ``lr``. The host still steps the real schedulers as the eager trainer
   does (so the LR the hook writes is the eager trainer's, as a float, with no read from the
   device); each step compares the host's LRs with the table's row and, where something
-  changed an LR outside the schedule, writes that row again (a small non-blocking copy).
-- the ring buffer: ``ring[step % R, j]`` is loss ``j`` of that step. Each iteration hands the
-  storage the views of its slot (dicts built once); the storage reads them in one batched
-  copy. **Invariant**: a slot's read is started (its values copied out on the device's
-  stream) before the graph writes that slot again, ``R`` iterations later. The storage's
-  pending queue starts a read at least every ``_core.PENDING_READ_EVERY`` (20) recorded
-  iterations, and records one iteration in ``gather_metric_period``; so
-  ``R >= 2 * PENDING_READ_EVERY * gather_metric_period`` (a safety factor of 2), checked
-  with a ``ValueError``.
+  changed an LR outside the schedule, writes that row again (a small non-blocking copy). It
+  has a column per param group: a group added or removed between steps builds it again from
+  that iteration on (and drops the graphs, which read the old one).
+- the ring buffer: ``ring[step % R, j]`` is loss ``j`` of that step (float32, or float64
+  where a loss has values float32 does not hold exactly: a float64 loss, an int64 count above
+  2**24). Each iteration hands the storage the views of its slot (dicts built once); the
+  storage reads them in one batched copy. **Invariant**: a slot's read is started (its
+  values copied out on the device's stream) before the graph writes that slot again, ``R``
+  iterations later. The storage's pending queue starts a read at least every
+  ``_core.PENDING_READ_EVERY`` (20) recorded iterations, and records one iteration in
+  ``gather_metric_period``; so ``R >= 2 * PENDING_READ_EVERY * gather_metric_period`` (a
+  safety factor of 2), checked with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ import operator
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from itertools import chain
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -293,12 +297,19 @@ def lr_rows(
 
 
 def _copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, queued on the stream without waiting for it. From pageable host
-    memory CUDA's copy first waits for everything queued on the stream (here every replay not
-    yet run): such a source is pinned first (torch's caching host allocator, its block reused
-    once the copy is done)."""
+    """``dst.copy_(src)``, queued on the stream without waiting for it, and no part of any
+    autograd graph. From pageable host memory CUDA's copy first waits for everything queued on
+    the stream (here every replay not yet run): such a source is pinned first (torch's caching
+    host allocator, its block reused once the copy is done)."""
     if dst.is_cuda and not src.is_cuda and not src.is_pinned():
         src = src.pin_memory()
+    if dst.requires_grad or src.requires_grad:
+        # A model that made its input require gradients (the static batch is that input), or
+        # a loader's tensor that requires them. Otherwise autograd records nothing, and
+        # torch.no_grad() would cost more than the rest of the copy (about 1.5 µs).
+        with torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+        return
     dst.copy_(src, non_blocking=True)
 
 
@@ -358,11 +369,12 @@ class _Baked:
     """What a capture baked in from the Python side, checked before every replay: which
     parameters require gradients, which modules are in training mode, the optimizer's param
     groups (their parameters and every option but the LR, which the graph reads from the
-    table), and the model's modules by name (for :meth:`GraphStep.assigned`). A hook that
-    freezes a backbone, puts a submodule in eval mode or schedules the momentum changes one
-    of these, and the eager step would follow it: the graphs are dropped and the step is
-    captured again. The check is a few comparisons made in C (about 2 µs a step for the tiny
-    MLP), while the device runs the replay before."""
+    table), the optimizer's state (the tensors a replay updates, by identity), and the
+    model's modules by name (for :meth:`GraphStep.assigned`). A hook that freezes a backbone,
+    puts a submodule in eval mode, schedules the momentum, adds a param group or clears or
+    replaces the optimizer's state changes one of these, and the eager step would follow it:
+    the graphs are dropped and the step is captured again. The check is a few comparisons
+    made in C (about 2.5 µs a step for the tiny MLP), while the device runs the replay before."""
 
     __slots__ = (
         "params",
@@ -374,6 +386,9 @@ class _Baked:
         "keys",
         "getters",
         "options",
+        "state",
+        "state_ids",
+        "ids_of",
     )
 
     def __init__(self, model: Any, optimizer: Any) -> None:
@@ -387,6 +402,13 @@ class _Baked:
         self.keys = [[k for k in g if k not in _NOT_BAKED] for g in self.groups]
         self.getters = [operator.itemgetter(*keys) if keys else _nothing for keys in self.keys]
         self.options = self._options(self.groups)
+        #: Each parameter's state as the capture saw it (copies of the dicts: the tensors, kept
+        #: alive so that their ids stay theirs), and the ids of those values in order. A state
+        #: that is not a dict per parameter (torch's optimizers all keep one) is not watched.
+        watched = all(isinstance(s, dict) for s in optimizer.state.values())
+        self.ids_of = _state_ids if watched else _no_ids
+        self.state = [(p, dict(s)) for p, s in optimizer.state.items()] if watched else []
+        self.state_ids = self.ids_of(optimizer.state)
 
     def _options(self, groups: Sequence[Mapping[str, Any]]) -> List[Tuple[Any, ...]]:
         # The params list by identity (== compares its items by identity first), its length.
@@ -404,13 +426,15 @@ class _Baked:
                 and groups is self.groups
                 and len(groups) == len(self.options)
                 and self._options(groups) == self.options  # identity first, then ==
+                and self.ids_of(optimizer.state) == self.state_ids
             ):
                 return None
-        except Exception:  # an option removed, or one whose == has no truth value
+        except Exception:  # an option removed, one whose == has no truth value, odd state
             pass
-        return self._what_changed(model, groups)
+        return self._what_changed(model, optimizer)
 
-    def _what_changed(self, model: Any, groups: Sequence[Mapping[str, Any]]) -> str:
+    def _what_changed(self, model: Any, optimizer: Any) -> str:
+        groups = optimizer.param_groups
         names = {id(p): n for n, p in model.named_parameters()}
         for p, was in zip(self.params, self.grads):
             if p.requires_grad != was:
@@ -434,7 +458,43 @@ class _Baked:
                     not isinstance(old, torch.Tensor) and _same_value(now, old)
                 ):
                     return f"param group {i}'s {k} changed from {old!r} to {now!r}"
-        return "the captured state changed"
+        return self._state_changed(optimizer.state, names) or "the captured state changed"
+
+    def _state_changed(self, state: Any, names: Mapping[int, str]) -> Optional[str]:
+        """How the optimizer's state differs from the captured one (a replay would update the
+        captured tensors, not the ones the optimizer holds now), or None."""
+        if self.state and not any(map(len, state.values())):
+            return "the optimizer's state was cleared"
+        held = {id(p): s for p, s in self.state}
+        for p, now in list(state.items()) + [(p, {}) for p, _ in self.state if p not in state]:
+            was = held.get(id(p), {})
+            diff = [f"{k} replaced" for k, v in was.items() if k in now and now[k] is not v]
+            diff += [f"{k} removed" for k in was if k not in now]
+            diff += [f"{k} added" for k in now if k not in was]
+            if diff:
+                name = names.get(id(p), "a parameter outside the model")
+                return f"the optimizer's state of {name} changed ({', '.join(diff)})"
+        return None
+
+
+def _state_ids(state: Mapping[Any, Any]) -> List[int]:
+    """The ids of every value in an optimizer's state, parameter by parameter (made in C:
+    looking the parameters up would hash each tensor in Python)."""
+    return list(map(id, chain.from_iterable(map(dict.values, state.values()))))
+
+
+def _no_ids(state: Any) -> List[int]:
+    return []
+
+
+def _ring_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """float32 where it holds every loss's value exactly (bool, integers of up to 16 bits,
+    floats of up to 32), float64 otherwise: a float64 loss, an int32/int64 count (float32's
+    24-bit significand would round 2**24 + 1)."""
+    for dt in dtypes:
+        if dt.itemsize > 2 and not (dt.is_floating_point and dt.itemsize <= 4):
+            return torch.float64
+    return torch.float32
 
 
 def _nothing(_: Any) -> Tuple[()]:
@@ -690,30 +750,42 @@ class GraphStep:
             )
         self.device = self._model_device(trainer)
         start = int(trainer.iter if start is None else start)
-        max_iter = int(getattr(trainer, "max_iter", start + 1))
-        rows = max(start + 1, min(max_iter, MAX_TABLE_ROWS))
-        schedulers = _schedulers_of(hooks, trainer.optimizer)
-        try:
-            self.host_table = lr_rows(trainer.optimizer, schedulers, start, rows)
-        except Exception as e:  # a scheduler that cannot be copied: rows follow the host
-            logger.info(f"{_WHO}: LR table from the current LRs ({type(e).__name__}: {e})")
-            now = [float(g["lr"]) for g in trainer.optimizer.param_groups]
-            self.host_table = [list(now) for _ in range(start, rows)]
-        self.table_start = start
+        self._build_table(trainer, hooks, start)
         with torch.no_grad():
-            table = torch.zeros(rows, len(trainer.optimizer.param_groups), dtype=torch.float32)
-            table[start:] = torch.tensor(self.host_table, dtype=torch.float32)
-            self.table = table.to(self.device)
             if self.counter is None or self.counter.device != self.device:
                 self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)
             self.counter.fill_(start)
-            self._lr_out = torch.zeros(1, table.shape[1], dtype=torch.float32, device=self.device)
-            self._lr_views = [self._lr_out[0, g] for g in range(table.shape[1])]
         self.prepared = True
+
+    def _build_table(self, trainer: Any, hooks: Sequence[Any], start: int) -> None:
+        """The LR table from iteration ``start`` on, a column per param group, from the
+        ``LRScheduler`` hooks' schedulers among ``hooks`` as they are now, and the tensor the
+        graph copies a row into (its views are the groups' ``lr`` inside the step)."""
+        optimizer = trainer.optimizer
+        max_iter = int(getattr(trainer, "max_iter", start + 1))
+        rows = max(start + 1, min(max_iter, MAX_TABLE_ROWS))
+        schedulers = _schedulers_of(hooks, optimizer)
+        try:
+            self.host_table = lr_rows(optimizer, schedulers, start, rows)
+        except Exception as e:  # a scheduler that cannot be copied: rows follow the host
+            logger.info(f"{_WHO}: LR table from the current LRs ({type(e).__name__}: {e})")
+            now = [float(g["lr"]) for g in optimizer.param_groups]
+            self.host_table = [list(now) for _ in range(start, rows)]
+        self.table_start = start
+        columns = len(optimizer.param_groups)
+        with torch.no_grad():
+            table = torch.zeros(rows, columns, dtype=torch.float32)
+            table[start:] = torch.tensor(self.host_table, dtype=torch.float32)
+            self.table = table.to(self.device)
+            self._lr_out = torch.zeros(1, columns, dtype=torch.float32, device=self.device)
+            self._lr_views = [self._lr_out[0, g] for g in range(columns)]
 
     def sync_lr(self, optimizer: Any, it: int) -> None:
         """The host's LRs of iteration ``it`` into the table's row where they differ (an LR
-        set outside the schedulers the table was built from); nothing otherwise."""
+        set outside the schedulers the table was built from); nothing otherwise. With another
+        number of param groups than the table has columns (``add_param_group`` between
+        steps), the table is built again from ``it`` on and the graphs are dropped (they read
+        the old table): before :meth:`place`, which picks this step's graph."""
         row = it - self.table_start
         host = self.host_table
         if row >= len(host):
@@ -721,12 +793,26 @@ class GraphStep:
         now = [g["lr"] for g in optimizer.param_groups]
         if now == host[row] or row < 0:
             return
+        if len(now) != len(host[row]):
+            self._regroup(optimizer, it, len(host[row]))
+            return
         host[row] = [float(x) for x in now]
         self.rows_rewritten += 1
         table = self.table
         assert table is not None
         with torch.no_grad():
             _copy_async(table[self.table_start + row], torch.tensor(host[row]))
+
+    def _regroup(self, optimizer: Any, it: int, columns: int) -> None:
+        trainer = self._trainer() if self._trainer is not None else None
+        assert trainer is not None and trainer.optimizer is optimizer
+        logger.info(
+            f"{_WHO}: the optimizer has {len(optimizer.param_groups)} param groups before "
+            f"iteration {it} (the LR table was built for {columns}): the table is built again "
+            "from this iteration on, and the next steps warm up and capture again"
+        )
+        self.invalidate()
+        self._build_table(trainer, trainer._hooks, it)
 
     # -- the static batch -------------------------------------------------------------------
 
@@ -747,18 +833,22 @@ class GraphStep:
                         if this in held
                         else ""
                     )
+                    # A signature holds its graph from its first batch on, captured or still
+                    # warming up: the message names them without saying they were captured
+                    # (and stays the same from step to step: it is the warning's key).
+                    n = self.max_graphs
                     return (
-                        f"a batch {this}, but the step was captured with {' and '.join(held)} "
-                        f"and max_graphs={self.max_graphs} allows no other{why}"
+                        f"a batch {this}, but the max_graphs={n} batch "
+                        f"{'signature is' if n == 1 else 'signatures are'} taken by "
+                        f"{' and '.join(held)}{why}"
                     )
                 assert self._new_seam is not None
                 shape = _Shape(spec, leaves, self.device, self._new_seam())
                 self.shapes.append(shape)
         self.current = shape
-        with torch.no_grad():
-            for x, s in zip(leaves, shape.static):
-                if isinstance(s, torch.Tensor):
-                    _copy_async(s, x)
+        for x, s in zip(leaves, shape.static):
+            if isinstance(s, torch.Tensor):
+                _copy_async(s, x)
         return None
 
     # -- the step ---------------------------------------------------------------------------
@@ -787,7 +877,7 @@ class GraphStep:
             for g, lr in zip(groups, saved):
                 g["lr"] = lr
         with torch.no_grad():
-            ring = self._ring_for(loss_dict)
+            ring = self._ring_for(loss_dict, trainer.iter)
             values = torch.stack(
                 [v.detach().reshape(()).to(ring.dtype) for v in loss_dict.values()]
             )
@@ -802,17 +892,16 @@ class GraphStep:
         with torch.autocast(self.device.type, dtype=self.precision, cache_enabled=False):
             return losses_of(trainer.model(batch), _WHO)
 
-    def _ring_for(self, loss_dict: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _ring_for(self, loss_dict: Mapping[str, torch.Tensor], it: int) -> torch.Tensor:
         names = tuple(loss_dict)
         if self.ring is None or self.names != names:
             if self.names is not None and self.names != names:
                 raise ValueError(
-                    f"{_WHO}: the model returned losses {list(names)}, but the step was "
-                    f"captured with {list(self.names)}: the graph holds one set of losses"
+                    f"{_WHO}: the model returned losses {list(names)} at iteration {it}, but "
+                    f"{list(self.names)} at its first step: every step must return the same "
+                    "losses (the step writes them into a ring buffer of one set of names)"
                 )
-            dtype = torch.float32
-            for v in loss_dict.values():
-                dtype = torch.promote_types(dtype, v.dtype)
+            dtype = _ring_dtype(v.dtype for v in loss_dict.values())
             size = self.ring_size or RING_SAFETY * PENDING_READ_EVERY
             self.ring = ring = torch.zeros(size, len(names), dtype=dtype, device=self.device)
             self.names = names
@@ -854,8 +943,6 @@ class GraphStep:
             # Nothing of a failed capture ran on the device: the step is still to be made.
             self.refuse(RuntimeError, str(e))
             return False
-        if self._baked is None:
-            self._baked = _Baked(trainer.model, trainer.optimizer)
         logger.info(
             f"{_WHO}: captured the step at iteration {trainer.iter} for the batch "
             f"{shape.describe()} (graph {self.shapes.index(shape) + 1} of at most "
@@ -863,6 +950,10 @@ class GraphStep:
         )
         seam.replay()
         self._grads_of = shape
+        if self._baked is None:
+            # After the first replay: the eager seam's (warmup_iters=0) made the optimizer's
+            # state, which a CUDA capture makes while it records.
+            self._baked = _Baked(trainer.model, trainer.optimizer)
         return True
 
     def losses_at(self, it: int) -> Dict[str, torch.Tensor]:
@@ -943,10 +1034,12 @@ class CUDAGraphTrainer(SimpleTrainer):
     naming the shapes, or with ``fallback="eager"`` one eager step.
 
     A replay runs the step as it was captured: before each one, which parameters require
-    gradients, which modules train, the param groups' options (all but the LR) and the
-    model's tensors are compared with the capture's, and a change (a hook that freezes a
-    layer, puts a module in eval mode, schedules the momentum, assigns new BatchNorm
-    statistics) drops the graphs: the next steps warm up and capture again.
+    gradients, which modules train, the param groups (their parameters and options, all but
+    the LR), the optimizer's state tensors and the model's tensors are compared with the
+    capture's, and a change (a hook that freezes a layer, puts a module in eval mode,
+    schedules the momentum, adds a param group, clears the optimizer's state, assigns new
+    BatchNorm statistics) drops the graphs: the next steps warm up and capture again (a
+    param group added or removed also rebuilds the LR table).
 
     ``zero_grad_before_forward`` is accepted and has no effect: the captured backward writes
     the gradients afresh at every replay.
@@ -1048,6 +1141,7 @@ class CUDAGraphTrainer(SimpleTrainer):
             self._eager_step(data, data_time)
             return
         step.check_baked(self)
+        step.sync_lr(self.optimizer, self.iter)  # before place: it may drop the graphs
         different = step.place(data)
         if different is not None:
             if step.fallback != "eager":
@@ -1060,7 +1154,6 @@ class CUDAGraphTrainer(SimpleTrainer):
             step.warn_once(different, f"{_WHO}: {different}; this step runs eagerly")
             self._eager_step(data, data_time)
             return
-        step.sync_lr(self.optimizer, self.iter)
         if not step.run(self):  # the capture failed, fallback="eager"
             self._eager_step(data, data_time)
             return

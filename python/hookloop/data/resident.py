@@ -31,6 +31,7 @@ from hookloop.utils import comm
 
 __all__ = [
     "DeviceResidentLoader",
+    "ResidentBatches",
     "ResidentSampler",
     "RandomCrop",
     "RandomHorizontalFlip",
@@ -137,10 +138,21 @@ class Normalize:
         self.mean = [float(m) for m in mean]
         self.std = [float(s) for s in std]
 
+        # (mean, std) per (device, dtype, dims), made at the first batch: a CUDA graph that
+        # holds the batch must not capture a copy from the host.
+        self._made: Dict[Any, "tuple[torch.Tensor, torch.Tensor]"] = {}
+
     def __call__(self, images: torch.Tensor, randoms: Randoms) -> torch.Tensor:
-        shape = (1, len(self.mean)) + (1,) * (images.dim() - 2)
-        mean = torch.tensor(self.mean, dtype=images.dtype, device=images.device).view(shape)
-        std = torch.tensor(self.std, dtype=images.dtype, device=images.device).view(shape)
+        key = (images.device, images.dtype, images.dim())
+        made = self._made.get(key)
+        if made is None:
+            shape = (1, len(self.mean)) + (1,) * (images.dim() - 2)
+            dev, dt = images.device, images.dtype
+            made = self._made[key] = (
+                torch.tensor(self.mean, dtype=dt, device=dev).view(shape),
+                torch.tensor(self.std, dtype=dt, device=dev).view(shape),
+            )
+        mean, std = made
         return (images - mean) / std
 
 
@@ -313,23 +325,38 @@ class DeviceResidentLoader:
         return -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
+        it = _Batches()
         if self.endless:
-            return self._endless(self._position)
-        return self._epoch(self.sampler.epoch, self._position)
+            it.gen = self._endless(it, self._position)
+        else:
+            it.gen = self._epoch(it, self.sampler.epoch, self._position)
+        return it
+
+    def graph_source(self, device: Any) -> Optional["ResidentBatches"]:
+        """The batches made from device state alone (:class:`ResidentBatches`), for a CUDA
+        graph on ``device`` to hold; None when the data lives on another device."""
+        if not _same_device(self.device, torch.device(device)):
+            return None
+        return ResidentBatches(self)
 
     # ------------------------------------------------------------------------------------------
 
-    def _epoch(self, epoch: int, start: int) -> Iterator[Any]:
-        indices = self.sampler.epoch_indices(epoch).to(self.device)
+    def _epoch(self, it: "_Batches", epoch: int, start: int) -> Iterator[Any]:
+        indices: Optional[torch.Tensor] = None  # made at the first batch made, not skipped
         batches = len(self)
         first = epoch * batches  # the batch's number in the run: the augmentations' counter
         for b in range(start, batches):
             self._position = b + 1
+            if not it.make:
+                yield None
+                continue
+            if indices is None:
+                indices = self.sampler.epoch_indices(epoch).to(self.device)
             chunk = indices[b * self.batch_size : (b + 1) * self.batch_size]
             yield self._batch(chunk, first + b)
         self._position = 0
 
-    def _endless(self, start: int) -> Iterator[Any]:
+    def _endless(self, it: "_Batches", start: int) -> Iterator[Any]:
         """TrainingSampler's stream batched: batch k of this rank holds the stream's indices
         at ``(k * batch_size + j) * world_size + rank``."""
         s = self.sampler
@@ -338,6 +365,12 @@ class DeviceResidentLoader:
         epoch = -1
         perm = torch.empty(0, dtype=torch.int64)
         while True:
+            self._position = k + 1
+            if not it.make:
+                # The permutations held stay valid: the next batch made extends or replaces them.
+                yield None
+                k += 1
+                continue
             lo = k * per_batch + s.rank
             positions = torch.arange(lo, lo + per_batch, s.world_size)
             first_epoch, last_epoch = int(positions[0]) // s.size, int(positions[-1]) // s.size
@@ -347,17 +380,18 @@ class DeviceResidentLoader:
                 perm = torch.cat([s.permutation(e) for e in range(epoch, last_epoch + 1)])
             elif last_epoch >= epoch + perm.numel() // s.size:
                 perm = torch.cat([perm, s.permutation(last_epoch)])
-            self._position = k + 1
             chunk = perm[positions - epoch * s.size].to(self.device)
             yield self._batch(chunk, k)
             k += 1
 
-    def _batch(self, indices: torch.Tensor, number: int) -> Any:
+    def _batch(self, indices: torch.Tensor, number: Union[int, torch.Tensor]) -> Any:
+        """The batch of ``indices`` (on the device), augmented with the randoms of batch
+        ``number`` (an int, or a device tensor: :class:`ResidentBatches`)."""
         parts = [t.index_select(0, indices) for t in self._tensors]
         if self._augment or self._batch_fn is not None:
-            randoms = Randoms(
-                self.sampler.seed, torch.tensor(number, device=self.device), self.device
-            )
+            if not isinstance(number, torch.Tensor):
+                number = torch.tensor(number, device=self.device)
+            randoms = Randoms(self.sampler.seed, number, self.device)
             if self._augment:
                 x = parts[self._augment_at]
                 for aug in self._augment:
@@ -417,6 +451,128 @@ class DeviceResidentLoader:
             s._recent.clear()
         s.set_epoch(state.get("epoch", 0))
         self._position = _index("state position", state.get("position", 0), minimum=0)
+
+
+class _Batches:
+    """A :class:`DeviceResidentLoader`'s iterator: ``next()`` makes the next batch, ``skip()``
+    moves past it without making it (:class:`ResidentBatches` makes it on the device) with
+    the same bookkeeping: the loader's position, ``StopIteration`` at the end of an epoch."""
+
+    __slots__ = ("make", "gen")
+
+    def __init__(self) -> None:
+        self.make = True
+        self.gen: Iterator[Any] = iter(())
+
+    def __iter__(self) -> "_Batches":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.gen)
+
+    def skip(self) -> None:
+        self.make = False
+        try:
+            next(self.gen)
+        finally:
+            self.make = True
+
+
+class ResidentBatches:
+    """A :class:`DeviceResidentLoader`'s batches made from device state alone, so that a CUDA
+    graph can hold the gather and the augmentations (``CUDAGraphTrainer`` uses it when its
+    ``data_loader`` has ``graph_source``).
+
+    Device state, at fixed addresses: ``perm`` (this rank's indices of the current epoch,
+    padded to whole batches; endless: the permutations the next batches reach into),
+    ``position`` (the batch in it) and ``count`` (the batch's number in the run: the
+    augmentations' counter). :meth:`batch` gathers the batch at ``position`` with tensor ops
+    only and advances ``position`` and ``count`` on the device.
+
+    The host keeps the order: the loader's iterator moves past each batch (``skip()``, or
+    ``next()`` at an epoch's first batch, which the trainer's ``next_epoch`` makes), and
+    :meth:`stage` then makes the device state point at that batch where the graph's own
+    advance did not (a new epoch's permutation, a resume), between replays."""
+
+    def __init__(self, loader: "DeviceResidentLoader") -> None:
+        self._loader = loader
+        s = loader.sampler
+        dev = loader.device
+        if loader.endless:
+            # Epochs a batch reaches into, plus one: a batch always fits after a refill.
+            self._span = -(-(loader.batch_size * s.world_size) // s.size) + 1
+            length = self._span * s.size
+            self._stride = s.world_size
+        else:
+            self._span = 0
+            length = len(loader) * loader.batch_size
+            self._stride = 1
+        self.perm = torch.zeros(length, dtype=torch.int64, device=dev)
+        self.position = torch.zeros((), dtype=torch.int64, device=dev)
+        self.count = torch.zeros((), dtype=torch.int64, device=dev)
+        self.shift = torch.zeros((), dtype=torch.int64, device=dev)
+        self._aranges: Dict[int, torch.Tensor] = {}
+        self._held: Optional[int] = None  # the epoch (endless: the first) in ``perm``
+        self._next: Optional[int] = None  # the batch ``position`` points at, as the host knows
+
+    def stage(self) -> int:
+        """After the loader's iterator moved past batch ``k``: the device state points at
+        ``k`` (written only where the graph's advance did not put it there; outside any
+        capture). Returns ``k``'s size (the graph's signature: a last, smaller batch of an
+        epoch is another graph)."""
+        loader = self._loader
+        s = loader.sampler
+        k = loader._position - 1
+        size = loader.batch_size
+        if loader.endless:
+            w = s.world_size
+            first = (k * size * w + s.rank) // s.size
+            last = (((k + 1) * size - 1) * w + s.rank) // s.size
+            held = self._held
+            if held is None or first < held or last >= held + self._span:
+                perm = torch.cat([s.permutation(e) for e in range(first, first + self._span)])
+                self._write(perm)
+                self.shift.fill_(s.rank - first * s.size)
+                self._held = first
+            number = k
+        else:
+            epoch = s.epoch
+            if epoch != self._held:
+                self._write(s.epoch_indices(epoch))
+                self._held = epoch
+                self._next = None
+            size = min(size, s.per_rank() - k * size)
+            number = epoch * len(loader) + k
+        if k != self._next:
+            self.position.fill_(k)
+            self.count.fill_(number)
+        self._next = k + 1
+        if size not in self._aranges:
+            self._aranges[size] = torch.arange(size, dtype=torch.int64, device=loader.device)
+        return size
+
+    def batch(self, size: int) -> Any:
+        """The batch of ``size`` at the device position, augmented; then position + 1."""
+        loader = self._loader
+        at = (self.position * loader.batch_size + self._aranges[size]) * self._stride
+        out = loader._batch(self.perm.index_select(0, at + self.shift), self.count)
+        self.position.add_(1)
+        self.count.add_(1)
+        return out
+
+    def _write(self, indices: torch.Tensor) -> None:
+        if self.perm.is_cuda:
+            indices = indices.pin_memory()
+        self.perm[: indices.numel()].copy_(indices, non_blocking=True)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    here = torch.cuda.current_device()
+    return (here if a.index is None else a.index) == (here if b.index is None else b.index)
 
 
 def _index(what: str, value: Any, minimum: int) -> int:

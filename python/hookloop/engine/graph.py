@@ -329,18 +329,26 @@ class _Shape:
     """One batch signature (structure, tensor shapes and dtypes, non-tensor values), its static
     buffers and its graph."""
 
-    __slots__ = ("spec", "static", "batch", "seam", "warmups")
+    __slots__ = ("spec", "static", "batch", "seam", "warmups", "size")
 
     def __init__(
-        self, spec: Any, leaves: Sequence[Any], device: torch.device, seam: StepGraph
+        self,
+        spec: Any,
+        leaves: Sequence[Any],
+        device: torch.device,
+        seam: StepGraph,
+        size: Optional[int] = None,
     ) -> None:
+        #: The batch size of a graph source's batch (the graph makes the batch), or None.
+        self.size = size
         self.spec = spec
-        #: Leaves: a static tensor for each tensor, the captured value for the others.
+        #: Leaves: a static tensor for each tensor, the captured value for the others (none
+        #: for a graph source's batch).
         self.static: List[Any] = [
             torch.empty(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x
             for x in leaves
         ]
-        self.batch = pytree.tree_unflatten(self.static, spec)
+        self.batch = None if size is not None else pytree.tree_unflatten(self.static, spec)
         self.seam = seam
         self.warmups = 0
 
@@ -356,6 +364,8 @@ class _Shape:
         return True
 
     def describe(self) -> str:
+        if self.size is not None:
+            return f"of {self.size} made by the loader's graph source"
         return _describe(self.spec, self.static)
 
 
@@ -567,6 +577,12 @@ class GraphStep:
         #: Inside the trainer's step (place, warm-up, capture, replay, an eager step).
         self.stepping = False
         self._trainer: Optional[Callable[[], Any]] = None
+        #: The data loader's graph source (``loader.graph_source(device)``, a
+        #: DeviceResidentLoader's :class:`~hookloop.data.resident.ResidentBatches`): the graph
+        #: makes the batch itself; None: the loader's batches are copied in (:meth:`place`).
+        self.source: Optional[Any] = None
+        #: The size of this step's batch from the source.
+        self.size = 0
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -749,6 +765,8 @@ class GraphStep:
                 "SimpleTrainer",
             )
         self.device = self._model_device(trainer)
+        make = getattr(trainer.data_loader, "graph_source", None)
+        self.source = make(self.device) if callable(make) else None
         start = int(trainer.iter if start is None else start)
         self._build_table(trainer, hooks, start)
         with torch.no_grad():
@@ -851,6 +869,32 @@ class GraphStep:
                 _copy_async(s, x)
         return None
 
+    def place_source(self, size: int) -> Optional[str]:
+        """:meth:`place` for a graph source's batch of ``size``: its signature is the size."""
+        shape = self.current
+        if shape is None or shape.size != size:
+            shape = next((s for s in self.shapes if s.size == size), None)
+            if shape is None:
+                if len(self.shapes) >= self.max_graphs:
+                    held = " and ".join(s.describe() for s in self.shapes)
+                    return (
+                        f"a batch of {size} from the loader's graph source, but the "
+                        f"max_graphs={self.max_graphs} batch signatures are taken by {held}"
+                    )
+                assert self._new_seam is not None
+                shape = _Shape(None, (), self.device, self._new_seam(), size)
+                self.shapes.append(shape)
+        self.current = shape
+        return None
+
+    def batch(self) -> Any:
+        """This step's batch: the static one, or the source's, made now (in the graph)."""
+        shape = self.current
+        assert shape is not None
+        if shape.size is None:
+            return shape.batch
+        return self.source.batch(shape.size)  # type: ignore[union-attr]
+
     # -- the step ---------------------------------------------------------------------------
 
     def body(self, trainer: Any) -> None:
@@ -869,8 +913,7 @@ class GraphStep:
             g["lr"] = lr
         try:
             optimizer.zero_grad(set_to_none=True)
-            assert self.current is not None
-            loss_dict, losses = self._forward(trainer, self.current.batch)
+            loss_dict, losses = self._forward(trainer, self.batch())
             losses.backward()
             optimizer.step()
         finally:
@@ -1118,16 +1161,26 @@ class CUDAGraphTrainer(SimpleTrainer):
         run eagerly; then the capture)."""
         if not self.model.training:
             raise RuntimeError(f"[{_WHO}] model was changed to eval mode!")
-        start = time.perf_counter()
-        try:
-            data = next(self._data_loader_iter)
-        except StopIteration:  # a finite loader: the next epoch (free while not raised)
-            data = self._hookloop.data.next_epoch(self)
-        data_time = time.perf_counter() - start
-
         step = self._hookloop.graph
         if not step.prepared:  # a stage called by someone else's loop (DefaultTrainer)
             step.prepare(self, self._hooks)
+        start = time.perf_counter()
+        data: Any = None
+        if step.source is None:
+            try:
+                data = next(self._data_loader_iter)
+            except StopIteration:  # a finite loader: the next epoch (free while not raised)
+                data = self._hookloop.data.next_epoch(self)
+        else:
+            # The host moves past the batch (the loader's position, the epoch's end) and the
+            # graph makes it. The first batch of an epoch is made by next_epoch's next() too
+            # (one gather per epoch, unused).
+            try:
+                self._data_loader_iter.skip()
+            except StopIteration:
+                self._hookloop.data.next_epoch(self)
+            step.size = step.source.stage()
+        data_time = time.perf_counter() - start
         # What the step itself assigns on the model is part of what is captured: only an
         # assignment between steps drops the graphs (GraphStep.assigned).
         step.stepping = True
@@ -1142,7 +1195,7 @@ class CUDAGraphTrainer(SimpleTrainer):
             return
         step.check_baked(self)
         step.sync_lr(self.optimizer, self.iter)  # before place: it may drop the graphs
-        different = step.place(data)
+        different = step.place(data) if step.source is None else step.place_source(step.size)
         if different is not None:
             if step.fallback != "eager":
                 raise ValueError(
@@ -1162,6 +1215,8 @@ class CUDAGraphTrainer(SimpleTrainer):
     def _eager_step(self, data: Any, data_time: float) -> None:
         """SimpleTrainer's step (``fallback="eager"``), keeping the device step counter."""
         step = self._hookloop.graph
+        if step.source is not None:  # the source's batch, made eagerly (None was given)
+            data = step.source.batch(step.size)
         # New gradients, as SimpleTrainer's: a graph's replay points .grad back at its own.
         self.optimizer.zero_grad()
         step.grads_replaced()

@@ -2,7 +2,8 @@
 """The GPU check of issue 11: host-device synchronizations and steps/s on CUDA.
 
     python benches/gpu_check.py [--iters 200] [--n 2000] [--repeats 5] [--json out.json]
-                                [--parts syncs,reads,speed] [--profile profile.txt]
+                                [--graph-n 300] [--loader-n 300]
+                                [--parts syncs,graph,loader,reads,speed] [--profile profile.txt]
 
 Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP of
 ``lab.tiny_mlp`` (Linear 32→64, ReLU, Linear 64→1, batch 16, SGD momentum,
@@ -55,14 +56,29 @@ Without CUDA it says so and exits 0 (CI has no GPU). With CUDA, on the tiny MLP 
    iterations (``torch.cuda.graph`` synchronizes once at the capture), the write iterations
    (one read of the losses each, at most), and the other iterations after the capture, which
    must make none.
-5. **Host profile** (``profile``, with ``--profile PATH``): cProfile of ``--profile-steps``
+5. **Loaders** (``loader``, issue 44's honest baseline). Per model (the tiny MLP fed from
+   50,000 × 32 samples in batches of 16; the small CNN from 80 batches of 128 3x32x32 images
+   with RandomCrop(32, 4) + RandomHorizontalFlip made on the device), in ``--repeats``
+   interleaved rounds of ``--loader-n`` steps in one process: the hand-written eager loop fed by
+   ``DataLoader(TensorDataset, batch_size, shuffle=True, pin_memory=True)`` (each batch copied
+   to the device; the CNN's augmentations on the device in the forward, ``DeviceAugment``)
+   beside the same loop fed by pre-made device batches, the hand-made 1-step graph with static
+   batches, and CUDAGraphTrainer + default stack fed by that DataLoader and by
+   ``DeviceResidentLoader`` (its gather and augmentations captured in the graph); steps/s over
+   the DataLoader-fed hand loop's, per round. Then the resident run's synchronizations per
+   iteration (as in the graph part; the CNN's run crosses epochs). Issue 44's Done-when goals
+   (``LOADER_GOALS``: >= 20x on the tiny MLP, >= 3x on the small CNN; >= ``LOADER_OF_BARE`` of
+   the hand-made 1-step graph; no synchronization on an iteration after the capture that
+   writes nothing) are reported met or missed; a missed one is a miss (the speed goals on CUDA
+   only).
+6. **Host profile** (``profile``, with ``--profile PATH``): cProfile of ``--profile-steps``
    steps of hookloop's ``SimpleTrainer`` + the default stack and of the bookkeeping hand loop
    (each after an unprofiled run of as many steps, whose steps/s are given), the top 25
    functions by own time written to PATH: where the host time of an eager step goes.
 
-The parts run in the order syncs, graph, reads, profile, speed, each in a child process of its own
-under a timeout (``--timeout-scale`` scales them; ``--budget`` caps the whole run, each part
-leaving 20 s to each one after it), so that a check ends in bounded time whatever fails: a
+The parts run in the order syncs, graph, loader, reads, profile, speed, each in a child process
+of its own under a timeout (``--timeout-scale`` scales them; ``--budget`` caps the whole run,
+each part leaving 20 s to each one after it), so that a check ends in bounded time whatever fails: a
 part that raises, is killed at its timeout, or does not exit after writing its results is
 reported as such, with what it had finished (the speed part keeps its rows as it goes), and
 the summary (``--json``) is always written, also when the script gets SIGTERM (a caller's
@@ -70,8 +86,9 @@ the summary (``--json``) is always written, also when the script gets SIGTERM (a
 ``--in-process`` runs the parts in this process, without timeouts (the tests' dry run).
 
 Exit status: 0 when every part finished, hookloop's non-write iterations made no
-synchronization and each read of the losses made one; 1 otherwise (the report and the
-JSON's ``misses`` say which); 2 for a debug build. Speed figures are reported, not checked.
+synchronization, each read of the losses made one and (on CUDA) the graph and loader parts met
+their goals; 1 otherwise (the report and the JSON's ``misses`` say which); 2 for a debug build.
+The speed part's figures are reported, not checked.
 """
 
 from __future__ import annotations
@@ -109,11 +126,19 @@ BARE_STEPS = (1, 4)
 SPEEDUPS = ("bare-1", "bare-4", "graph-none", "graph-stack")
 GRAPH_GOALS = {"mlp": 15.0, "cnn": 2.8}
 
-PARTS = ("syncs", "graph", "reads", "profile", "speed")  # in the order they run
+# The loader part (issue 44): its variants, and its goals for CUDAGraphTrainer + default stack
+# fed by DeviceResidentLoader: over the hand eager loop fed by the pinned DataLoader (a miss
+# below them, on CUDA), and as a fraction of the hand-made 1-step graph with static batches.
+LOADER_VARIANTS = ("hand", "hand-dl", "bare-1", "graph-dl", "graph-res")
+LOADER_GOALS = {"mlp": 20.0, "cnn": 3.0}
+LOADER_OF_BARE = 0.9
+
+PARTS = ("syncs", "graph", "loader", "reads", "profile", "speed")  # in the order they run
 # Seconds each part may take in its child process (times --timeout-scale). On an H200 with a
 # slow host (an eager tiny-MLP step ~1.6 ms), the defaults of --iters, and the --n/--repeats
 # of scripts/gpu_check.sh: well under each.
-TIMEOUTS = {"syncs": 90.0, "graph": 75.0, "reads": 60.0, "profile": 45.0, "speed": 200.0}
+TIMEOUTS = {"syncs": 90.0, "graph": 75.0, "loader": 75.0, "reads": 60.0, "profile": 45.0,
+            "speed": 200.0}  # fmt: skip
 # With --budget, the seconds each part still to run keeps from the ones before it.
 RESERVE = 20.0
 # After a child has written its results, how long it may take to exit.
@@ -647,18 +672,22 @@ def _sync(device: torch.device) -> None:
 
 
 def _graph_trainer(which: str, device: torch.device, n: int, tmpdir: str, hooks: str,
-                   extra: Sequence[Callable[[], Any]] = ()) -> Any:  # fmt: skip
+                   extra: Sequence[Callable[[], Any]] = (),
+                   loader: str = "batches") -> Any:  # fmt: skip
     """CUDAGraphTrainer (the seam's eager implementation on the CPU) on a fresh model, with the
-    default stack or no hooks."""
+    default stack or no hooks, fed by pre-made device batches (``loader="batches"``) or by a
+    loader over :func:`_loader_data` (``"dataloader"``, ``"resident"``: :func:`_make_loader`)."""
     from hookloop.engine import CUDAGraphTrainer
     from lab import overhead
 
     model, batches = _graph_model(which, device)
+    data: Any = itertools.cycle(batches)
+    if loader != "batches":
+        data, model = _make_loader(which, device, loader, model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [10**9], gamma=0.1)
     graph = "cuda" if device.type == "cuda" else "eager"
-    t = CUDAGraphTrainer(model, itertools.cycle(batches), opt, graph=graph,
-                         warmup_iters=GRAPH_WARMUP)  # fmt: skip
+    t = CUDAGraphTrainer(model, data, opt, graph=graph, warmup_iters=GRAPH_WARMUP)
     hs: List[Any] = []
     if hooks == "stack":
         d = tempfile.mkdtemp(prefix=f"graph-{which}-", dir=tmpdir)
@@ -668,12 +697,12 @@ def _graph_trainer(which: str, device: torch.device, n: int, tmpdir: str, hooks:
 
 
 def _graph_time(which: str, device: torch.device, n: int, tmpdir: str, hooks: str,
-                setups: List[float]) -> float:  # fmt: skip
+                setups: List[float], loader: str = "batches") -> float:  # fmt: skip
     """Seconds per step of CUDAGraphTrainer after its capture (``hookloop.bench.steady_clock``,
     registered last); its one-time ``before_train``, warm-up and capture go to ``setups``."""
     from hookloop import bench
 
-    t = _graph_trainer(which, device, n, tmpdir, hooks)
+    t = _graph_trainer(which, device, n, tmpdir, hooks, loader=loader)
     clock = bench.steady_clock(device, GRAPH_WARMUP)
     t.register_hooks([clock])
     t.train(0, n)
@@ -681,9 +710,11 @@ def _graph_time(which: str, device: torch.device, n: int, tmpdir: str, hooks: st
     return float(clock.per_step())
 
 
-def _graph_syncs(which: str, device: torch.device, iters: int, tmpdir: str) -> Dict[str, Any]:
-    """Synchronizations per iteration of CUDAGraphTrainer + default stack, the sync debug mode
-    in "warn" from before_train to the end of the last iteration."""
+def _graph_syncs(which: str, device: torch.device, iters: int, tmpdir: str,
+                 loader: str = "batches") -> Dict[str, Any]:  # fmt: skip
+    """Synchronizations per iteration of CUDAGraphTrainer + default stack (fed as
+    :func:`_graph_trainer` with ``loader``), the sync debug mode in "warn" from before_train to
+    the end of the last iteration."""
     from hookloop.engine.train_loop import HookBase
 
     current = [-1]
@@ -706,13 +737,13 @@ def _graph_syncs(which: str, device: torch.device, iters: int, tmpdir: str) -> D
         per_iter[current[0]] += 1
         return f"iter {current[0]}: {place}"
 
-    t = _graph_trainer(which, device, iters, tmpdir, "stack", extra=[Warn])
+    t = _graph_trainer(which, device, iters, tmpdir, "stack", extra=[Warn], loader=loader)
     warmup = GRAPH_WARMUP  # steps before the capture iteration
     _, where = _count_syncs(lambda: t.train(0, iters), at_iteration)
     writes = [i for i in range(iters) if _writes_at(i, iters, PERIOD)]
     after = [i for i in range(warmup + 1, iters) if i not in writes]
     return {
-        "what": f"CUDAGraphTrainer + default stack, {which}",
+        "what": f"CUDAGraphTrainer + default stack, {which}" + LOADER_LABELS[loader],
         "iterations": iters,
         "warmup_and_capture": sum(per_iter[i] for i in range(warmup + 1)),
         "before_train": per_iter[-1],
@@ -809,6 +840,227 @@ def _print_graph(part: Dict[str, Any], device: Any) -> None:
         print()
 
 
+# -- the loader part (issue 44) ----------------------------------------------------------------
+
+# What _graph_syncs' rows add to their name, by how the trainer is fed.
+LOADER_LABELS = {"batches": "", "dataloader": ", DataLoader (pinned)",
+                 "resident": ", DeviceResidentLoader"}  # fmt: skip
+
+
+@functools.cache
+def _loader_data(which: str, device: torch.device) -> Tuple[List[torch.Tensor], int, List[Any]]:
+    """The loader part's dataset on the CPU, its batch size and the augmentations made on the
+    device: for the tiny MLP ``hookloop.bench``'s loader rows' 50,000 × 32 in batches of 16; for
+    the small CNN 80 batches of 128 images of 3x32x32 and labels (whole batches: no short last
+    batch, whose shape would be a second capture) with RandomCrop(32, 4) and
+    RandomHorizontalFlip. The CPU dry run takes 16 batches of 8 images. Made once per model
+    (the loaders only read them)."""
+    from hookloop import bench
+    from hookloop.data import RandomCrop, RandomHorizontalFlip
+
+    if which == "mlp":
+        return list(bench.loader_data()), bench.LOADER_BATCH, []
+    batch = 128 if device.type == "cuda" else 8
+    size = batch * (80 if device.type == "cuda" else 16)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(size, 3, 32, 32, generator=g)
+    labels = torch.randint(0, 10, (size,), generator=g)
+    return [images, labels], batch, [RandomCrop(32, 4), RandomHorizontalFlip()]
+
+
+class DeviceAugment(torch.nn.Module):
+    """``model`` behind the augmentations of a DataLoader-fed run, made on the device in the
+    forward (so a graph holds them too), drawing from ``Randoms`` by a device batch counter:
+    the DataLoader's runs do the resident loader's device work per step."""
+
+    def __init__(self, model: torch.nn.Module, augment: Sequence[Any], seed: int = 0) -> None:
+        super().__init__()
+        self.model, self.augment, self.seed = model, list(augment), seed
+        device = next(model.parameters()).device
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64, device=device))
+
+    def forward(self, batch: Any) -> Any:
+        from hookloop.data.resident import Randoms
+
+        x, rest = batch[0], list(batch[1:])
+        randoms = Randoms(self.seed, self.count, x.device)
+        for aug in self.augment:
+            x = aug(x, randoms)
+        self.count.add_(1)
+        return self.model([x, *rest])
+
+
+def _make_loader(which: str, device: torch.device, loader: str,
+                 model: torch.nn.Module) -> Tuple[Any, torch.nn.Module]:  # fmt: skip
+    """A fresh loader over :func:`_loader_data` and the model it feeds: ``"dataloader"``,
+    ``DataLoader(TensorDataset, batch_size, shuffle=True, pin_memory=True)`` (pinned on CUDA;
+    its batches stay on the host) and ``model`` behind :class:`DeviceAugment`; ``"resident"``,
+    ``DeviceResidentLoader`` on ``device`` with the augmentations, and ``model``."""
+    from hookloop.data import DeviceResidentLoader
+    from torch.utils.data import DataLoader, TensorDataset
+
+    tensors, batch, augment = _loader_data(which, device)
+    if loader == "resident":
+        return DeviceResidentLoader(tensors, batch, seed=0, device=device, augment=augment), model
+    if loader != "dataloader":
+        raise ValueError(f"unknown loader {loader!r}")
+    pin = device.type == "cuda"
+    data = DataLoader(TensorDataset(*tensors), batch, shuffle=True, pin_memory=pin)
+    return data, DeviceAugment(model, augment) if augment else model
+
+
+def _hand_dataloader(which: str, device: torch.device, n: int) -> float:
+    """Seconds per step of ``n`` steps of the hand-written eager loop (as :func:`_graph_hand`)
+    fed by the pinned DataLoader of :func:`_make_loader`, each batch copied to the device
+    (``non_blocking``), a new epoch's iterator at each epoch's end."""
+    from lab import tiny_mlp
+
+    model, _ = _graph_model(which, device)
+    loader, model = _make_loader(which, device, "dataloader", model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def batches() -> Any:
+        while True:
+            for b in loader:
+                yield [t.to(device, non_blocking=True) for t in b]
+
+    data = batches()
+    _sync(device)
+    t0 = time.perf_counter()
+    tiny_mlp.hand_loop(model, opt, data, n)
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def _loader_part(n: int, repeats: int, iters: int, tmpdir: str,
+                 device: torch.device) -> Dict[str, Any]:  # fmt: skip
+    """Per model, in interleaved rounds in one process: the hand-written eager loop fed by
+    pre-made device batches (``hand``) and by the pinned DataLoader (``hand-dl``), the
+    hand-made 1-step graph with static batches (``bare-1``), and CUDAGraphTrainer + default
+    stack fed by the pinned DataLoader (``graph-dl``) and by DeviceResidentLoader (its batch
+    made in the graph: ``graph-res``); each one's steps/s over ``hand-dl``'s and ``graph-res``'s
+    over ``bare-1``'s, per round. Then CUDAGraphTrainer + default stack + DeviceResidentLoader's
+    synchronizations per iteration, and issue 44's goals (:func:`_loader_goals`)."""
+    from lab import overhead
+
+    rows = []
+    for which in ("mlp", "cnn"):
+        setups: Dict[str, List[float]] = {"dataloader": [], "resident": []}
+
+        def graphed(which: str = which, loader: str = "resident",
+                    setups: Dict[str, List[float]] = setups) -> float:  # fmt: skip
+            return _graph_time(which, device, n, tmpdir, "stack", setups[loader], loader)
+
+        variants: Dict[str, Callable[[], float]] = {
+            "hand": lambda which=which: _graph_hand(which, device, n),
+            "hand-dl": lambda which=which: _hand_dataloader(which, device, n),
+            "bare-1": lambda which=which: _graph_bare(which, device, n, 1),
+            "graph-dl": functools.partial(graphed, loader="dataloader"),
+            "graph-res": functools.partial(graphed, loader="resident"),
+        }
+        for f in variants.values():
+            f()  # untimed: first calls allocate, pick kernels, fill caches
+        for v in setups.values():
+            v.clear()
+        res = overhead._interleaved(variants, repeats)  # seconds per step
+        row: Dict[str, Any] = {"model": which, "n": n, "repeats": repeats}
+        row["steps_per_s"] = {k: 1 / statistics.median(v) for k, v in res.items()}
+        for key in ("hand", "graph-dl", "graph-res"):
+            ratios = [h / t for h, t in zip(res["hand-dl"], res[key])]
+            row[f"{key}-over-hand-dl-per-round"] = ratios
+            row[f"{key}-over-hand-dl"] = _figure(ratios)
+        ratios = [b / t for b, t in zip(res["bare-1"], res["graph-res"])]
+        row["graph-res-of-bare-per-round"] = ratios
+        row["graph-res-of-bare"] = _figure(ratios)
+        row["setup_s"] = {k: statistics.median(v) for k, v in setups.items()}
+        rows.append(row)
+    syncs = [_graph_syncs(which, device, iters, tmpdir, "resident") for which in ("mlp", "cnn")]
+    clean = all(r["syncs_after_capture_non_write"] == 0 for r in syncs)
+    return {"loader": rows, "loader_syncs": syncs, "loader_clean": clean,
+            "goals": _loader_goals(rows, syncs)}  # fmt: skip
+
+
+def _loader_goals(rows: Sequence[Dict[str, Any]],
+                  syncs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:  # fmt: skip
+    """Issue 44's Done-when goals on the GPU, each with the median it got and whether it is
+    met: CUDAGraphTrainer + default stack + DeviceResidentLoader at >= LOADER_GOALS x the
+    steps/s of the hand eager loop fed by the pinned DataLoader, and >= LOADER_OF_BARE of the
+    hand-made 1-step graph's, per model; no synchronization on an iteration after the capture
+    that writes nothing."""
+    goals = []
+    for r in rows:
+        what = f"CUDAGraphTrainer + default stack + DeviceResidentLoader on the {r['model']}"
+        got = r["graph-res-over-hand-dl"]["median"]
+        goals.append({"goal": f"{what}: >= {LOADER_GOALS[r['model']]}x the steps/s of the hand "
+                      "eager loop fed by the pinned DataLoader", "kind": "speed", "got": got,
+                      "want": LOADER_GOALS[r["model"]],
+                      "met": got >= LOADER_GOALS[r["model"]]})  # fmt: skip
+        got = r["graph-res-of-bare"]["median"]
+        goals.append({"goal": f"{what}: >= {LOADER_OF_BARE}x the steps/s of the hand-made "
+                      "1-step graph with static batches", "kind": "speed", "got": got,
+                      "want": LOADER_OF_BARE, "met": got >= LOADER_OF_BARE})  # fmt: skip
+    for r in syncs:
+        got = r["syncs_after_capture_non_write"]
+        goals.append({"goal": f"{r['what']}: no synchronization on the "
+                      f"{r['non_write_iterations_after_capture']} iterations after the capture "
+                      "that write nothing", "kind": "syncs", "got": got, "want": 0,
+                      "met": got == 0})  # fmt: skip
+    return goals
+
+
+def _print_loader(part: Dict[str, Any], device: Any, dry_run: bool) -> None:
+    rows, syncs = part.get("loader", []), part.get("loader_syncs", [])
+    if rows:
+        print(f"## Loaders on {device}: steps/s over the hand eager loop fed by the pinned "
+              "DataLoader (median (best) of the rounds, after the capture)")  # fmt: skip
+        print()
+        print("| model | steps | hand loop + DataLoader steps/s | hand loop, device batches "
+              "| CUDAGraphTrainer + stack + DataLoader | CUDAGraphTrainer + stack + "
+              "DeviceResidentLoader | + DeviceResidentLoader ÷ hand-made graph (1) "
+              "| steps/s (hand, bare-1, graph-dl, graph-res) | trainer's setup s "
+              "(DataLoader, resident) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            sps, setup = r["steps_per_s"], r["setup_s"]
+            cells = " | ".join(_fmt(r[f"{k}-over-hand-dl"]) for k in ("hand", "graph-dl",
+                                                                       "graph-res"))  # fmt: skip
+            print(f"| {r['model']} | {r['n']} | {sps['hand-dl']:,.1f} | {cells} "
+                  f"| {_fmt(r['graph-res-of-bare'])} | "
+                  + ", ".join(f"{sps[k]:,.1f}" for k in ("hand", "bare-1", "graph-dl",
+                                                          "graph-res"))
+                  + f" | {setup['dataloader']:.3f}, {setup['resident']:.3f} |")  # fmt: skip
+        print()
+        print("Per round, + DeviceResidentLoader over the hand loop + DataLoader: " + "; ".join(
+            f"{r['model']}: " + ", ".join(f"{x:.2f}" for x in r["graph-res-over-hand-dl-per-round"])
+            for r in rows))  # fmt: skip
+        print()
+    if syncs:
+        print("## CUDAGraphTrainer + default stack + DeviceResidentLoader: synchronizations per "
+              "iteration")  # fmt: skip
+        print()
+        print("| run | iterations | before_train | warm-up + capture | writes (syncs) "
+              "| other iterations after the capture (syncs) |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for r in syncs:
+            print(f"| {r['what']} | {r['iterations']} | {r['before_train']} "
+                  f"| {r['warmup_and_capture']} | {r['write_iterations']} ({r['syncs_on_writes']}) "
+                  f"| {r['non_write_iterations_after_capture']} "
+                  f"({r['syncs_after_capture_non_write']}) |")  # fmt: skip
+        print()
+    goals = part.get("goals", [])
+    if goals:
+        print("## Issue 44's Done-when goals on the GPU")
+        print()
+        for g in goals:
+            if dry_run and g["kind"] == "speed":
+                verdict = "not judged (--cpu-dry-run)"
+            else:
+                verdict = "met" if g["met"] else "MISSED"
+            got = f"{g['got']:.2f}x" if g["kind"] == "speed" else f"{g['got']} syncs"
+            print(f"- {g['goal']}: {got}: {verdict}")
+        print()
+
+
 def _write_json(path: str, data: Dict[str, Any]) -> None:
     """Writes ``data`` to ``path`` whole or not at all (a reader never sees half a file)."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -827,6 +1079,8 @@ def _run_part(part: str, args: argparse.Namespace, device: torch.device, tmpdir:
         return {"reads": _reads(args.iters, tmpdir, device)}
     if part == "graph":
         return _graph_part(args.graph_n, args.repeats, args.iters, tmpdir, device)
+    if part == "loader":
+        return _loader_part(args.loader_n, args.repeats, args.iters, tmpdir, device)
     if part == "speed":
         return {"speed": _speed(args.n, args.repeats, tmpdir, device,
                                 lambda rows: save({"speed": rows, "partial": True}))}  # fmt: skip
@@ -936,10 +1190,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     p.add_argument("--graph-n", type=int, default=300,
                    help="steps per timed run of the graph part")  # fmt: skip
+    p.add_argument("--loader-n", type=int, default=300,
+                   help="steps per timed run of the loader part")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--parts",
-        default="syncs,graph,reads,speed",
+        default="syncs,graph,loader,reads,speed",
         help=f"comma-separated, of {', '.join(PARTS)} (profile: with --profile)",
     )
     p.add_argument("--profile", metavar="PATH", help="run the host profile; its report to PATH")
@@ -984,6 +1240,11 @@ def _misses(parts: Dict[str, Dict[str, Any]], iters: int, dry_run: bool) -> List
                 what = f"CUDAGraphTrainer + default stack on the {r['model']}"
                 misses.append(f"graph: {what} ran {got:.2f}x the hand loop's steps/s; the "
                               f"goal is {goal}x")  # fmt: skip
+    loader = parts.get("loader")
+    if loader is not None and loader["status"] == "ok":
+        for g in loader.get("goals", []):
+            if not g["met"] and (g["kind"] == "syncs" or not dry_run):
+                misses.append(f"loader: {g['goal']}: got {g['got']:.4g}")
     syncs = parts.get("syncs")
     if syncs is not None and syncs["status"] == "ok" and not syncs.get("clean"):
         misses.append("syncs: hookloop synchronized on an iteration that wrote nothing")
@@ -1069,6 +1330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   args.n, device, parts.get("reads", {}).get("reads", ()))  # fmt: skip
     if parts.get("graph", {}).get("graph"):
         _print_graph(parts["graph"], device)
+    if parts.get("loader", {}).get("loader"):
+        _print_loader(parts["loader"], device, args.cpu_dry_run)
     if "profile" in parts and parts["profile"]["status"] == "ok":
         p = parts["profile"]["profile"]
         print(f"\n## host profile: {p['path']} (steps/s unprofiled: "

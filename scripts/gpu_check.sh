@@ -16,7 +16,8 @@
 # with pyproject's pythonpath (tests/, benches/) and -p no:cacheprovider.
 #
 # Parts, in order, each under `timeout` (its own cap, and never past the whole run's budget of
-# GPU_CHECK_BUDGET seconds, 285 by default: the run ends in under 5 minutes whatever fails):
+# GPU_CHECK_BUDGET seconds, 285 by default: the run ends in under 5 minutes whatever fails; a
+# whole run took 162 s on an H200 before bench's loader part, which adds about 60 s):
 #   env      CUDA present; hookloop imported from the wheel, a release build
 #   pytest   the CUDA-marked tests (`pytest -m cuda` on the files that hold them)
 #   demo     `python3 -m hookloop demo --device cuda --iters 3000` (SimpleTrainer)
@@ -31,7 +32,13 @@
 #            with no hooks, the default stack and the seeds' stack, and the reference
 #            engine's; CUDAGraphTrainer over the hand-written eager loop (tiny MLP batch 16, a
 #            small CNN batch 128 of 3x32x32; the ratio per round, in one process) and its
-#            syncs per iteration (none on iterations after the capture that write nothing).
+#            syncs per iteration (none on iterations after the capture that write nothing);
+#            issue 44's loaders (--loader-n 300 steps a run; about 60 s on an H100, estimated,
+#            not yet measured): the hand eager loop fed by DataLoader(TensorDataset,
+#            shuffle=True, pin_memory=True) beside the one fed by device batches, the hand-made 1-step graph, CUDAGraphTrainer +
+#            default stack fed by that DataLoader and by DeviceResidentLoader (its batch made in
+#            the graph), per round; the resident run's syncs per iteration, and each of issue
+#            44's Done-when goals met or missed (a missed one is a miss).
 #            Each of its parts runs in a process of its own under a timeout (cut to
 #            what the run has left).
 # (`hookloop bench --cuda-graph` times CUDAGraphTrainer on the tiny MLP too; benches/gpu_check.py
@@ -65,10 +72,12 @@ PARTS_TSV="$WORK/parts.tsv"
 
 if [[ "${GPU_CHECK_CPU:-0}" == 1 ]]; then
     DEVICE=cpu DEMO_ITERS=200
-    BENCH_ARGS=(--cpu-dry-run --iters 45 --n 20 --repeats 1 --profile-steps 50 --graph-n 10)
+    BENCH_ARGS=(--cpu-dry-run --iters 45 --n 20 --repeats 1 --profile-steps 50 --graph-n 10
+        --loader-n 10)
 else
     DEVICE=cuda DEMO_ITERS=3000
-    BENCH_ARGS=(--iters 200 --n 400 --repeats 3 --profile-steps 500 --graph-n 300)
+    BENCH_ARGS=(--iters 200 --n 400 --repeats 3 --profile-steps 500 --graph-n 300
+        --loader-n 300)
 fi
 
 # part NAME CAP_SECONDS COMMAND...: runs COMMAND under `timeout` (CAP, or what the budget has
@@ -154,8 +163,8 @@ EOF
 mapfile -t CUDA_TEST_FILES < <(grep -rl --include='test_*.py' 'pytest.mark.cuda' tests | sort)
 
 bench() {
-    # gpu_check.py's parts have timeouts of their own (syncs 90, graph 75, reads 60, profile 45,
-    # speed 200 s), cut by --budget to what this part has
+    # gpu_check.py's parts have timeouts of their own (syncs 90, graph 75, loader 75, reads 60,
+    # profile 45, speed 200 s), cut by --budget to what this part has
     local left=$((BUDGET - SECONDS - 10))
     local limit=$((left < 260 ? left : 260))
     part bench "$limit" python3 benches/gpu_check.py "${BENCH_ARGS[@]}" --budget "$((limit - 8))" \

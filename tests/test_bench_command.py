@@ -55,11 +55,54 @@ def _finite(x: Any) -> bool:
     return isinstance(x, float) and math.isfinite(x)
 
 
-def _table(out: str) -> List[List[str]]:
-    """The markdown table's rows (header first), as lists of cells."""
-    lines = [line for line in out.splitlines() if line.startswith("|")]
-    assert lines[0] == HEADER and lines[1] == "|---" * 8 + "|"
+LOADER_HEADER = (
+    "| loader (batch 16 of 50,000 × 32) | data µs/batch | µs/step | steps/s | data ÷ DataLoader's "
+    "| steps/s ÷ DataLoader's | n × repeats |"
+)
+
+
+def _tables(out: str) -> List[List[str]]:
+    """Each markdown table's lines (runs of lines starting with "|")."""
+    tables: List[List[str]] = []
+    last = False
+    for line in out.splitlines():
+        table = line.startswith("|")
+        if table and not last:
+            tables.append([])
+        if table:
+            tables[-1].append(line)
+        last = table
+    return tables
+
+
+def _table(out: str, header: str = HEADER, columns: int = 8) -> List[List[str]]:
+    """The rows of the table with ``header`` (the first table: the main one), as lists of
+    cells."""
+    lines = next(t for t in _tables(out) if t[0] == header)
+    assert lines[1] == "|---" * columns + "|"
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def _check_loader_rows(stdout: str, data: Any) -> None:
+    """The loader table (DataLoader, then DeviceResidentLoader) and its rows in the JSON."""
+    assert [t[0] for t in _tables(stdout)] == [HEADER, LOADER_HEADER]
+    cells = _table(stdout, LOADER_HEADER, 7)
+    assert [r[0] for r in cells] == [
+        "tiny MLP: SimpleTrainer + default stack, fed by DataLoader(TensorDataset, shuffle=True)",
+        "tiny MLP: SimpleTrainer + default stack, fed by DeviceResidentLoader",
+    ]
+    assert cells[0][4] == cells[0][5] == "1.00×"  # the DataLoader over itself
+    sizes, rows = data["sizes"], data["loader_rows"]
+    assert sizes["loader_dataset"] == [50_000, 32] and sizes["loader_batch"] == 16
+    assert [r["loader"] for r in rows] == ["DataLoader", "DeviceResidentLoader"]
+    for row, line in zip(rows, cells):
+        assert line[0] == row["what"] and line[-1] == row["n"]
+        for key in ("data_us", "step_us", "steps_per_s", "data_of_dataloader",
+                    "steps_per_s_over_dataloader"):  # fmt: skip
+            assert _finite(row[key]) and row[key] > 0, (key, row)
+        assert row["step_us"] > row["data_us"]  # a step includes its batch's next()
+        runs = row["runs"]
+        assert len(runs["data_us"]) == len(runs["step_us"]) == sizes["repeats"]
 
 
 def test_python_m_hookloop_bench_is_the_command() -> None:
@@ -123,6 +166,7 @@ def test_bench_quick_prints_a_table_and_json_and_measures_a_hook(
         # per repetition, every figure the row's medians come from
         assert all(len(v) == sizes["repeats"] for v in row["runs"].values())
         assert row["detectron2"] is None and row["detectron2_over_hookloop"] is None
+    _check_loader_rows(stdout, data)
     hook_row = data["rows"][-1]
     assert set(hook_row["runs"]) == {"floor", "hookloop"} and hook_row["detectron2"] is None
     # one untimed warm-up run and the timed repetitions, each a whole train() with the hook
@@ -270,6 +314,7 @@ def test_detectron2_gets_a_column_and_tensorboard_is_optional(
         ratio = row["detectron2_over_hookloop"]
         assert ratio is None or _finite(ratio)  # none when a repetition's hookloop cost was <= 0
     assert all(len(r) == 8 and r[4] != "—" for r in _table(stdout))
+    _check_loader_rows(stdout, data)  # hookloop's own: no detectron2 column
 
 
 @pytest.fixture
@@ -287,11 +332,14 @@ def test_gpu_check_exits_cleanly_without_cuda(
     assert capsys.readouterr().out.strip() == gpu_check.NO_CUDA
 
 
-def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, capsys: Any) -> None:
+def test_gpu_check_runs_through_on_the_cpu(
+    gpu_check: Any, monkeypatch: Any, capsys: Any, tmp_path: Path
+) -> None:
     # the sync debug mode is a stand-in that records what the guard hook sets
     monkeypatch.setattr(gpu_check, "dry_run_modes", [])
     argv = ["--cpu-dry-run", "--in-process", "--iters", "45", "--n", "20", "--repeats", "1",
-            "--graph-n", "10"]  # fmt: skip
+            "--graph-n", "10", "--loader-n", "10",
+            "--json", str(tmp_path / "gpu.json")]  # fmt: skip
     assert gpu_check.main(argv) == 0
     out = capsys.readouterr().out
     assert "| hookloop SimpleTrainer + default stack | 42 of 45 | 0 | 0 | finished |" in out
@@ -315,9 +363,42 @@ def test_gpu_check_runs_through_on_the_cpu(gpu_check: Any, monkeypatch: Any, cap
     assert "| mlp | 10 |" in out and "| cnn | 10 |" in out
     assert "| CUDAGraphTrainer + default stack, mlp | 45 | 0 | 0 | 3 (0) | 38 (0) |" in out
     assert "| CUDAGraphTrainer + default stack, cnn | 45 | 0 | 0 | 3 (0) | 38 (0) |" in out
+    # issue 44's loaders: the hand loop and CUDAGraphTrainer fed by the pinned DataLoader and
+    # by DeviceResidentLoader (the CNN's run crosses epochs: 16 batches of 8 each), the
+    # resident runs' syncs per iteration, and each goal (the speed ones unjudged on the CPU)
+    assert "## Loaders on cpu: steps/s over the hand eager loop fed by the pinned DataLoader" in out
+    assert "| mlp | 10 |" in out and "| cnn | 10 |" in out
+    for model in ("mlp", "cnn"):
+        row = f"| CUDAGraphTrainer + default stack, {model}, DeviceResidentLoader | 45 | 0 | 0 |"
+        assert row + " 3 (0) | 38 (0) |" in out
+        assert f"DeviceResidentLoader on the {model}: >= 0.9x the steps/s of the hand-made" in out
+    assert (
+        "on the mlp: >= 20.0x the steps/s of the hand eager loop fed by the pinned DataLoader"
+        in out
+    )
+    assert (
+        "on the cnn: >= 3.0x the steps/s of the hand eager loop fed by the pinned DataLoader" in out
+    )
+    assert out.count("not judged (--cpu-dry-run)") == 4
+    assert out.count("that write nothing: 0 syncs: met") == 2
+    data = json.loads((tmp_path / "gpu.json").read_text(encoding="utf-8"))
+    loader = data["parts"]["loader"]
+    assert loader["status"] == "ok" and loader["loader_clean"] is True
+    assert [r["model"] for r in loader["loader"]] == ["mlp", "cnn"]
+    for r in loader["loader"]:
+        assert set(r["steps_per_s"]) == set(gpu_check.LOADER_VARIANTS)
+        assert all(_finite(v) and v > 0 for v in r["steps_per_s"].values())
+        for key in ("hand", "graph-dl", "graph-res"):
+            assert len(r[f"{key}-over-hand-dl-per-round"]) == 1
+            assert _finite(r[f"{key}-over-hand-dl"]["median"])
+        assert _finite(r["graph-res-of-bare"]["median"])
+    assert [g["kind"] for g in loader["goals"]] == ["speed"] * 4 + ["syncs"] * 2
+    assert data["misses"] == []
     modes = gpu_check.dry_run_modes
     assert modes.count("error") == 2 * 42
-    assert modes.count("warn") == 2 * 42 + 2 + 2 + 2
+    # "warn": the sync part's runs, the hand loops, the reads part's two, the graph part's two
+    # sync runs and the loader part's two
+    assert modes.count("warn") == 2 * 42 + 2 + 2 + 2 + 2
 
 
 def test_gpu_check_misses_below_the_graph_goals_on_cuda_only(gpu_check: Any) -> None:
@@ -331,6 +412,25 @@ def test_gpu_check_misses_below_the_graph_goals_on_cuda_only(gpu_check: Any) -> 
         "steps/s; the goal is 15.0x"
     ]
     assert gpu_check._misses({"graph": graph}, 45, dry_run=True) == []
+
+
+def test_gpu_check_misses_the_loader_goals_it_does_not_meet(gpu_check: Any) -> None:
+    rows = [{"model": m, "graph-res-over-hand-dl": {"median": x, "best": x},
+             "graph-res-of-bare": {"median": b, "best": b}}
+            for m, x, b in (("mlp", 25.0, 0.85), ("cnn", 2.5, 0.95))]  # fmt: skip
+    syncs = [{"what": "CUDAGraphTrainer + default stack, mlp, DeviceResidentLoader",
+              "non_write_iterations_after_capture": 38,
+              "syncs_after_capture_non_write": 2}]  # fmt: skip
+    goals = gpu_check._loader_goals(rows, syncs)
+    assert [g["met"] for g in goals] == [True, False, False, True, False]
+    loader = {"status": "ok", "goals": goals}
+    misses = gpu_check._misses({"loader": loader}, 45, dry_run=False)
+    assert len(misses) == 3 and all(m.startswith("loader: CUDAGraphTrainer") for m in misses)
+    assert "0.9x the steps/s of the hand-made 1-step graph" in misses[0]
+    assert ">= 3.0x the steps/s of the hand eager loop" in misses[1] and "got 2.5" in misses[1]
+    assert "no synchronization on the 38 iterations" in misses[2]
+    # on the CPU the speed goals are not judged; the synchronizations still are
+    assert gpu_check._misses({"loader": loader}, 45, dry_run=True) == misses[2:]
 
 
 def test_gpu_check_reports_the_first_sync_error_of_a_chain(gpu_check: Any) -> None:

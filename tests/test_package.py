@@ -63,9 +63,10 @@ def test_the_wheel_ships_no_reference_engine_and_no_benchmark_machinery():
     # repository's benches/ or tests/ (the scripts, their lab package, the tests' compat)
     bench = [p.relative_to(PACKAGE).as_posix() for p in files if "bench" in p.name.lower()]
     assert bench == ["bench.py"] and not (PACKAGE / "bench").exists()
-    # 320 lines, 40 for the `--cuda-graph` rows (issue 34) and 50 for the clock that times them
-    # after the capture (`steady_clock`, which benches/gpu_check.py uses too)
-    assert len((PACKAGE / "bench.py").read_text(encoding="utf-8").splitlines()) <= 410
+    # 320 lines, 40 for the `--cuda-graph` rows (issue 34), 50 for the clock that times them
+    # after the capture (`steady_clock`, which benches/gpu_check.py uses too) and 95 for the
+    # loader rows (issue 44: DeviceResidentLoader against DataLoader)
+    assert len((PACKAGE / "bench.py").read_text(encoding="utf-8").splitlines()) <= 505
     outside = {"benches", "tests", "lab", "compat", "conftest"}
     outside |= {p.stem for p in (ROOT / "benches").iterdir() if p.suffix == ".py" or p.is_dir()}
     outside |= {p.stem for p in (ROOT / "tests").iterdir() if p.suffix == ".py" or p.is_dir()}

@@ -9,7 +9,10 @@ calls (for ``SimpleTrainer`` with no hooks, the default stack, and the seeds' st
 cvpods'/xmodaler's every-step JSON and TensorBoard, ``window_size=1``, period 1); ``SimpleTrainer``
 alone (for it with ``--hook``). ``--cuda-graph`` (CUDA only) adds the tiny MLP's
 ``CUDAGraphTrainer`` (the whole step as one CUDA graph) with no hooks and with the default stack
-over the hand-written eager loop on the GPU. The repository's ``benches/`` has the full
+over the hand-written eager loop on the GPU. A second table feeds the tiny MLP + default stack
+from ``DataLoader(TensorDataset, shuffle=True)`` and from ``hookloop.data.DeviceResidentLoader``
+over the same 50,000 samples (batch 16, on the CPU): the data time per batch and the time per
+step, the resident loader's over the DataLoader's. The repository's ``benches/`` has the full
 benchmarks.
 """
 
@@ -40,7 +43,15 @@ from torch import nn
 
 import hookloop
 
-__all__ = ["TinyMLP", "make_batches", "build", "hand_loop", "run"]
+__all__ = [
+    "TinyMLP",
+    "make_batches",
+    "build",
+    "hand_loop",
+    "loader_data",
+    "loader_data_time",
+    "run",
+]
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 Variants = Dict[str, Callable[[], float]]
@@ -49,6 +60,13 @@ STEPS = ("before_step", "after_step")
 HOOKS, PERIOD = 16, 20  # the dispatch rows' hook count, the default stack's write period
 GRAPH_WARMUP = 3  # CUDAGraphTrainer's warm-up steps before its capture (its default)
 EVERYSTEP = ("json", "tb")  # the seeds' (cvpods', xmodaler's) every-step writers, window_size 1
+# The loader rows: issue 44's dataset (50,000 samples of 32 features) in batches of 16.
+LOADER_SIZE, LOADER_BATCH = 50_000, 16
+LOADERS = ("DataLoader", "DeviceResidentLoader")
+LOADER_FIGURES = ("data_us", "step_us", "steps_per_s", "data_of_dataloader",
+                  "steps_per_s_over_dataloader")  # fmt: skip
+LOADER_NAMES = {"DataLoader": "DataLoader(TensorDataset, shuffle=True)",
+                "DeviceResidentLoader": "DeviceResidentLoader"}  # fmt: skip
 CLASSES = ("HookBase", "TrainerBase", "SimpleTrainer", "IterationTimer", "LRScheduler",
            "PeriodicWriter", "CommonMetricPrinter", "JSONWriter", "TensorboardXWriter")  # fmt: skip
 
@@ -153,6 +171,16 @@ def _dispatch(engines: Dict[str, Any], n: int, reps: int) -> List[Dict[str, Any]
                  size, res, {e: e + "+hooks" for e in engines})]  # fmt: skip
 
 
+def _stack(e: Any, opt: Any, sched: Any, writers: Sequence[str], n: int, d: str) -> List[Any]:
+    """The default stack of engine ``e``: IterationTimer, LRScheduler, PeriodicWriter(``writers``,
+    period 20), its files in ``d``."""
+    make = {"printer": lambda: e.CommonMetricPrinter(n),
+            "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json")),
+            "tb": lambda: e.TensorboardXWriter(d)}  # fmt: skip
+    return [e.IterationTimer(), e.LRScheduler(opt, sched),
+            e.PeriodicWriter([make[w]() for w in writers], PERIOD)]  # fmt: skip
+
+
 def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmpdir: str,
          hook: Optional[Tuple[str, Any]]) -> List[Dict[str, Any]]:  # fmt: skip
     batches = make_batches()
@@ -168,17 +196,13 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
             model, opt, sched = build()
             t = e.SimpleTrainer(model, itertools.cycle(batches), opt)
             d = tempfile.mkdtemp(dir=tmpdir)
-            make = {"printer": lambda: e.CommonMetricPrinter(n),
-                    "json": lambda: e.JSONWriter(os.path.join(d, "metrics.json")),
-                    "tb": lambda: e.TensorboardXWriter(d)}  # fmt: skip
             every = {
                 "json": lambda: e.JSONWriter(os.path.join(d, "metrics_everystep.json"), 1),
                 "tb": lambda: e.TensorboardXWriter(os.path.join(d, "everystep"), 1),
             }
             hs: List[Any] = []
             if hooks != "none":
-                hs += [e.IterationTimer(), e.LRScheduler(opt, sched),
-                       e.PeriodicWriter([make[w]() for w in writers], PERIOD)]  # fmt: skip
+                hs += _stack(e, opt, sched, writers, n, d)
             if hooks == "seeds":
                 hs.append(e.PeriodicWriter([every[w]() for w in everystep], 1))
             t.register_hooks(hs + [m() for m in extra])
@@ -206,6 +230,72 @@ def _mlp(engines: Dict[str, Any], n: int, reps: int, writers: Sequence[str], tmp
         what = f"tiny MLP: SimpleTrainer + {hook[0]}, over SimpleTrainer alone"
         rows.append(_row(what, "µs/step", size, res, {"hookloop": "hook"}, floor="hookloop"))
     return rows
+
+
+def loader_data(size: int = LOADER_SIZE, seed: int = 0) -> Batch:
+    """The loader rows' dataset: ``size`` samples of the tiny MLP's 32 features and their
+    regression targets, on the CPU (issue 44's 50,000 × 32)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, 32, generator=g)
+    return x, x @ torch.randn(32, 1, generator=g)
+
+
+def loader_data_time(loader: Any, n: int) -> float:
+    """Seconds per batch of ``n`` (at most ``len(loader)``) ``next()`` calls on a fresh iterator
+    of ``loader``, made before the clock starts."""
+    it, t0 = iter(loader), time.perf_counter()
+    for _ in range(n):
+        next(it)
+    return (time.perf_counter() - t0) / n
+
+
+def _loaders(n: int, reps: int, writers: Sequence[str], tmpdir: str) -> List[Dict[str, Any]]:
+    """The tiny MLP + default stack on ``SimpleTrainer`` fed by ``DataLoader(TensorDataset,
+    shuffle=True)`` and by ``DeviceResidentLoader`` over the same tensors (on the CPU): the data
+    time per batch (``next()`` alone) and the time per step of the whole run, each loader
+    once per repetition; the resident loader's figures over the DataLoader's, per repetition."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hookloop.data import DeviceResidentLoader
+
+    e, (x, y) = _engine("hookloop"), loader_data()
+    make = {"DataLoader": lambda: DataLoader(TensorDataset(x, y), LOADER_BATCH, shuffle=True),
+            "DeviceResidentLoader": lambda: DeviceResidentLoader((x, y), LOADER_BATCH,
+                                                                 seed=0)}  # fmt: skip
+
+    def data(name: str) -> float:
+        return loader_data_time(make[name](), n) * 1e6
+
+    def train(name: str) -> float:
+        model, opt, sched = build()
+        t = e.SimpleTrainer(model, make[name](), opt)
+        t.register_hooks(_stack(e, opt, sched, writers, n, tempfile.mkdtemp(dir=tmpdir)))
+        return _per_step(functools.partial(t.train, 0, n), n, 1e-6)
+
+    res = _measure({f"{k}:{f.__name__}": functools.partial(f, k) for k in LOADERS
+                    for f in (data, train)}, reps)  # fmt: skip
+    med, rows, what = statistics.median, [], "tiny MLP: SimpleTrainer + default stack, fed by "
+    for name in LOADERS:
+        data_us, step_us = res[f"{name}:data"], res[f"{name}:train"]
+        base_data, base_step = res["DataLoader:data"], res["DataLoader:train"]
+        rows.append({"what": what + LOADER_NAMES[name], "loader": name, "n": f"{n:,} × {reps}",
+                     "data_us": med(data_us), "step_us": med(step_us),
+                     "steps_per_s": med(1e6 / s for s in step_us),
+                     "data_of_dataloader": med(d / b for d, b in zip(data_us, base_data)),
+                     "steps_per_s_over_dataloader": med(b / s for s, b in zip(step_us, base_step)),
+                     "runs": {"data_us": data_us, "step_us": step_us}})  # fmt: skip
+    return rows
+
+
+def format_loader_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """The loader rows as a markdown table of medians."""
+    size = f"batch {LOADER_BATCH} of {LOADER_SIZE:,} × 32"
+    out = [f"| loader ({size}) | data µs/batch | µs/step | steps/s | data ÷ DataLoader's "
+           "| steps/s ÷ DataLoader's | n × repeats |", "|---" * 7 + "|"]  # fmt: skip
+    for r in rows:
+        cells = [_fmt(r[k], "×" if "_dataloader" in k else "") for k in LOADER_FIGURES]
+        out.append(f"| {r['what']} | {' | '.join(cells)} | {r['n']} |")
+    return "\n".join(out)
 
 
 def steady_clock(
@@ -383,6 +473,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     tmpdir, t0 = tempfile.mkdtemp(prefix="hookloop-bench-"), time.perf_counter()
     try:
         rows = _dispatch(engines, n, reps) + _mlp(engines, m, reps, writers, tmpdir, hook)
+        loader_rows = _loaders(m, reps, writers, tmpdir)
         if cuda_graph:
             rows += _cuda_graph(m, reps, writers, tmpdir)
     finally:
@@ -392,6 +483,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
             lg.propagate, lg.handlers = propagate, handlers
     info["seconds"] = round(time.perf_counter() - t0, 1)
     print(format_table(rows) + "\n")
+    print(format_loader_table(loader_rows) + "\n")
     print(f"total: {info['seconds']} s. Medians over {reps} interleaved repetitions; each cost "
           "over the floor and each ratio is formed within one repetition. A busy machine makes "
           "them noisy: rerun before quoting one.")  # fmt: skip
@@ -401,8 +493,11 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         if missing:
             print(say)
     if args.json:
-        sizes = {"dispatch_n": n, "mlp_n": m, "repeats": reps, "writers": list(writers),
+        sizes = {"dispatch_n": n, "mlp_n": m, "loader_n": m, "repeats": reps,
+                 "loader_dataset": [LOADER_SIZE, 32], "loader_batch": LOADER_BATCH,
+                 "writers": list(writers),
                  "everystep_writers": [w for w in writers if w in EVERYSTEP]}  # fmt: skip
-        out = {"machine": info, "sizes": sizes, "engines": list(engines), "rows": rows}
+        out = {"machine": info, "sizes": sizes, "engines": list(engines), "rows": rows,
+               "loader_rows": loader_rows}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0

@@ -10,6 +10,13 @@
    build's ``python/`` first on ``PYTHONPATH`` to compare).
 3. **hooks**: µs per iteration that ``PeriodicCheckpointer``, ``BestCheckpointer`` and
    ``EvalHook`` add between their periods, over a bare ``TrainerBase`` loop.
+4. **settle before save**: ms per checkpoint of ``PeriodicCheckpointer(period=10)`` in a
+   ``SimpleTrainer`` whose 3 losses (CPU tensors) of the last 10 iterations wait in the
+   storage's batched read at each save, which reads them first since issue 42 (run with
+   another build's ``python/`` first on ``PYTHONPATH`` to compare); and the read itself
+   (``_settle`` of 10 such iterations, the same code in every build). With a period that is a
+   multiple of 20 (detectron2's 5000), nothing waits at a save: the queue read them at the
+   save iteration's own step.
 
 ```
 python benches/bench_checkpoint.py           # about 30 s
@@ -123,6 +130,67 @@ def bench_hooks(n: int, repeats: int) -> str:
     return f"| bare loop | {b:.3f} µs |\n| + the 3 hooks | {h:.3f} µs (+{h - b:.3f} µs) |"
 
 
+class _ThreeLosses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        y = self.linear(x)
+        return {"loss_a": y.pow(2).mean(), "loss_b": y.abs().mean(), "loss_c": y.mean() ** 2}
+
+
+class _TimedCheckpointer(PeriodicCheckpointer):
+    """Times its saves: ``after_step`` at its period and the write after the stage."""
+
+    times: List[float] = []
+
+    def after_step(self) -> None:
+        due = (self.trainer.iter + 1) % self.period == 0
+        start = time.perf_counter()
+        super().after_step()
+        if due:
+            self.times.append(time.perf_counter() - start)
+
+    def _finish_step(self) -> None:
+        # The file's write after the stage's last hook (a build before 99bbc5c writes it in
+        # after_step and has no such step).
+        start = time.perf_counter()
+        getattr(super(), "_finish_step", lambda: None)()
+        if self.times:
+            self.times[-1] += time.perf_counter() - start
+
+
+def bench_settle_before_save(n_checkpoints: int, repeats: int) -> str:
+    from hookloop.engine import SimpleTrainer
+    from hookloop.utils.events import EventStorage
+
+    per_save, settle = [], []
+    x = torch.randn(8, 4)
+    for _ in range(repeats):
+        model = _ThreeLosses()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with tempfile.TemporaryDirectory() as d:
+            trainer = SimpleTrainer(model, iter(lambda: x, None), opt)
+            hook = _TimedCheckpointer(Checkpointer(model, d, optimizer=opt), 10, max_to_keep=2)
+            hook.times = []
+            trainer.register_hooks([hook])
+            trainer.train(0, 10 * n_checkpoints)
+            per_save.append(statistics.median(hook.times[1:]))
+        losses = model(x)
+        with EventStorage(0) as storage:
+            for i in range(n_checkpoints):
+                for it in range(10):
+                    storage._record_losses(10 * i + it, 0.0, dict(losses))
+                start = time.perf_counter()
+                storage._settle()
+                settle.append(time.perf_counter() - start)
+    return (
+        "| Linear(4, 1), 3 losses × 10 iterations waiting | "
+        f"{statistics.median(per_save) * 1e3:.3f} ms | {statistics.median(settle) * 1e3:.3f} ms |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -143,6 +211,11 @@ def main() -> None:
         print(bench_hook_save(n_bytes, 3 if args.quick else 7))
     print("\n| per iteration | |\n|---|---|")
     print(bench_hooks(50_000 if args.quick else 300_000, 3 if args.quick else 7))
+    print(
+        "\n| PeriodicCheckpointer(period=10) in a SimpleTrainer | per checkpoint "
+        "| of which reading the waiting losses |\n|---|---|---|"
+    )
+    print(bench_settle_before_save(20 if args.quick else 100, 3 if args.quick else 7))
 
 
 if __name__ == "__main__":

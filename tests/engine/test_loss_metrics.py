@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 import types
 
+import numpy as np
 import pytest
 import torch
 from hookloop import _core
@@ -194,3 +196,94 @@ def test_at_the_value_bound_what_waits_is_read_whatever_it_is(monkeypatch):
         counts.append(storage._pending_counts())
     assert counts == [(2, 0), (4, 0), (0, 0), (2, 0)] and reads == [6]
     assert iters(storage) == [0, 1, 2, 3] and reads == [6, 2]
+
+
+def test_a_loss_that_can_change_later_is_recorded_with_its_value_of_now():
+    """A deferred loss is read up to 20 iterations later: a leaf tensor (an nn.Parameter, a
+    tensor given as it is) is copied when recorded, a computed loss is not (no copy per step)."""
+    m = LossMetrics()
+    m.configure(trainer(None))
+    assert m.deferring and m.snapshot
+    weight = torch.nn.Parameter(torch.tensor(0.59))
+    plain = torch.tensor(1.0)
+    with EventStorage(0) as storage:
+        t = trainer(storage)
+        for i in range(3):
+            computed = weight * 2
+            m.write(t, {"w": weight, "plain": plain, "computed": computed}, 0.0, "", i)
+            with torch.no_grad():
+                weight.sub_(0.1)
+                plain.add_(1.0)
+        values = {k: [v for v, _ in storage.history(k).values()] for k in ("w", "plain")}
+    assert values["w"] == pytest.approx([0.59, 0.49, 0.39])
+    assert values["plain"] == [1.0, 2.0, 3.0]
+
+
+def test_only_values_that_can_change_are_copied():
+    from hookloop.utils._tensors import snapshot_losses
+
+    w = torch.nn.Parameter(torch.tensor(1.0))
+    computed = {"a": w * 2, "b": w + 1}
+    assert snapshot_losses(computed) is computed  # the per-step case: nothing copied
+    arr = np.ones(())
+    given = {"a": computed["a"], "w": w, "t": torch.tensor(2.0), "n": arr, "f": 3.0}
+    out = snapshot_losses(given)
+    assert out["a"] is given["a"] and out["f"] == 3.0
+    for k in ("w", "t", "n"):
+        assert out[k] is not given[k] and out[k].item() == given[k].item(), k
+    assert not out["w"].requires_grad and type(out["w"]) is torch.Tensor
+
+
+def test_a_cuda_graphs_ring_slots_are_not_copied():
+    """CUDAGraphTrainer hands over views of its ring, which stay until read."""
+    m = LossMetrics()
+    graph_trainer = trainer(None)
+    graph_trainer._hookloop.graph = object()
+    m.configure(graph_trainer)
+    assert not m.snapshot
+
+
+def test_a_parameter_is_copied_before_an_asynchronous_write():
+    m = LossMetrics()
+    seen = []
+    with EventStorage(0) as storage:
+        queued = []
+        executor = types.SimpleNamespace(submit=lambda f, *a, **k: queued.append((f, a, k)))
+        t = trainer(
+            storage,
+            concurrent_executor=executor,
+            _write_metrics=lambda d, *a, **k: seen.append(float(d["w"])),
+        )
+        w = torch.nn.Parameter(torch.tensor(0.5))
+        m.submit(t, {"w": w}, 0.0)
+        with torch.no_grad():
+            w.mul_(3)  # the optimizer step, before the executor's write
+        f, a, k = queued.pop()
+        f(*a, **k)
+    assert seen == [0.5]
+
+
+@pytest.mark.parametrize("then", ["read", "record"])
+def test_a_non_finite_loss_read_on_another_thread_is_raised_on_the_recording_thread(then):
+    """The thread that records the losses owns their errors: another thread's read gets the
+    finite values before it; the recording thread's next read or record raises it, once;
+    every save after it is refused."""
+    with EventStorage(0) as storage:
+        for i in range(5):
+            storage._record_losses(i, 0.0, {"a": torch.tensor(math.nan if i == 2 else 1.0)})
+        got = {}
+        poller = threading.Thread(target=lambda: got.update(latest=storage.latest()))
+        poller.start()
+        poller.join(30)
+        assert got["latest"]["total_loss"] == (1.0, 1)
+        with pytest.raises(
+            FloatingPointError, match=r"^Loss became infinite or NaN at iteration=2!"
+        ):
+            if then == "read":
+                storage.latest()
+            else:
+                storage._record_losses(5, 0.0, {"a": torch.tensor(1.0)})
+        storage._record_losses(6, 0.0, {"a": torch.tensor(1.0)})
+        assert storage.latest()["total_loss"] == (1.0, 6)
+        with pytest.raises(FloatingPointError, match="iteration=2!"):
+            storage._settle_before_save()

@@ -34,8 +34,10 @@ class PreemptionHandler(HookBase):
     The signal handler only records the signal; at the next step boundary (this hook's
     ``after_step``) the hook calls ``trainer.request_stop()``, so every hook's ``after_step`` of
     that iteration runs, ``PeriodicCheckpointer`` saves the stop iteration in ``after_train``,
-    and a resumed run continues from it exactly. ``after_train`` restores the handlers that
-    were installed before; then ``train()`` raises ``Preempted(signum)``. A signal that
+    and a resumed run continues from it exactly (unless a loss of the run was not finite: then
+    nothing is saved and ``train()`` raises that ``FloatingPointError``). ``after_train``
+    restores the handlers that were installed before; then ``train()`` raises
+    ``Preempted(signum)``. A signal that
     arrives after the last step is ignored (training finished). Handlers are installed only
     from the main thread (Python's rule); elsewhere the hook logs a warning and does nothing.
 

@@ -23,7 +23,7 @@ from hookloop.checkpoint.checkpointer import DeferredSaves, _save_with, deferrin
 from hookloop.data.cursor import ReplayIterator, run_epochs
 from hookloop.engine._args import _callable_arg, _int_arg, _path_arg
 from hookloop.engine.extra_hooks import EarlyStopping, OptimizationHook, PreemptionHandler
-from hookloop.engine.metrics import metrics_of
+from hookloop.engine.metrics import metrics_of, settle_before_save
 from hookloop.engine.parts import hook_keys, report_secondary
 from hookloop.engine.stop import Preempted
 from hookloop.engine.train_loop import HookBase, TrainerBase
@@ -834,7 +834,9 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
     resume still continues as if the run had never stopped. When a hook after it raises in
     that iteration, the file is written in ``after_train`` all the same (detectron2's is on
     disk before that hook runs). Before a save, the losses waiting in the storage's batched
-    read are read: a non-finite loss raises there, before a file holds the weights it made.
+    read are read: a non-finite loss raises there, also one read earlier on another thread,
+    before a file holds the weights it made (:func:`~hookloop.engine.metrics.settle_before_save`;
+    a stop checkpoint whose last losses failed to read is not saved, and ``train()`` raises).
     With a checkpointer that is not a :class:`hookloop.checkpoint.Checkpointer` (fvcore's),
     the whole save happens at its place.
     """
@@ -885,7 +887,7 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         final = self.max_iter is not None and iteration >= self.max_iter - 1
         if not (periodic or final):
             return
-        _settle_losses(self.trainer)
+        settle_before_save(self.trainer, f"the checkpoint of iteration {iteration}")
         with deferring(self.checkpointer, self._saves()):
             if periodic:
                 self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
@@ -900,8 +902,8 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
             and comm.is_main_process()
             and iteration >= trainer.start_iter
             and (iteration + 1) % self.period != 0
+            and settle_before_save(trainer, f"the checkpoint of the stop at iteration {iteration}")
         ):
-            _settle_losses(trainer)
             with deferring(self.checkpointer, self._saves()):
                 self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
 
@@ -924,14 +926,6 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
 def _is_trainer(obj: Any) -> bool:
     """Whether a checkpointable is a trainer, whose state a deferred save takes last."""
     return isinstance(obj, TrainerBase)
-
-
-def _settle_losses(trainer: Any) -> None:
-    """Reads the losses waiting in the storage's batched read now, before a save: a
-    non-finite one raises (naming its iteration) before any file holds the weights it made."""
-    settle = getattr(getattr(trainer, "storage", None), "_settle", None)
-    if settle is not None:
-        settle()
 
 
 def _eval_period(hook: Any, cls: Any, stage: str) -> Optional[int]:
@@ -971,7 +965,10 @@ class BestCheckpointer(HookBase):
     the best. Unlike detectron2's, saving the best model does not move ``last_checkpoint``:
     a resume continues from the newest periodic checkpoint. The best value and iteration are
     in :meth:`state_dict`, so a resumed run does not replace a better model with a worse one.
-    Across processes every rank keeps the record and the main process alone saves.
+    Across processes every rank keeps the record and the main process alone saves. Before a
+    save, the losses waiting in the storage's batched read are read: a non-finite loss, also
+    one read earlier on another thread, refuses the save
+    (:func:`~hookloop.engine.metrics.settle_before_save`).
     """
 
     def __init__(
@@ -1051,6 +1048,8 @@ class BestCheckpointer(HookBase):
         if self.best_metric is None or self._compare(latest_metric, self.best_metric):
             previous = self.best_metric, self.best_iter
             if comm.is_main_process():
+                if not settle_before_save(self.trainer, f"{self._file_prefix}.pth"):
+                    return
                 _save_with(
                     self._checkpointer,
                     self._file_prefix,

@@ -9,6 +9,11 @@ iterations, and stores them by the one ``write_metrics`` rule at their own itera
 for with ``check_finite_every_step``, and taken for asynchronous writes and across processes),
 the asynchronous writes, and the packed collective across processes, which also carries the
 stop protocol's codes (:mod:`hookloop.engine.stop`).
+
+A loss read later must be read with the value of its iteration: a tensor that can still change
+(a leaf: an ``nn.Parameter``, a buffer, a tensor given as it is) is copied when recorded
+(:func:`hookloop.utils._tensors.snapshot_losses`). And a save must not hold the weights a
+non-finite loss made: :func:`settle_before_save`, which every checkpoint hook calls.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from typing import Any, Deque, List, Mapping, Optional
 import torch
 
 from hookloop.utils import comm
-from hookloop.utils._tensors import read_scalars
+from hookloop.utils._tensors import read_scalars, snapshot_losses
 from hookloop.utils.events import _CURRENT_STORAGE_STACK, get_event_storage
 
-__all__ = ["LossMetrics", "metrics_of", "write_metrics_across"]
+__all__ = ["LossMetrics", "metrics_of", "settle_before_save", "write_metrics_across"]
 
 # The trainer's logger: these records are detectron2's train_loop records (filters and the
 # corpus match them by logger name).
@@ -38,6 +43,12 @@ class LossMetrics:
     def __init__(self) -> None:
         #: Hand the losses to the storage's pending queue (set at ``before_train``).
         self.deferring = False
+        #: Copy the losses that can still change before they are read (set at
+        #: ``before_train``; not a CUDA graph's ring slots, which stay until read).
+        self.snapshot = True
+        #: The error of the last read at ``after_train`` (:meth:`settle_last`), which the
+        #: trainer raises after every hook's ``after_train``.
+        self.ending_error: Optional[BaseException] = None
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
 
     def configure(self, trainer: Any) -> None:
@@ -50,6 +61,9 @@ class LossMetrics:
             or getattr(trainer, "async_write_metrics", False)
             or (comm._initialized() and comm.get_world_size() > 1)
         )
+        # CUDAGraphTrainer hands over views of its loss ring, whose slots are not written
+        # again before the queue has read them (graph.py's ring invariant).
+        self.snapshot = getattr(getattr(trainer, "_hookloop", None), "graph", None) is None
 
     def write(
         self, trainer: Any, loss_dict: Mapping[str, Any], data_time: float, prefix: str, it: int
@@ -64,6 +78,8 @@ class LossMetrics:
             # "Exception in writing metrics" itself (utils/_tensors.write_failed).
             if type(loss_dict) is not dict:
                 loss_dict = _as_dict(loss_dict)
+            if self.snapshot:
+                loss_dict = snapshot_losses(loss_dict)
             trainer.storage._record_losses(it, data_time, loss_dict, prefix)
             return
         stop = trainer._hookloop.stop
@@ -82,7 +98,7 @@ class LossMetrics:
         at the next step before the executor reads it (detectron2 hands over the model's)."""
         self.raise_async_errors()
         it = trainer.iter
-        loss_dict = dict(loss_dict)
+        loss_dict = snapshot_losses(dict(loss_dict))
         stop = trainer._hookloop.stop
         executor = trainer.concurrent_executor
         if (it + 1) % trainer.gather_metric_period == 0 and stop.rides_collective():
@@ -131,11 +147,12 @@ class LossMetrics:
     def settle_last(self, storage: Any) -> Optional[BaseException]:
         """At ``after_train``, before the hooks read the storage: what waits in its pending
         queue is stored; the error of that read is returned, for :meth:`take_errors`."""
+        self.ending_error = None
         try:
             storage._settle()
         except Exception as error:
-            return error
-        return None
+            self.ending_error = error
+        return self.ending_error
 
     def take_errors(self, first: Optional[BaseException]) -> List[BaseException]:
         """``first`` (the last settle's error), then the errors of this run's asynchronous
@@ -144,6 +161,7 @@ class LossMetrics:
         if first is not None:
             errors.insert(0, first)
         self._pending_writes.clear()
+        self.ending_error = None
         return errors
 
 
@@ -167,6 +185,32 @@ def _write_async(
         raise
     if agreed:
         stop.agreed_async = agreed
+
+
+def settle_before_save(trainer: Any, what: str) -> bool:
+    """Whether ``what`` (a checkpoint a hook of ``trainer`` saves: periodic, final, stop, best)
+    may be saved now. First its asynchronous metric writes are waited for and the losses
+    waiting in its storage's batched read are read. A non-finite loss raises
+    ``FloatingPointError`` naming its iteration, also one found before (by another thread
+    polling the storage, or read earlier and caught), so that no file holds the weights it made
+    and ``max_to_keep`` deletes no good file for them. In ``after_train``, when the last read
+    failed (the trainer raises that error once every hook's ``after_train`` ran), the save is
+    refused with a logged error instead: the hooks after this one still end their run.
+
+    A ``Checkpointer.save()`` that user code calls itself is not checked."""
+    metrics = metrics_of(trainer)
+    if metrics is not None:
+        if metrics.ending_error is not None:
+            logger.error(
+                f"Not saving {what}: reading the last losses failed, and training raises it "
+                f"after every hook's after_train: {metrics.ending_error!r}"
+            )
+            return False
+        metrics.wait()
+    settle = getattr(getattr(trainer, "storage", None), "_settle_before_save", None)
+    if settle is not None:
+        settle()
+    return True
 
 
 def metrics_of(trainer: Any) -> Optional[LossMetrics]:

@@ -7,6 +7,9 @@ One mechanism for both: per device, one stack of the values as float64 and one c
 host, so a batch costs one device synchronization per device instead of one per value. The
 values are the ones ``item()`` gives, also across dtypes (an int64 count is not rounded
 through float32 by type promotion).
+
+A value read later must still hold the value it had when it was put:
+:func:`snapshot_losses` copies those that can change.
 """
 
 from __future__ import annotations
@@ -14,12 +17,34 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
-__all__ = ["read_scalars", "stack_scalars", "start_read", "write_failed"]
+__all__ = ["read_scalars", "snapshot_losses", "stack_scalars", "start_read", "write_failed"]
 
 # The trainer's logger, by name: a failed store of its losses is detectron2's train_loop record.
 _train_logger = logging.getLogger("hookloop.engine.train_loop")
+
+
+def snapshot_losses(losses: Dict[str, Any]) -> Dict[str, Any]:
+    """``losses`` as they are at this step, for a read later: the dict itself when every value
+    is a tensor computed by autograd (not a leaf: the model's code made it this step, and
+    nothing changes it in place afterwards), else a new dict in which every leaf tensor (an
+    ``nn.Parameter``, a buffer, a tensor given as it is, which an optimizer step or the model
+    may change in place before the read) is a detached copy; numpy arrays are copied, numbers
+    kept. detectron2 reads every loss at its step, so its log has the value of that step."""
+    for v in losses.values():
+        if type(v) is not torch.Tensor or v.is_leaf:
+            return {k: _snapshot(v) for k, v in losses.items()}
+    return losses
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone() if value.is_leaf else value
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return value
 
 
 def stack_scalars(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:

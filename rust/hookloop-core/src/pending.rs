@@ -14,9 +14,16 @@
 //! Invariant: batches are applied in the order their values were put, so each history keeps
 //! its values in order, and the names they create keep the place of their put
 //! ([`Storage::mark_deferred`]).
+//!
+//! A non-finite loss belongs to the thread that records the losses (the training thread, the
+//! queue's *owner*): a read made on another thread (a dashboard polling `latest()`) that finds
+//! one keeps it ([`Read::Kept`]) and the owner gets it at its next record, read or save, still
+//! naming its iteration. Once one was found, every save is refused ([`Pending::before_save`]):
+//! the weights are those it made.
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::thread::ThreadId;
 
 use crate::iter::Iter;
 use crate::metrics::{write_metrics, Reduced};
@@ -124,6 +131,33 @@ pub struct Taken<V, H> {
     pub waiting: Batch<V>,
 }
 
+/// What a read of one batch ([`Pending::store`]) tells its reader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// Stored: read the next batch.
+    Stored,
+    /// A non-finite loss stopped the batch on a thread that is not the owner: what came before
+    /// it is stored, the rest is dropped, and the error waits for the owner. The reader gets
+    /// the storage as it is (its values are finite).
+    Kept,
+}
+
+/// The first non-finite loss a read found (what `Error::NonFiniteLoss` says).
+#[derive(Debug, Clone, PartialEq)]
+struct Failure {
+    iter: Iter,
+    losses: Vec<(String, f64)>,
+}
+
+impl Failure {
+    fn error(&self) -> Error {
+        Error::NonFiniteLoss {
+            iter: self.iter,
+            losses: self.losses.clone(),
+        }
+    }
+}
+
 /// The queue. `V`: a value not read yet; `H`: a started read.
 #[derive(Debug)]
 pub struct Pending<V, H> {
@@ -135,6 +169,12 @@ pub struct Pending<V, H> {
     /// the queue first, so its history keeps the order of the puts.
     put_names: HashSet<String>,
     pub limits: Limits,
+    /// The thread that records the losses ([`Pending::recording`]).
+    owner: Option<ThreadId>,
+    /// The first non-finite loss found, for the queue's lifetime (a storage's run).
+    failed: Option<Failure>,
+    /// Whether `failed` was found on another thread and the owner has not had it yet.
+    kept: bool,
 }
 
 impl<V, H> Default for Pending<V, H> {
@@ -145,6 +185,9 @@ impl<V, H> Default for Pending<V, H> {
             started: Vec::new(),
             put_names: HashSet::new(),
             limits: Limits::default(),
+            owner: None,
+            failed: None,
+            kept: false,
         }
     }
 }
@@ -241,6 +284,75 @@ impl<V, H> Pending<V, H> {
             self.waiting.values.iter(),
             self.started.iter().map(|s| &s.read),
         )
+    }
+
+    /// Before `thread` queues losses: it is the owner from now on, and gets the failure kept
+    /// for it (raised before this record is queued, naming the iteration it happened at).
+    pub fn recording(&mut self, thread: ThreadId) -> Result<()> {
+        self.owner = Some(thread);
+        self.take_kept(thread).map_or(Ok(()), Err)
+    }
+
+    /// The failure kept for the owner, when `reader` is the owner (a read on the owner thread
+    /// raises it before reading anything: what waits came after it). None elsewhere.
+    pub fn take_kept(&mut self, reader: ThreadId) -> Option<Error> {
+        if !self.kept || !self.is_owner(reader) {
+            return None;
+        }
+        self.kept = false;
+        self.failed.as_ref().map(Failure::error)
+    }
+
+    /// Whether a failure waits for the owner (every read must then reach the queue).
+    pub fn keeps_failure(&self) -> bool {
+        self.kept
+    }
+
+    fn is_owner(&self, reader: ThreadId) -> bool {
+        !matches!(self.owner, Some(o) if o != reader)
+    }
+
+    /// [`apply`] on `reader`'s thread: a non-finite loss is the reader's error on the owner
+    /// thread; on another thread it is kept for the owner ([`Read::Kept`]). The first one
+    /// found is remembered for [`Pending::before_save`].
+    pub fn store(
+        &mut self,
+        storage: &mut Storage,
+        records: &[Record],
+        values: &[f64],
+        reader: ThreadId,
+    ) -> Result<Read> {
+        match apply(storage, records, values) {
+            Ok(()) => Ok(Read::Stored),
+            Err(Error::NonFiniteLoss { iter, losses }) => {
+                let found = Failure { iter, losses };
+                let first = self.failed.get_or_insert_with(|| found.clone()).error();
+                if self.is_owner(reader) {
+                    // An earlier one kept for the owner comes first.
+                    let error = if self.kept { first } else { found.error() };
+                    self.kept = false;
+                    Err(error)
+                } else {
+                    self.kept = true;
+                    Ok(Read::Kept)
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Before a checkpoint is saved (after a read of everything waiting): the first non-finite
+    /// loss found, if any, refuses it, whichever thread found it and whether or not it was
+    /// raised before. The owner has it then.
+    pub fn before_save(&mut self, reader: ThreadId) -> Result<()> {
+        let Some(failed) = &self.failed else {
+            return Ok(());
+        };
+        let error = failed.error();
+        if self.is_owner(reader) {
+            self.kept = false;
+        }
+        Err(error)
     }
 
     /// Gives back what [`Pending::take`] took when the waiting batch's read was started
@@ -464,6 +576,125 @@ mod tests {
             "{err:?}"
         );
         assert_eq!(s.scalar("total_loss").unwrap().history.values().len(), 1);
+    }
+
+    /// Another thread's id (a dashboard polling the storage).
+    fn other_thread() -> ThreadId {
+        std::thread::spawn(|| std::thread::current().id())
+            .join()
+            .unwrap()
+    }
+
+    /// Queues iterations `0..n` from `owner`, NaN at `nan_at`.
+    fn recorded(owner: ThreadId, n: i64, nan_at: i64) -> (Pending<f64, ()>, Storage) {
+        let mut s = storage();
+        let mut q = Pending::default();
+        for it in 0..n {
+            q.recording(owner).unwrap();
+            losses(
+                &mut q,
+                &mut s,
+                it,
+                if it == nan_at { f64::NAN } else { 1.0 },
+            );
+        }
+        (q, s)
+    }
+
+    fn store_all(q: &mut Pending<f64, ()>, s: &mut Storage, reader: ThreadId) -> Result<Read> {
+        let taken = q.take();
+        q.store(s, &taken.waiting.records, &taken.waiting.values, reader)
+    }
+
+    fn failed_at(result: Result<impl std::fmt::Debug>) -> Iter {
+        match result {
+            Err(Error::NonFiniteLoss { iter, .. }) => iter,
+            other => panic!("expected a non-finite loss, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_non_finite_loss_read_on_another_thread_waits_for_the_owners_next_record() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 5, 2);
+        // The poller gets the finite values stored before it, and no error.
+        assert_eq!(
+            store_all(&mut q, &mut s, other_thread()).unwrap(),
+            Read::Kept
+        );
+        assert_eq!(s.scalar("total_loss").unwrap().history.values().len(), 2);
+        assert!(q.keeps_failure());
+        // Another thread's reads never take it; the owner's next record raises it once.
+        assert!(q.take_kept(other_thread()).is_none());
+        assert_eq!(failed_at(q.recording(owner)), Iter::Int(2));
+        assert!(!q.keeps_failure());
+        q.recording(owner).unwrap();
+    }
+
+    #[test]
+    fn the_owners_next_read_raises_the_kept_failure_before_a_later_one() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 3, 1);
+        assert_eq!(
+            store_all(&mut q, &mut s, other_thread()).unwrap(),
+            Read::Kept
+        );
+        // Iteration 7 fails too, read on the owner thread: the kept iteration 1 comes first.
+        losses(&mut q, &mut s, 7, f64::NAN);
+        assert_eq!(failed_at(store_all(&mut q, &mut s, owner)), Iter::Int(1));
+        assert!(q.take_kept(owner).is_none(), "raised once");
+        // A read that takes it before reading anything.
+        let (mut q, mut s) = recorded(owner, 3, 1);
+        store_all(&mut q, &mut s, other_thread()).unwrap();
+        assert!(matches!(
+            q.take_kept(owner),
+            Some(Error::NonFiniteLoss {
+                iter: Iter::Int(1),
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn on_the_owner_thread_the_read_raises_and_nothing_is_kept() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 3, 1);
+        assert_eq!(failed_at(store_all(&mut q, &mut s, owner)), Iter::Int(1));
+        assert!(!q.keeps_failure());
+        q.recording(owner).unwrap();
+    }
+
+    #[test]
+    fn every_save_after_a_non_finite_loss_is_refused_whoever_found_it() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 3, 9);
+        store_all(&mut q, &mut s, owner).unwrap();
+        q.before_save(owner).unwrap();
+        // Found on the owner and raised there: later saves are refused all the same.
+        let (mut q, mut s) = recorded(owner, 3, 1);
+        store_all(&mut q, &mut s, owner).unwrap_err();
+        assert_eq!(failed_at(q.before_save(owner)), Iter::Int(1));
+        assert_eq!(failed_at(q.before_save(owner)), Iter::Int(1));
+        // Found by a poller: the owner's save raises it (and it is not raised again at a record).
+        let (mut q, mut s) = recorded(owner, 3, 1);
+        store_all(&mut q, &mut s, other_thread()).unwrap();
+        assert_eq!(failed_at(q.before_save(other_thread())), Iter::Int(1));
+        assert!(q.keeps_failure(), "a save elsewhere does not deliver it");
+        assert_eq!(failed_at(q.before_save(owner)), Iter::Int(1));
+        q.recording(owner).unwrap();
+    }
+
+    #[test]
+    fn other_errors_of_a_read_are_the_readers() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 1, 9);
+        let taken = q.take();
+        let err = q
+            .store(&mut s, &taken.waiting.records, &[1.0], other_thread())
+            .unwrap_err();
+        assert!(matches!(err, Error::BadValue { .. }), "{err:?}");
+        assert!(!q.keeps_failure());
+        q.before_save(owner).unwrap();
     }
 
     #[test]

@@ -10,13 +10,18 @@
 //!
 //! Shared by the storage and its `HistoryBuffer` views, so that every read of the scalars,
 //! through either, settles first.
+//!
+//! Each read tells the core which thread it is on (`std::thread::current().id()`): the core
+//! keeps a non-finite loss found on a thread other than the one recording the losses for that
+//! thread (core `Pending::store`, `Pending::recording`).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::thread::{self, ThreadId};
 
 use hookloop_core::iter::Iter;
-use hookloop_core::pending::{apply, Batch, Due, Record, Started, Taken};
+use hookloop_core::pending::{Batch, Due, Read, Record, Started, Taken};
 use hookloop_core::Storage;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -79,13 +84,23 @@ impl Waiting {
         let names = self.names_of(losses)?;
         let values: Vec<Py<PyAny>> = losses.iter().map(|(_, v)| v.unbind()).collect();
         let prefix = prefix.to_owned();
-        let due = self
-            .with(|s, q| {
+        let thread = thread::current().id();
+        let pushed = self.with(move |s, q| match q.recording(thread) {
+            // A failure a read on another thread kept for this one: raised, nothing queued.
+            Err(kept) => Err((kept, values)),
+            Ok(()) => {
                 let due = q.push_losses(s, iter, data_time, prefix, names, values);
                 self.any.store(true, Ordering::Release);
-                due
-            })
-            .py_err()?;
+                Ok(due)
+            }
+        });
+        let due = match pushed {
+            Ok(due) => due.py_err()?,
+            Err((kept, values)) => {
+                drop(values); // the tensors, released after the lock
+                return Err(raise_kept(py, kept));
+            }
+        };
         self.on_due(py, due)
     }
 
@@ -171,7 +186,9 @@ impl Waiting {
         }
     }
 
-    /// Stores everything that waits (what every read of the scalars calls first).
+    /// Stores everything that waits (what every read of the scalars calls first). On the
+    /// thread that records the losses, a failure another thread's read kept is raised instead
+    /// (what waits came after it and is dropped).
     pub fn settle(&self, py: Python<'_>) -> PyResult<()> {
         if !self.any.load(Ordering::Acquire) {
             return Ok(());
@@ -179,11 +196,32 @@ impl Waiting {
         let Some(_guard) = self.lock_settling(py) else {
             return Ok(());
         };
-        let taken = self.with(|_, q| {
+        let thread = thread::current().id();
+        let (kept, taken) = self.with(|s, q| {
             self.any.store(false, Ordering::Release);
-            q.take()
+            match q.take_kept(thread) {
+                Some(kept) => {
+                    let dropped = q.take();
+                    end_if_empty(s, q);
+                    (Some(kept), dropped)
+                }
+                None => (None, q.take()),
+            }
         });
-        self.read(py, taken)
+        if let Some(kept) = kept {
+            drop(taken); // the tensors, released after the lock
+            return Err(raise_kept(py, kept));
+        }
+        self.read(py, taken, thread)
+    }
+
+    /// Before a checkpoint save: everything waiting is stored, then a non-finite loss found in
+    /// this storage (now or earlier, on any thread) refuses the save (core
+    /// `Pending::before_save`).
+    pub fn settle_before_save(&self, py: Python<'_>) -> PyResult<()> {
+        self.settle(py)?;
+        let thread = thread::current().id();
+        self.with(|_, q| q.before_save(thread)).py_err()
     }
 
     /// A due read: CUDA values start their copy to the host (not waited for) while fewer
@@ -225,34 +263,46 @@ impl Waiting {
                 return Ok(()); // waiting.values (the tensors) released here, after the lock
             }
         }
-        self.read(py, Taken { started, waiting })
+        self.read(py, Taken { started, waiting }, thread::current().id())
     }
 
-    /// Reads and stores what was taken: the started reads, then the waiting batch. The first
-    /// error stops it (what comes after is dropped) and is raised; when the batch that failed
-    /// held a trainer's losses, it is logged first as detectron2's `_write_metrics` logs it.
-    fn read(&self, py: Python<'_>, taken: Taken<Py<PyAny>, Py<PyAny>>) -> PyResult<()> {
+    /// Reads and stores what was taken, on `thread`: the started reads, then the waiting
+    /// batch. The first error stops it (what comes after is dropped) and is raised; when the
+    /// batch that failed held a trainer's losses, it is logged first as detectron2's
+    /// `_write_metrics` logs it. A non-finite loss that the core keeps for the thread that
+    /// records the losses stops it too, without an error here.
+    fn read(
+        &self,
+        py: Python<'_>,
+        taken: Taken<Py<PyAny>, Py<PyAny>>,
+        thread: ThreadId,
+    ) -> PyResult<()> {
         let Taken { started, waiting } = taken;
-        let mut result = Ok(());
+        let mut result = Ok(Read::Stored);
         for s in &started {
             result = s
                 .read
                 .bind(py)
                 .call_method0(intern!(py, "values"))
                 .and_then(|v| v.extract::<Vec<f64>>())
-                .and_then(|values| self.with(|st, _| apply(st, &s.records, &values)).py_err());
+                .and_then(|values| {
+                    self.with(|st, q| q.store(st, &s.records, &values, thread))
+                        .py_err()
+                });
             if let Err(e) = &result {
                 log_failed_write(py, &s.records, e);
+            }
+            if !matches!(result, Ok(Read::Stored)) {
                 break;
             }
         }
         let mut ended = false;
-        if result.is_ok() && !waiting.records.is_empty() {
+        if matches!(result, Ok(Read::Stored)) && !waiting.records.is_empty() {
             // Stored, and the deferred place ended when nothing waits, under one lock.
             result = read_values(py, &waiting).and_then(|values| {
                 self.with(|st, q| {
-                    let stored = apply(st, &waiting.records, &values);
-                    ended = end_if_empty(st, q);
+                    let stored = q.store(st, &waiting.records, &values, thread);
+                    ended = self.end_read(st, q);
                     stored
                 })
                 .py_err()
@@ -262,10 +312,19 @@ impl Waiting {
             }
         }
         if !ended {
-            self.with(end_if_empty);
+            self.with(|st, q| self.end_read(st, q));
         }
         drop((started, waiting)); // the tensors, released after the lock
-        result
+        result.map(drop)
+    }
+
+    /// After a read, under the lock: every later read must reach the queue while a failure
+    /// waits there for the owner; the deferred place ends when nothing waits.
+    fn end_read(&self, storage: &mut Storage, queue: &mut Queue) -> bool {
+        if queue.keeps_failure() {
+            self.any.store(true, Ordering::Release);
+        }
+        end_if_empty(storage, queue)
     }
 
     /// The settle lock, waited for without the GIL (the holder may need it to finish); None on
@@ -325,12 +384,25 @@ fn end_if_empty(storage: &mut Storage, queue: &mut Queue) -> bool {
     empty
 }
 
-/// Logs a failed read of a batch that held a trainer's losses (`_tensors.write_failed`); a
-/// failure to log is reported as unraisable, never instead of the error itself.
+/// A failure another thread's read kept for this one, as the error to raise: logged first, as
+/// the read that found it would have logged it on this thread.
+fn raise_kept(py: Python<'_>, kept: hookloop_core::Error) -> PyErr {
+    let error = to_py(kept);
+    write_failed(py, &error);
+    error
+}
+
+/// Logs a failed read of a batch that held a trainer's losses.
 fn log_failed_write(py: Python<'_>, records: &[Record], error: &PyErr) {
-    if !records.iter().any(|r| matches!(r, Record::Losses { .. })) {
-        return;
+    if records.iter().any(|r| matches!(r, Record::Losses { .. })) {
+        write_failed(py, error);
     }
+}
+
+/// Logs a failed store of a trainer's losses as detectron2's `_write_metrics` logs it
+/// (`_tensors.write_failed`); a failure to log is reported as unraisable, never instead of the
+/// error itself.
+fn write_failed(py: Python<'_>, error: &PyErr) {
     let logged = tensors(py)
         .and_then(|m| m.getattr(intern!(py, "write_failed")))
         .and_then(|f| f.call1((error.value(py),)));

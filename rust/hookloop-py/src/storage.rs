@@ -218,6 +218,12 @@ impl PyEventStorage {
         self.settle(py)
     }
 
+    /// Before a checkpoint save: stores what is pending, then raises `FloatingPointError` if
+    /// this storage ever found a non-finite loss (on any thread), naming its iteration.
+    fn _settle_before_save(&self, py: Python<'_>) -> PyResult<()> {
+        self.waiting.settle_before_save(py)
+    }
+
     /// `SimpleTrainer.write_metrics`'s rule (core `metrics::write_metrics`) in one crossing.
     /// `losses` (None on ranks other than the main one) maps names to floats or to tensors,
     /// which are read with `item()`; `data_time` is the reduced data time (with one process,

@@ -5,6 +5,10 @@ reference), MLflowWriter (a local sqlite store, and a server that is not there) 
 
     python benches/bench_tracker_write.py             # ~1 min
     python benches/bench_tracker_write.py --iters 300 # a quick look
+    python benches/bench_tracker_write.py --rows JSON,sqlite  # the rows named (substrings)
+
+Two builds side by side: run it once per build, alternating, with ``PYTHONPATH`` pointing at
+each build's ``python/`` (docs/performance.md, "Trackers").
 
 Prints the median and the 90th percentile per write() in microseconds, all measured in one run.
 """
@@ -56,6 +60,9 @@ def _free_port() -> int:
 def main(argv: Any = None) -> Dict[str, Dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=3000)
+    parser.add_argument(
+        "--rows", default="", help="comma-separated substrings of the rows to run (all if empty)"
+    )
     args = parser.parse_args(argv)
     if hookloop.BUILD_PROFILE != "release":
         parser.error("hookloop._core is a debug build: pip install -e . first")
@@ -87,6 +94,8 @@ def _rows(args: Any) -> Dict[str, Dict[str, float]]:
         rows["WandbWriter, offline"] = lambda d: WandbWriter(mode="offline", dir=d)
     except ImportError:
         print("wandb is not installed: its row is skipped")
+    wanted = [w for w in args.rows.split(",") if w]
+    rows = {k: v for k, v in rows.items() if not wanted or any(w in k for w in wanted)}
     print(f"# write() with {len(NAMES)} scalars, every iteration, {args.iters} iterations")
     print(f"python {' '.join(sys.argv)}  (hookloop {hookloop.__version__})\n")
     print("| writer | median µs | p90 µs |\n|---|---|---|")

@@ -20,6 +20,7 @@ from hookloop.utils.events import JSONWriter
 
 wandb = pytest.importorskip("wandb")
 
+from hookloop.utils.trackers import _Phase  # noqa: E402
 from hookloop.utils.wandb_writer import WandbWriter  # noqa: E402  (needs wandb)
 
 # Every wait on the client is bounded (its offline init takes about a second).
@@ -122,7 +123,8 @@ def test_logs_what_json_writer_writes(tmp_path):
     assert run["project"] == "hookloop-test"
     assert run["display_name"] == "parity"
     assert any(r["type"] == "exit" for r in records), "the run was not finished"
-    assert writer._state_dict() == {"run_id": writer._run_id(), "last_step": 19, "pending": []}
+    state = writer._state_dict()
+    assert state == {"run_id": writer._run_id(), "last_step": 19, "pending": [], "names": []}
 
 
 def test_config_is_flattened_into_the_run_config(tmp_path):
@@ -301,8 +303,8 @@ class _FakeRun:
     def log(self, data, step=None, commit=None):
         self.logged.append(step)
 
-    def finish(self):
-        pass
+    def finish(self, exit_code=None):
+        self.exit_code = exit_code
 
 
 @pytest.mark.parametrize("resumed", [True, False])
@@ -522,7 +524,7 @@ def test_an_error_that_clears_while_closing_loses_nothing(tmp_path, monkeypatch)
     closing_calls = []
 
     def fails(n):
-        if not writer._closing:
+        if writer._phase < _Phase.CLOSING:
             return True
         closing_calls.append(n)
         return len(closing_calls) == 1
@@ -699,3 +701,116 @@ def test_a_writer_left_open_is_closed_at_exit(tmp_path):
     records = _records(run_dir)
     assert _history(records) == {i: {"loss": float(i)} for i in range(10)}
     assert any(r["type"] == "exit" for r in records), "the run was not finished"
+
+
+# -- issue 42 ----------------------------------------------------------------------------------
+
+
+def test_names_that_map_to_one_wandb_key_are_kept_apart(tmp_path, caplog):
+    """Issue 42, item 3, for W&B: ``_x`` (logged as ``-x``: W&B keeps ``_`` keys) and ``-x``
+    are two keys, not one: ``-x`` keeps its name, ``_x`` gets ``-`` and its CRC32; one
+    warning."""
+    import zlib
+
+    class Both(TrainerBase):
+        def run_step(self):
+            i = self.iter
+            self.storage.put_scalars(**{"_x": float(i), "-x": 100.0 + i}, smoothing_hint=False)
+
+    writer = _writer(tmp_path)  # strict: close() raises if a point was not logged
+    trainer = Both()
+    trainer.register_hooks([PeriodicWriter([writer], period=1)])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        trainer.train(0, 4)
+    other = f"-x-{zlib.crc32(b'_x'):08x}"
+    assert _history(_records(writer._wb_run_dir)) == {
+        i: {"-x": 100.0 + i, other: float(i)} for i in range(4)
+    }
+    (both,) = _warnings(caplog, "are both")
+    assert both.endswith(f"'_x' is logged as '{other}'")
+
+
+class _LateMedia(HookBase):
+    """Puts an image and a histogram at every iteration after ``PeriodicWriter`` wrote it (a
+    visualisation hook registered after the writers)."""
+
+    def after_step(self):
+        import torch
+
+        i, s = self.trainer.iter, self.trainer.storage
+        s.put_image("late", torch.full((3, 2, 2), i / 10))
+        s.put_histogram("late_h", torch.arange(4.0) + i, bins=2)
+
+
+def test_media_put_after_the_writer_reach_wandb_at_their_iteration(tmp_path):
+    """Issue 42, item 3: images and histograms that a hook after ``PeriodicWriter`` puts at
+    an iteration the writer already wrote reach W&B at that iteration's step (the next write
+    takes them, and W&B's newest step is still open), as TensorBoard has them: 5 of 5."""
+    from hookloop.utils.events import TensorboardXWriter
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = tmp_path / "metrics.json"
+    writer = _writer(tmp_path)  # strict: close() raises if a point was not logged (or refused)
+    tb = TensorboardXWriter(tmp_path / "tb")
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([JSONWriter(metrics, 4), tb, writer], period=1)])
+    trainer.register_hooks([_LateMedia()])
+    trainer.train(0, 5)
+    logged = _history(_records(writer._wb_run_dir))
+    assert sorted(s for s, row in logged.items() if row.get("late._type") == "image-file") == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert sorted(s for s, row in logged.items() if any(k.startswith("late_h") for k in row)) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    expected = _metrics_json(metrics)
+    for step, row in expected.items():
+        assert {k: v for k, v in logged[step].items() if not k.startswith("late")} == row
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0, "histograms": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("late")] == [0, 1, 2, 3, 4]
+    assert [e.step for e in acc.Histograms("late_h")] == [0, 1, 2, 3, 4]
+
+
+def test_a_wandb_sender_that_dies_ends_the_run_failed(tmp_path, monkeypatch, caplog):
+    """Issue 42, item 5, for W&B: ``SystemExit`` raised in ``run.log`` stops the writer's
+    thread with a message naming it; close() counts what was not logged and ends the run
+    with exit code 1 (W&B shows it failed), not 0."""
+    _FailingLog(monkeypatch, lambda n: n == 2)
+    real_init = wandb.init
+
+    def init(**kwargs):
+        run = real_init(**kwargs)
+        failing_log = run.log
+
+        def log(*args, **kw):
+            try:
+                return failing_log(*args, **kw)
+            except wandb.Error as e:
+                raise SystemExit(str(e)) from None
+
+        run.log = log
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    writer = WandbWriter(project="hookloop-test", dir=tmp_path, close_timeout=CLOSE_TIMEOUT)
+    flush = _FlushAt(writer, at=0)
+    trainer = Scripted()
+    trainer.register_hooks([PeriodicWriter([writer], period=1), flush])
+    with caplog.at_level("WARNING", logger="hookloop.utils"):
+        trainer.train(0, 5)
+    (died,) = _warnings(caplog, "the writer's thread stopped on SystemExit")
+    assert "log refused (call 2)" in died
+    (summary,) = _warnings(caplog, "were not logged")
+    assert summary.endswith("; the run ends FAILED")
+    records = _records(writer._wb_run_dir)
+    (exit_record,) = [r for r in records if r["type"] == "exit"]
+    assert exit_record["exit"]["exit_code"] == 1

@@ -13,7 +13,7 @@ import numbers
 import os
 import secrets
 import string
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from hookloop.utils._media import histogram_edges, image_array, rebinned
 from hookloop.utils.trackers import TrackerWriter, _Call, _Part, _Row, flatten_config
@@ -68,37 +68,19 @@ def _wandb_value(key: Any, value: Any) -> Any:
     return wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
 
 
-def _log_row(run: Any, it: int, wall: float, parts: List[Any]) -> None:
-    """One step's values in one ``run.log``; ``commit=True``: the row goes to the run now, not
-    when a later step comes (or never, if the process dies first)."""
-    values = {name: _wandb_value(key, value) for name, key, value in parts}
-    run.log({**values, "_timestamp": wall}, step=it, commit=True)
-
-
-def _log_part(run: Any, it: int, parts: List[Any]) -> None:
-    ((name, key, value),) = parts
-    run.log({name: _wandb_value(key, value)}, step=it, commit=False)
-
-
-def _commit(run: Any, it: int, wall: float, parts: List[Any]) -> None:
-    run.log({"_timestamp": wall}, step=it, commit=True)
-
-
-def _split_row(run: Any, it: int, wall: float, call: _Call) -> List[_Call]:
-    """A refused row as one call per value (``commit=False``: they gather in the step), then
-    one that commits the step."""
-    one = functools.partial(_log_part, run, it)
-    return [_Call(one, [part]) for part in call.parts] + [
-        _Call(functools.partial(_commit, run, it, wall), [])
-    ]
-
-
 class WandbWriter(TrackerWriter):
     """Writes the smoothed scalars that ``JSONWriter`` writes, at the same iterations, to a
-    Weights & Biases run: one ``run.log(values, step=iteration, commit=True)`` per iteration
+    Weights & Biases run: one ``run.log(values, step=iteration, commit=False)`` per iteration
     written, from the writer's own thread. The W&B step is the iteration; the point's
     ``_timestamp`` is the training thread's wall time at ``write()`` (as ``MLflowWriter``'s
     timestamps), not the time the writer's thread got to it.
+
+    W&B takes no step below its current one, and a step once committed takes nothing more.
+    The newest step is therefore left open (``commit=False``) until a later one comes (W&B
+    then commits it) or the run ends: images and histograms that a hook after
+    ``PeriodicWriter`` puts at an iteration already written reach the next write, and go
+    into their own step. A row below the open step (put for an earlier iteration by hand) is
+    refused, counted and named. A checkpoint holds the open step's rows with those not sent.
 
     The run is made by ``wandb.init(..., reinit="create_new")`` on the writer's first points,
     and the writer logs to the run object it returned, never to the global ``wandb.run``: several
@@ -203,6 +185,10 @@ class WandbWriter(TrackerWriter):
         self._wb_id: Optional[str] = id or _new_run_id()
         self._wb_run: Any = None  # the wandb Run that _open made
         self._wb_run_dir: Optional[str] = None
+        # The open step (see the class): (step, its wall time, its keys), and its rows.
+        self._wb_open: Optional[Tuple[int, float, Set[str]]] = None
+        self._wb_open_rows: List[_Row] = []
+        self._wb_floor = 0  # the lowest step the run takes (online: one past what it has)
 
     def _where(self) -> str:
         project = self._wb_project or "(default project)"
@@ -255,6 +241,7 @@ class WandbWriter(TrackerWriter):
         # the killed run's points after its checkpoint); the client would ignore each of them
         # with a warning. Offline, starting_step is 0.
         starting = int(getattr(run, "starting_step", 0) or 0)
+        self._wb_floor = starting
         if starting > 0:
             if not self._resumed:
                 logger.warning(
@@ -265,46 +252,76 @@ class WandbWriter(TrackerWriter):
                 )
             self._skip_through = max(self._skip_through, starting - 1)
 
+    def _claim_names(self, rows: List[_Row]) -> None:
+        """W&B has one kind of key: two names written that map to one (``_x`` and ``-x``)
+        are kept apart (an image or a histogram named as a scalar shares the scalar's key,
+        and ``_calls`` separates them within a step)."""
+        names = {key[1] if isinstance(key, tuple) else key for _, _, v in rows for key in v}
+        self._claim("key", names, _wandb_name)
+
     def _calls(self, rows: List[_Row]) -> List[_Call]:
-        """One ``run.log`` per row. W&B has one value per key and step: a histogram whose name
-        an image or a scalar of the same step has is logged as ``<name>/histogram`` (an
-        image, as ``<name>/image``, beside a scalar). A row W&B refuses is logged again one
-        value at a time (``commit=False``, then a commit of the step), so that only the value
-        it refuses is dropped."""
-        run = self._wb_run
+        """One ``run.log(commit=False)`` per row, into its step (see the class). W&B has one
+        value per key and step: a histogram whose name an image or a scalar of the same step
+        has is logged as ``<name>/histogram`` (an image, as ``<name>/image``, beside a
+        scalar). A row W&B refuses is logged again in halves, then one value at a time, so
+        that only the value it refuses is dropped."""
+        step, wall0, taken = self._wb_open if self._wb_open is not None else (None, 0.0, set())
+        taken = set(taken)
         calls = []
         for it, wall, values in rows:
             if not values:
-                continue  # its images went past max_buffered_bytes
+                continue  # its images went past max_buffered_bytes, or the run had them
+            floor = step if step is not None else self._wb_floor
+            if it < floor:
+                error = ValueError(f"W&B takes no step below its current one ({floor})")
+                self._refuse([((it, key), None) for key in values], error)
+                continue
+            if it != step:
+                step, wall0, taken = it, wall, set()
             parts: List[_Part] = []
-            names = set()
             for kind in (None, "image", "histogram"):
                 for key, value in values.items():
                     if (key[0] if isinstance(key, tuple) else None) != kind:
                         continue
                     written = key[1] if isinstance(key, tuple) else key
-                    name = self._tracker_name(written)
-                    if name in names and kind is not None:
+                    name = self._tracker_name(written, "key", _wandb_name)
+                    if name in taken and kind is not None:
                         name = f"{name}/{kind}"
-                    names.add(name)
-                    parts.append(((it, written), (name, key, value)))
-            calls.append(
-                _Call(
-                    functools.partial(_log_row, run, it, wall),
-                    parts,
-                    functools.partial(_split_row, run, it, wall),
-                )
-            )
+                    taken.add(name)
+                    parts.append(((it, key), (name, key, value)))
+            calls.append(_Call(functools.partial(self._log, it, wall0), parts))
         return calls
+
+    def _log(self, it: int, wall: float, parts: List[Any]) -> None:
+        """Values into step ``it``, left open; ``_timestamp`` is its first row's wall time
+        (a commit without it would take the commit's time)."""
+        values = {name: _wandb_value(key, value) for name, key, value in parts}
+        self._wb_run.log({**values, "_timestamp": wall}, step=it, commit=False)
+        with self._lock:  # a checkpoint reads the open step's rows
+            if self._wb_open is None or self._wb_open[0] != it:
+                self._wb_open = (it, wall, set())
+                self._wb_open_rows = []
+            self._wb_open[2].update(values)
+            self._wb_open_rows.append((it, wall, {key: value for _, key, value in parts}))
+
+    def _unsettled(self) -> List[_Row]:
+        return [(it, wall, dict(values)) for it, wall, values in self._wb_open_rows]
 
     def _refuses(self, error: BaseException) -> bool:
         """W&B refuses a value it cannot convert (``ValueError``, ``TypeError``); anything else
         (``wandb.Error``, an ``OSError``) is a failure."""
         return isinstance(error, (ValueError, TypeError))
 
-    def _valid_name(self, name: str) -> str:
-        return _wandb_name(name)
-
-    def _finish(self) -> None:
-        if self._wb_run is not None:
-            self._wb_run.finish()
+    def _finish(self, state: str) -> None:
+        """Commits the open step, then ends the run (exit code 1 unless FINISHED: W&B shows
+        it failed)."""
+        run = self._wb_run
+        if run is None:
+            return
+        if self._wb_open is not None:
+            it, wall, _ = self._wb_open
+            run.log({"_timestamp": wall}, step=it, commit=True)
+            with self._lock:
+                self._wb_open = None
+                self._wb_open_rows = []
+        run.finish(exit_code=0 if state == "FINISHED" else 1)

@@ -134,9 +134,14 @@ def test_demo_trains_and_writes_metrics_and_events(tmp_path):
         (["--seed", str(2**70)], "--seed must be below 2**32"),
     ],
 )
-def test_demo_rejects_bad_arguments_with_one_usage_line(args, message):
+def test_demo_rejects_bad_arguments_with_one_usage_line(args, message, tmp_path):
+    # In a folder of its own: a check after the default --output is made leaves it there.
     proc = subprocess.run(
-        [sys.executable, "-m", "hookloop", "demo", *args], capture_output=True, text=True
+        [sys.executable, "-m", "hookloop", "demo", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr

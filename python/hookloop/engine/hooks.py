@@ -887,7 +887,8 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
         final = self.max_iter is not None and iteration >= self.max_iter - 1
         if not (periodic or final):
             return
-        settle_before_save(self.trainer, f"the checkpoint of iteration {iteration}")
+        if not settle_before_save(self.trainer, f"the checkpoint of iteration {iteration}"):
+            return
         with deferring(self.checkpointer, self._saves()):
             if periodic:
                 self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
@@ -907,7 +908,7 @@ class PeriodicCheckpointer(_PeriodicCheckpointer, HookBase):
             with deferring(self.checkpointer, self._saves()):
                 self._save_periodic(iteration, {"iteration": iteration}, self._trainer_epoch())
 
-    # The dispatcher calls these after every hook of the stage (dispatch.FINISHING).
+    # The dispatcher calls these after every hook of the stage (dispatch._finishing_entries).
     _finishing = {"after_step": "_finish_step", "after_train": "_finish_train"}
 
     def _finish_step(self) -> None:

@@ -1168,6 +1168,14 @@ def _eager_and_captured(tmp_path: Path, iters: int, *hook_classes: type, **kw: A
     return runs[0], runs[1]
 
 
+def _assert_trained_alike(tmp_path: Path, eager: Any, graphed: Any) -> None:
+    """The eager seam's run and the captured one wrote the same metrics and ended with the
+    same parameters and buffers (to the device's float tolerance)."""
+    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
+    for p, q in zip(params(eager.model), params(graphed.model)):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.cuda
 @cuda
 # graph="eager" runs the capturable Adam's step outside a capture: torch warns it is slower
@@ -1205,9 +1213,7 @@ def test_cuda_a_buffer_assigned_between_steps_is_captured_again(tmp_path):
     # replays update the model's tensors, as the eager seam's steps do.
     eager, graphed = _eager_and_captured(tmp_path, 35, AssignStats)
     assert graphed._hookloop.graph.captured
-    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
-    for p, q in zip(params(eager.model), params(graphed.model)):  # the BN buffers too
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    _assert_trained_alike(tmp_path, eager, graphed)  # the BN buffers too
 
 
 @pytest.mark.cuda
@@ -1219,9 +1225,7 @@ def test_cuda_a_frozen_layer_and_an_eval_module_are_captured_again(tmp_path):
     # the eager seam's steps do.
     eager, graphed = _eager_and_captured(tmp_path, 40, Retune)
     assert graphed._hookloop.graph.recaptures == 3
-    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
-    for p, q in zip(params(eager.model), params(graphed.model)):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    _assert_trained_alike(tmp_path, eager, graphed)
 
 
 @pytest.mark.cuda
@@ -1235,9 +1239,7 @@ def test_cuda_a_param_group_added_between_steps_is_captured_again(tmp_path):
     step = graphed._hookloop.graph
     assert step.captured and step.recaptures == 1
     assert step.table.shape[1] == 2 and step.rows_rewritten == 0
-    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
-    for p, q in zip(params(eager.model), params(graphed.model)):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    _assert_trained_alike(tmp_path, eager, graphed)
 
 
 @pytest.mark.cuda
@@ -1249,9 +1251,7 @@ def test_cuda_the_optimizers_state_changed_between_steps_is_captured_again(tmp_p
     # the optimizer's tensors, as the eager seam's steps do.
     eager, graphed = _eager_and_captured(tmp_path, 40, ResetState)
     assert graphed._hookloop.graph.recaptures == 3
-    assert_same_metrics(tmp_path / "a", tmp_path / "b", rel=1e-4)
-    for p, q in zip(params(eager.model), params(graphed.model)):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    _assert_trained_alike(tmp_path, eager, graphed)
     for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
         a, b = eager.optimizer.state[p], graphed.optimizer.state[q]
         assert a.keys() == b.keys()

@@ -132,43 +132,57 @@ def test_a_nan_before_an_early_stop_refuses_the_stop_checkpoint(tmp_path):
     assert last_checkpoint(tmp_path) == "model_0000004.pth"
 
 
+class _Poller:
+    """A dashboard thread that reads ``storage.latest()`` once, while the training thread
+    waits in ``after_step`` of iteration ``at`` (every wait bounded by WAIT): ``hook`` to
+    register, ``seen`` its result (``"latest"`` or ``"error"``)."""
+
+    def __init__(self, trainer, at):
+        go, polled = threading.Event(), threading.Event()
+        self.seen = {}
+
+        class Poll(HookBase):
+            def after_step(self):
+                if self.trainer.iter == at:
+                    go.set()
+                    assert polled.wait(WAIT)
+
+        def poll():
+            try:
+                if go.wait(WAIT):
+                    self.seen["latest"] = trainer.storage.latest()
+            except BaseException as e:  # noqa: BLE001 - what the poller got is the result
+                self.seen["error"] = e
+            finally:
+                polled.set()
+
+        self.hook, self._go = Poll(), go
+        self._thread = threading.Thread(target=poll)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._go.set()
+        self._thread.join(WAIT)
+
+
 def test_a_nan_read_by_a_polling_thread_is_raised_by_the_training_thread(tmp_path, caplog):
     """A dashboard thread reads storage.latest() at iteration 32, which reads the losses of
     20..32 (NaN at 30): it gets the finite values (up to 29) and no error; the training thread
     raises the error at its next step, naming iteration 30, and logs it there; no checkpoint
     is saved after it."""
-    go, polled = threading.Event(), threading.Event()
-    seen = {}
     trainer = nan_trainer(30)
-
-    class Poll(HookBase):
-        def after_step(self):
-            if self.trainer.iter == 32:
-                go.set()
-                assert polled.wait(WAIT)
-
-    def poll():
-        try:
-            if go.wait(WAIT):
-                seen["latest"] = trainer.storage.latest()
-        except BaseException as e:  # noqa: BLE001 - what the poller got is the test's result
-            seen["error"] = e
-        finally:
-            polled.set()
-
     ckpt = Checkpointer(trainer.model, str(tmp_path), optimizer=trainer.optimizer)
-    trainer.register_hooks([Poll(), PeriodicCheckpointer(ckpt, 5, max_to_keep=2)])
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
+    with _Poller(trainer, 32) as poller:
+        trainer.register_hooks([poller.hook, PeriodicCheckpointer(ckpt, 5, max_to_keep=2)])
         with (
             caplog.at_level(logging.ERROR),
             pytest.raises(FloatingPointError, match=r"iteration=30!"),
         ):
             trainer.train(0, 60)
-    finally:
-        go.set()
-        poller.join(WAIT)
+    seen = poller.seen
     assert "error" not in seen, seen.get("error")
     assert seen["latest"]["total_loss"][1] == 29
     assert trainer.iter == 33  # the next step's record raised it, before its optimizer step
@@ -181,35 +195,13 @@ def test_a_nan_read_by_a_polling_thread_is_raised_by_the_training_thread(tmp_pat
 def test_a_nan_kept_for_the_training_thread_refuses_a_save_before_its_next_step(tmp_path):
     """A poller that reads the NaN in the very iteration of a save: the save's read raises it
     on the training thread."""
-    go, polled = threading.Event(), threading.Event()
-    seen = {}
     trainer = nan_trainer(7)
-
-    class Poll(HookBase):
-        def after_step(self):
-            if self.trainer.iter == 9:
-                go.set()
-                assert polled.wait(WAIT)
-
-    def poll():
-        try:
-            if go.wait(WAIT):
-                seen["latest"] = trainer.storage.latest()
-        except BaseException as e:  # noqa: BLE001 - what the poller got is the test's result
-            seen["error"] = e
-        finally:
-            polled.set()
-
     ckpt = Checkpointer(trainer.model, str(tmp_path), optimizer=trainer.optimizer)
-    trainer.register_hooks([Poll(), PeriodicCheckpointer(ckpt, 5, max_to_keep=2)])
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
+    with _Poller(trainer, 9) as poller:
+        trainer.register_hooks([poller.hook, PeriodicCheckpointer(ckpt, 5, max_to_keep=2)])
         with pytest.raises(FloatingPointError, match=r"iteration=7!"):
             trainer.train(0, 30)
-    finally:
-        go.set()
-        poller.join(WAIT)
+    seen = poller.seen
     assert "error" not in seen, seen.get("error")
     assert seen["latest"]["total_loss"][1] == 6
     assert trainer.iter == 9

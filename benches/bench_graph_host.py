@@ -31,8 +31,8 @@ import torch
 from hookloop.bench import TinyMLP, make_batches
 from hookloop.data import DeviceResidentLoader
 from hookloop.engine import CUDAGraphTrainer, hooks
-from hookloop.engine import graph as graph_module
 from hookloop.engine.graph import EagerStepGraph
+from hookloop.engine.graph import seam as graph_seam
 from hookloop.utils.events import CommonMetricPrinter, JSONWriter, TensorboardXWriter
 
 
@@ -107,7 +107,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.getLogger("hookloop").setLevel(logging.WARNING)
-    graph_module.EagerStepGraph = FreeReplays  # type: ignore[misc]
+    graph_seam.EagerStepGraph = FreeReplays  # type: ignore[misc]
     kinds = [("no hooks", False, "cycle"), ("default stack", True, "cycle")]
     if args.resident:
         kinds = [

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Per-iteration cost of an LR scheduler step: hookloop's native LRMultiplier against torch.
+"""Per-iteration cost of an LR scheduler step: hookloop's native LRMultiplier against torch and
+fvcore-style Python schedules.
 
     python benches/bench_schedules.py [--quick] [--repeats 9] [--iters 20000] [--groups 1,16]
 
@@ -8,13 +9,15 @@ Measures, side by side in this one process, the cost of one scheduler step per i
 - ``loop floor``: the timing loop calling a no-op (subtracted from nothing; shown for scale);
 - ``torch MultiStepLR.step()``: torch's own scheduler, what the issue compares against;
 - ``LRMultiplier(Warmup(MultiStep)).step()``: hookloop, native schedule (one call into Rust);
-- ``LRMultiplier._native_step()``: the same step without torch's call-order bookkeeping, what
-  the ``LRScheduler`` hook calls;
 - ``LRMultiplier(Python schedule).step()``: hookloop's LRMultiplier over the same schedule as
   a Python ``ParamScheduler`` subclass (the fallback: torch's step, ``get_lr``, Python schedule);
 - ``detectron2 LRMultiplier+fvcore .step()``: the baseline, detectron2's ``LRMultiplier`` over
   fvcore's ``WarmupParamScheduler(MultiStepParamScheduler(...))`` as modelled in
-  ``tests/compat/reference_engine.py`` (the tests' model of detectron2, ``compat.d2``).
+  ``tests/compat/reference_engine.py`` (the tests' model of detectron2, ``compat.d2``);
+- ``LRScheduler hook, native`` / ``LRScheduler hook, fvcore``: the whole per-iteration work of
+  hookloop's ``LRScheduler`` hook (``after_step``: put ``lr`` into the storage, step the
+  scheduler) over the native ``LRMultiplier``, and over detectron2's ``LRMultiplier`` with
+  fvcore's schedules (what a detectron2 codebase brings).
 
 Each repeat runs every variant once, in a rotating order, so all see the same machine noise;
 the table gives the median and minimum over repeats (ns per iteration) and the ratio of torch's
@@ -28,14 +31,16 @@ import gc
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple, cast
 
 import hookloop
 import lab  # noqa: F401  (puts tests/ on sys.path: the baseline, compat.d2)
 import torch
 from compat import d2
+from hookloop.engine.hooks import LRScheduler
 from hookloop.solver import LRMultiplier, WarmupParamScheduler
 from hookloop.solver.param_scheduler import MultiStepParamScheduler, ParamScheduler
+from hookloop.utils.events import EventStorage
 
 perf_ns = time.perf_counter_ns
 
@@ -54,6 +59,26 @@ def make_optimizer(groups: int) -> torch.optim.Optimizer:
     params = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1} for _ in range(groups)]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     return opt
+
+
+class _Trainer:
+    """What the LRScheduler hook reads of a trainer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, iters: int) -> None:
+        self.optimizer = optimizer
+        self.storage = EventStorage()
+        self.max_iter = iters
+        self.iter = 0
+
+
+def hook_step(optimizer: torch.optim.Optimizer, scheduler: Any, iters: int) -> Callable[[], None]:
+    """The LRScheduler hook's after_step over ``scheduler``, set up as a trainer would."""
+    hook = LRScheduler(optimizer, scheduler)
+    hook.trainer = cast(Any, _Trainer(optimizer, iters))
+    hook.before_train()
+    optimizer.step()
+    scheduler.step()
+    return hook.after_step
 
 
 def schedule_args(iters: int) -> Tuple[List[float], List[int], int, float, float]:
@@ -76,11 +101,13 @@ def build(variant: str, groups: int, iters: int) -> Callable[[], None]:
         opt.step()  # torch warns once if the scheduler steps before the optimizer ever did
         sched.step()
         return sched.step
-    if variant.startswith("detectron2"):
+    if variant.startswith("detectron2") or variant == "LRScheduler hook, fvcore":
         d2_multiplier = d2.WarmupParamScheduler(
             d2.MultiStepParamScheduler(values, milestones=milestones, num_updates=n), factor, length
         )
         sched = d2.LRMultiplier(opt, d2_multiplier, n)
+        if variant == "LRScheduler hook, fvcore":
+            return hook_step(opt, sched, n)
         opt.step()
         sched.step()
         return sched.step
@@ -97,18 +124,21 @@ def build(variant: str, groups: int, iters: int) -> Callable[[], None]:
     )
     lrm = LRMultiplier(opt, native, n)
     assert lrm._fast, "the native path should apply"
+    if variant == "LRScheduler hook, native":
+        return hook_step(opt, lrm, n)
     opt.step()
     lrm.step()
-    return lrm._native_step if variant.endswith("_native_step()") else lrm.step
+    return lrm.step
 
 
 VARIANTS = [
     "loop floor",
     "torch MultiStepLR.step()",
     "LRMultiplier(Warmup(MultiStep)).step()",
-    "LRMultiplier._native_step()",
     "LRMultiplier(Python schedule).step()",
     "detectron2 LRMultiplier+fvcore .step()",
+    "LRScheduler hook, native",
+    "LRScheduler hook, fvcore",
 ]
 
 

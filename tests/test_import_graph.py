@@ -1,12 +1,17 @@
 """The import graph of the tree has no circles: no two files import each other, directly or
-through a loop, in the Python package or in either Rust crate.
+through a loop, in the Python package or in either Rust crate; and the extension imports
+nothing of the package: what it calls in Python is handed to it by the module that owns it
+(``_core._register_*``), and those edges are listed here (:data:`INJECTED`).
 
 An edge is any import a file makes, wherever it sits (a function-level or ``TYPE_CHECKING``
 import counts: it is a dependency all the same). Python: ``import a.b`` and ``from a import b``
 inside ``hookloop``, resolved to the module's file (a package to its ``__init__.py``). Rust:
 every ``crate::a::b`` and ``super::x`` path in a file (``use`` or inline), resolved to the
 deepest module file it names; ``mod x;`` declarations are ownership, not imports, and a path
-inside a file's own inline ``mod tests { ... }`` that names the file itself is no edge."""
+inside a file's own inline ``mod tests { ... }`` that names the file itself is no edge.
+Injected: a call ``_core._register_<x>(...)`` in a module is an edge from the extension
+(``hookloop._core``) to that module; a module that registers imports nothing of the package
+but the extension, so each such pair is the graph's only circle."""
 
 from __future__ import annotations
 
@@ -71,10 +76,52 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def python_graph() -> Graph:
-    # An extension module is a node by its stub (`_core.pyi`): it imports nothing of ours.
+def _package_files() -> Dict[str, Path]:
     files = {_module_name(p): p for p in PACKAGE.rglob("*.pyi")}
     files.update({_module_name(p): p for p in PACKAGE.rglob("*.py")})
+    return files
+
+
+def injected_edges() -> Graph:
+    """The extension's edges to the modules that hand it callables: every module that calls
+    ``_core._register_<x>(...)``."""
+    graph: Graph = {}
+    for name, path in _package_files().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr.startswith("_register_")
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "_core"
+            ):
+                graph.setdefault("hookloop._core", set()).add(name)
+    return graph
+
+
+#: What the extension calls in the package, by the module that registers it at its import.
+INJECTED: Graph = {"hookloop._core": {"hookloop.utils._tensors"}}
+
+_RUST_IMPORT = re.compile(
+    r'\bimport(?:_bound)?\s*\(\s*(?:\w+\s*,\s*)?(?:intern!\s*\(\s*\w+\s*,\s*)?"([^"]*)"'
+)
+
+
+def rust_imports(src_dir: Path) -> Dict[str, Set[str]]:
+    """The Python modules each file of a PyO3 crate imports by name (``py.import("x")``,
+    ``PyModule::import(py, "x")``, with or without ``intern!``)."""
+    out: Dict[str, Set[str]] = {}
+    for path in sorted(src_dir.rglob("*.rs")):
+        src = _COMMENT.sub("", path.read_text())
+        names = set(_RUST_IMPORT.findall(src))
+        if names:
+            out[str(path.relative_to(src_dir))] = names
+    return out
+
+
+def python_graph() -> Graph:
+    # An extension module is a node by its stub (`_core.pyi`); its edges are injected_edges().
+    files = _package_files()
     graph: Graph = {name: set() for name in files}
 
     def resolve(name: str) -> str | None:
@@ -178,6 +225,27 @@ def test_the_python_package_has_no_import_circles():
     graph = python_graph()
     assert "hookloop.engine.train_loop" in graph and graph["hookloop.engine.train_loop"]
     assert circles(graph) == []
+
+
+def test_the_extension_imports_nothing_of_the_package():
+    """What Rust calls in the package is handed to it (``_core._register_*``): no import."""
+    crate = ROOT / "rust" / "hookloop-py" / "src"
+    imports = rust_imports(crate)
+    assert imports, "the scan finds the extension's imports (sys, numpy, logging)"
+    ours = {f: {n for n in names if n.split(".")[0] == "hookloop"} for f, names in imports.items()}
+    assert {f: n for f, n in ours.items() if n} == {}
+
+
+def test_the_extensions_edges_are_the_registrations_listed_and_close_no_other_circle():
+    """With the registrations' edges, the only circles are the extension with each module
+    that registers into it: a registrant imports nothing of the package but the extension."""
+    injected = injected_edges()
+    assert injected == INJECTED
+    graph = python_graph()
+    for module, deps in injected.items():
+        graph[module] |= deps
+    pairs = sorted(sorted(["hookloop._core", m]) for m in INJECTED["hookloop._core"])
+    assert circles(graph) == pairs
 
 
 @pytest.mark.parametrize("crate", CRATES, ids=lambda p: p.parent.name)

@@ -131,9 +131,9 @@ def test_dispatch_and_hook_calls(storage):
     drive(lambda a, b: _core.periodic_due(a, b, 10), 2)
     drive(lambda a, b: _core.check_chw(a, b), 2)
     d = _core.Dispatcher()
-    drive(lambda a: d.begin(storage, a), 1)
-    drive(lambda a: d.before_step(a), 1)
-    drive(lambda a: d.after_train(a), 1)
+    drive(lambda a: d.begin(a), 1)
+    drive(lambda a, b: d.before_step(a, b), 2)
+    drive(lambda a, b: d.after_train(a, b), 2)
     drive(lambda a: d.hooks_for(a), 1)
     drive(lambda a: setattr(d, "timing", a), 1)
     drive(lambda a, b: d.set_table(a, b), 2)
@@ -144,10 +144,7 @@ def test_dispatch_and_hook_calls(storage):
     t = _core._IterationTimerBase()
     drive(lambda a: t._configure(a), 1)
     drive(lambda a, b: t._start(a, b), 2)
-    lr = _core._LRSchedulerBase()
-    drive(lambda a: setattr(lr, "_best_param_group_id", a), 1)
-    drive(lambda a: lr._start(a), 1)
-    drive(lambda: lr.after_step(), 0)
+    drive(lambda a, b, c: _core._register_tensor_reads(a, b, c), 3)
 
 
 def test_out_of_range_iteration_says_so(storage):

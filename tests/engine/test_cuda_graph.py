@@ -20,6 +20,8 @@ from hookloop._core import PENDING_READ_EVERY
 from hookloop.engine import CUDAGraphTrainer, DefaultTrainer, SimpleTrainer, TrainConfig, hooks
 from hookloop.engine import graph as graph_module
 from hookloop.engine.graph import EagerStepGraph
+from hookloop.engine.graph import guard as graph_guard
+from hookloop.engine.graph import seam as graph_seam
 from hookloop.engine.train_loop import HookBase
 from hookloop.solver.lr_scheduler import WarmupParamScheduler
 from hookloop.solver.param_scheduler import CosineParamScheduler, MultiStepParamScheduler
@@ -651,7 +653,7 @@ def test_many_recaptures_warn_once(monkeypatch):
             bn = self.trainer.model.body[1]
             bn.train(not bn.training)
 
-    monkeypatch.setattr(graph_module, "RECAPTURE_WARNING", 3)
+    monkeypatch.setattr(graph_guard, "RECAPTURE_WARNING", 3)
     trainer = build(CUDAGraphTrainer, bn=True, extra_hooks=[Toggle()], warmup_iters=0)
     with pytest.warns(RuntimeWarning, match=r"captured the step again 3 times.*body.1 was put"):
         trainer.train(0, 12)
@@ -796,7 +798,7 @@ def test_default_trainer_with_cuda_graph(tmp_path, monkeypatch):
     from torch.utils.data import DataLoader, TensorDataset
 
     # The seam's CPU implementation stands in for the device.
-    monkeypatch.setattr(graph_module, "CUDAStepGraph", lambda device=None: EagerStepGraph())
+    monkeypatch.setattr(graph_seam, "CUDAStepGraph", lambda device=None: EagerStepGraph())
 
     class Toy(DefaultTrainer):
         @classmethod
@@ -929,7 +931,7 @@ class GraphLikeSeam(EagerStepGraph):
 def test_hooks_read_this_steps_gradients_with_two_graphs(tmp_path, monkeypatch):
     # Without the restore after another graph's replay or a warm-up, GradNorm would read the
     # other graph's (or the warm-up's) stale gradients.
-    monkeypatch.setattr(graph_module, "EagerStepGraph", GraphLikeSeam)
+    monkeypatch.setattr(graph_seam, "EagerStepGraph", GraphLikeSeam)
     data = batches(6)
     data[5] = (data[5][0][:10], data[5][1][:10])
     runs = []
@@ -1098,6 +1100,29 @@ def test_after_backward_hook_and_step_optimizer_false_are_refused():
     trainer.step_optimizer = False
     with pytest.raises(TypeError, match="step_optimizer=False"):
         trainer.train(0, 3)
+
+
+def test_an_after_backward_set_on_a_hook_instance_is_refused_too():
+    # The dispatcher calls a stage method assigned on a hook instance (SimpleTrainer runs it at
+    # every step); a replay could not run it between backward and the optimizer step. The
+    # graph asks the dispatcher's rule (dispatch.overrides), not only the hook's class.
+    calls: List[int] = []
+
+    def hooked() -> HookBase:
+        hook = HookBase()
+        hook.after_backward = lambda: calls.append(1)  # type: ignore[method-assign]
+        return hook
+
+    build(SimpleTrainer, extra_hooks=[hooked()]).train(0, 3)
+    assert len(calls) == 3
+    trainer = build(CUDAGraphTrainer, extra_hooks=[hooked()])
+    with pytest.raises(TypeError, match="HookBase.after_backward.*after_step"):
+        trainer.train(0, 3)
+    calls.clear()
+    trainer = build(CUDAGraphTrainer, extra_hooks=[hooked()], fallback="eager")
+    with pytest.warns(RuntimeWarning, match="HookBase.after_backward"):
+        trainer.train(0, 6)
+    assert len(calls) == 6  # eager steps, each running it
 
 
 def test_losses_must_keep_their_names():

@@ -301,6 +301,40 @@ def test_wraps_simple_trainer_and_forwards_its_attributes(tmp_path):
     assert trainer.checkpointer.save_dir == str(tmp_path)
 
 
+class PendingWatch(HookBase):
+    """Records, after each step, how many iterations' losses wait unread in the storage's
+    pending queue (not reading them: ``_pending_counts`` does not settle)."""
+
+    def __init__(self) -> None:
+        self.pending: List[int] = []
+
+    def after_step(self) -> None:
+        self.pending.append(self.trainer.storage._pending_counts()[0])
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_the_wrapped_trainers_losses_are_read_in_batches(tmp_path, amp):
+    """The wrapped SimpleTrainer (AMPTrainer) is set up for the run as its own before_train
+    would: its losses wait in the storage's pending queue and are read in one batch when the
+    writers (every log_period = 5 iterations) need them, not once per step. The values
+    written are those of a run that reads them at every step."""
+    runs = {}
+    for name, every_step in (("batched", False), ("every", True)):
+        trainer = ToyTrainer(config(tmp_path / name, amp=amp))
+        trainer._trainer.check_finite_every_step = every_step
+        watch = PendingWatch()
+        trainer.register_hooks([watch])
+        trainer.train()
+        with open(tmp_path / name / "metrics.json") as f:
+            rows = [json.loads(line) for line in f]
+        losses = [{k: v for k, v in r.items() if "loss" in k or k == "iteration"} for r in rows]
+        runs[name] = (watch.pending, losses)
+    batched, every = runs["batched"], runs["every"]
+    assert max(batched[0]) >= 4, batched[0]  # up to a period's losses wait unread
+    assert max(every[0]) == 0
+    assert batched[1] == every[1] and len(batched[1]) == 4
+
+
 def test_amp_wraps_amp_trainer(tmp_path):
     trainer = ToyTrainer(config(tmp_path, amp=True, max_iter=3, warmup_iters=0))
     assert type(trainer._trainer) is AMPTrainer

@@ -95,6 +95,37 @@ def test_period_filter_skips_periodic_writer_between_periods():
     assert stats[("PeriodicWriter", "after_step")] == 3
 
 
+def test_a_period_is_checked_once_on_each_path(monkeypatch):
+    """On the dispatcher's path the period is the dispatcher's check alone (it calls
+    PeriodicWriter's due write, ``_on_period``); a direct call of ``after_step`` checks it in
+    the hook. An ``after_step`` set on the instance is called as it is, at every iteration."""
+    asked = []
+    rule = hooks._core.periodic_due
+
+    def counted(*args):
+        asked.append(args)
+        return rule(*args)
+
+    monkeypatch.setattr(hooks._core, "periodic_due", counted)
+    rec = Recorder()
+    w = hooks.PeriodicWriter([rec], period=5)
+    t = NoopTrainer()
+    t.register_hooks([w])
+    t.train(0, 12)
+    assert rec.iters == [4, 9, 11, 12] and asked == []
+    t.iter, t.max_iter = 3, 12
+    w.after_step()
+    assert len(asked) == 1 and rec.iters == [4, 9, 11, 12]
+
+    seen = []
+    own = hooks.PeriodicWriter([], period=5)
+    own.after_step = lambda: seen.append(own.trainer.iter)
+    t = NoopTrainer()
+    t.register_hooks([own])
+    t.train(0, 3)
+    assert seen == [0, 1, 2]
+
+
 def test_period_filter_does_not_apply_to_a_subclass_that_overrides_after_step():
     seen = []
 

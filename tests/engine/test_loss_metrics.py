@@ -12,7 +12,6 @@ import types
 import numpy as np
 import pytest
 import torch
-from hookloop import _core
 from hookloop.engine.metrics import LossMetrics, metrics_of
 from hookloop.engine.stop import StopController
 from hookloop.engine.train_loop import SimpleTrainer, TrainerBase
@@ -27,7 +26,7 @@ def trainer(storage, **kw):
         gather_metric_period=1,
         check_finite_every_step=False,
         async_write_metrics=False,
-        _hookloop=types.SimpleNamespace(stop=StopController(_core.Dispatcher())),
+        _hookloop=types.SimpleNamespace(stop=StopController()),
         iter=0,
     )
     t.__dict__.update(kw)
@@ -51,7 +50,7 @@ def iters(storage, name="total_loss"):
     ],
 )
 def test_deferred_reads_are_for_one_process_that_did_not_ask_for_every_step(kw, deferring):
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     m.configure(trainer(None, **kw))
     assert m.deferring is deferring
 
@@ -59,13 +58,13 @@ def test_deferred_reads_are_for_one_process_that_did_not_ask_for_every_step(kw, 
 def test_several_processes_read_at_every_step(monkeypatch):
     monkeypatch.setattr(comm, "_initialized", lambda: True)
     monkeypatch.setattr(comm, "get_world_size", lambda: 2)
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     m.configure(trainer(None))
     assert not m.deferring
 
 
 def test_deferred_losses_wait_until_the_storage_is_read():
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     m.deferring = True
     with EventStorage(0) as storage:
         t = trainer(storage)
@@ -80,7 +79,7 @@ def test_deferred_losses_wait_until_the_storage_is_read():
 
 
 def test_at_the_bound_the_pending_losses_are_read_without_a_storage_read():
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     m.deferring = True
     with EventStorage(0) as storage:
         t = trainer(storage)
@@ -94,7 +93,7 @@ def test_at_the_bound_the_pending_losses_are_read_without_a_storage_read():
 
 def test_only_iterations_of_the_gather_period_are_written():
     for deferring in (False, True):
-        m = LossMetrics()
+        m = LossMetrics(StopController())
         m.deferring = deferring
         with EventStorage(0) as storage:
             t = trainer(storage, gather_metric_period=3)
@@ -107,7 +106,7 @@ def test_only_iterations_of_the_gather_period_are_written():
 
 def test_a_non_finite_loss_names_its_iteration_on_either_path():
     for deferring in (False, True):
-        m = LossMetrics()
+        m = LossMetrics(StopController())
         m.deferring = deferring
         with EventStorage(0) as storage:
             t = trainer(storage)
@@ -120,7 +119,7 @@ def test_a_non_finite_loss_names_its_iteration_on_either_path():
 
 
 def test_asynchronous_writes_run_in_order_and_their_errors_reach_the_training_thread():
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     done = []
     with EventStorage(0) as storage, concurrent.futures.ThreadPoolExecutor(1) as pool:
 
@@ -145,7 +144,7 @@ def test_asynchronous_writes_run_in_order_and_their_errors_reach_the_training_th
 
 
 def test_the_loss_dict_is_copied_before_an_asynchronous_write():
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     seen = []
     with EventStorage(0) as storage, concurrent.futures.ThreadPoolExecutor(1) as pool:
         t = trainer(
@@ -201,7 +200,7 @@ def test_at_the_value_bound_what_waits_is_read_whatever_it_is(monkeypatch):
 def test_a_loss_that_can_change_later_is_recorded_with_its_value_of_now():
     """A deferred loss is read up to 20 iterations later: a leaf tensor (an nn.Parameter, a
     tensor given as it is) is copied when recorded, a computed loss is not (no copy per step)."""
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     m.configure(trainer(None))
     assert m.deferring and m.snapshot
     weight = torch.nn.Parameter(torch.tensor(0.59))
@@ -236,7 +235,7 @@ def test_only_values_that_can_change_are_copied():
 
 def test_a_cuda_graphs_ring_slots_are_not_copied():
     """CUDAGraphTrainer hands over views of its ring, which stay until read."""
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     graph_trainer = trainer(None)
     graph_trainer._hookloop.graph = object()
     m.configure(graph_trainer)
@@ -244,7 +243,7 @@ def test_a_cuda_graphs_ring_slots_are_not_copied():
 
 
 def test_a_parameter_is_copied_before_an_asynchronous_write():
-    m = LossMetrics()
+    m = LossMetrics(StopController())
     seen = []
     with EventStorage(0) as storage:
         queued = []

@@ -349,10 +349,9 @@ def test_a_finished_run_resumed_with_a_lower_max_iter(engine, tmp_path):
 
 
 def test_check_iters_warns_once_and_keeps_both(caplog):
-    from hookloop.engine.parts import check_iters, end_iter
+    from hookloop.engine.parts import check_iters
 
     with caplog.at_level(logging.WARNING, logger="hookloop.engine.train_loop"):
         assert check_iters(7, 3) == (7, 3)
         assert check_iters(3, 7) == (3, 7)
     assert len(caplog.records) == 1
-    assert (end_iter(3, 7), end_iter(7, 7), end_iter(9, 7)) == (7, 8, 10)

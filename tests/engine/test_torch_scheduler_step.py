@@ -1,5 +1,5 @@
 """LRScheduler steps torch's MultiStepLR and StepLR between their milestones without their
-Python (hookloop.solver.torch_step, the one Python function the Rust hook calls): the
+Python (hookloop.solver.torch_step, which LRScheduler.after_step calls): the
 scheduler's state and the LRs must equal torch's own stepping at every step, and anything the
 shortcut cannot be sure of runs torch's step()."""
 

@@ -20,6 +20,7 @@ import torch
 from compat import d2
 from hookloop.engine import AMPTrainer, HookBase, LRScheduler, SimpleTrainer, TrainerBase
 from hookloop.engine.metrics import LossMetrics
+from hookloop.engine.stop import StopController
 from hookloop.utils.events import EventStorage, get_event_storage
 from torch import nn
 
@@ -1143,7 +1144,7 @@ def test_deferred_losses_on_a_device_are_read_in_one_batch(monkeypatch):
 
     monkeypatch.setattr(_tensors, "read_scalars", read_all)
     _Trainer = functools.partial(types.SimpleNamespace, gather_metric_period=1)
-    metrics = LossMetrics()
+    metrics = LossMetrics(StopController())
     metrics.deferring = True
     with EventStorage(0) as storage:
         meta = {"loss_a": torch.empty((), device="meta"), "loss_b": torch.empty((), device="meta")}

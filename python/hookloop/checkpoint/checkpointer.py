@@ -936,13 +936,13 @@ def _copy_to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        out = copy.copy(obj)  # same type (OrderedDict, defaultdict) and attributes
+        out: Any = copy.copy(obj)  # same type (OrderedDict, defaultdict) and attributes
         out.clear()
         for k, v in obj.items():
             out[k] = _copy_to_cpu(v)
         metadata = getattr(obj, "_metadata", None)
         if metadata is not None:
-            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+            out._metadata = copy.deepcopy(metadata)
         return out
     if type(obj) in (list, tuple):
         return type(obj)(_copy_to_cpu(v) for v in obj)

@@ -256,7 +256,7 @@ class ReplayIterator:
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader
-        self._it: Optional[Any] = None
+        self._it: Any = None  # made at the first next()
         self._rng: Optional[Dict[str, Any]] = None
         self._drawn = 0
         self._resume: Optional[Dict[str, Any]] = None
@@ -267,7 +267,7 @@ class ReplayIterator:
     def __next__(self) -> Any:
         if self._it is None:
             self._make()
-        item = next(self._it)  # type: ignore[arg-type]
+        item = next(self._it)
         self._drawn += 1
         return item
 

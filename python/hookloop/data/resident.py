@@ -579,14 +579,14 @@ def _index(what: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool):
         raise TypeError(f"DeviceResidentLoader {what} must be an int, got bool")
     try:
-        value = operator.index(value)
+        number = operator.index(value)
     except TypeError:
         raise TypeError(
             f"DeviceResidentLoader {what} must be an int, got {type(value).__name__}"
         ) from None
-    if value < minimum:
-        raise ValueError(f"DeviceResidentLoader {what} must be >= {minimum}, got {value}")
-    return value  # type: ignore[no-any-return]
+    if number < minimum:
+        raise ValueError(f"DeviceResidentLoader {what} must be >= {minimum}, got {number}")
+    return number
 
 
 def _tensors_of(data: Any) -> "tuple[List[torch.Tensor], str, List[Any]]":

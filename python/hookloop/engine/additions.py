@@ -8,13 +8,54 @@ and the trainer's attributes are read at every step."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    TypeVar,
+    overload,
+)
 
 from hookloop.data.cursor import iters_per_epoch
 from hookloop.engine import dispatch
 from hookloop.engine.parts import elapsed
 
-__all__ = ["EpochAdditions", "HookStat", "TrainerAdditions"]
+__all__ = ["Added", "EpochAdditions", "HookStat", "TrainerAdditions"]
+
+T = TypeVar("T")
+
+
+class Added(Generic[T]):
+    """A name hookloop adds to a trainer: reads give ``read(trainer)``, or the value a
+    subclass assigned to the name (kept in the trainer's parts, ``assigned``)."""
+
+    def __init__(self, read: Callable[[Any], T], doc: str) -> None:
+        self._read = read
+        self.__doc__ = doc
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, trainer: None, owner: Optional[type] = None) -> "Added[T]": ...
+
+    @overload
+    def __get__(self, trainer: object, owner: Optional[type] = None) -> T: ...
+
+    def __get__(self, trainer: Any, owner: Optional[type] = None) -> Any:
+        if trainer is None:
+            return self  # the class's attribute: the descriptor
+        assigned: Dict[str, T] = trainer._hookloop.assigned
+        return assigned[self._name] if self._name in assigned else self._read(trainer)
+
+    def __set__(self, trainer: Any, value: T) -> None:
+        trainer._hookloop.assigned[self._name] = value
 
 
 class HookStat(NamedTuple):
@@ -38,24 +79,15 @@ class TrainerAdditions:
     _hookloop: Any
     _hooks: List[Any]
 
-    @property
-    def stop_requested(self) -> bool:
-        """Whether :meth:`request_stop` was called during the current (or last) ``train()``."""
-        return self._hookloop.assigned.get("stop_requested", self._hookloop.stop.requested)  # type: ignore[no-any-return]
-
-    @stop_requested.setter
-    def stop_requested(self, value: Any) -> None:
-        self._hookloop.assigned["stop_requested"] = value
-
-    @property
-    def stopped_early(self) -> bool:
-        """Whether the current (or last) ``train()`` ended through :meth:`request_stop` before
-        ``max_iter``."""
-        return self._hookloop.assigned.get("stopped_early", self._hookloop.stopped_early)  # type: ignore[no-any-return]
-
-    @stopped_early.setter
-    def stopped_early(self, value: Any) -> None:
-        self._hookloop.assigned["stopped_early"] = value
+    stop_requested: Added[bool] = Added(
+        lambda t: t._hookloop.stop.requested,
+        "Whether :meth:`request_stop` was called during the current (or last) ``train()``.",
+    )
+    stopped_early: Added[bool] = Added(
+        lambda t: t._hookloop.stop.stopped_early,
+        "Whether the current (or last) ``train()`` ended through :meth:`request_stop` before "
+        "``max_iter``.",
+    )
 
     def request_stop(self, raise_after_train: Optional[BaseException] = None) -> None:
         """Ends training cleanly after the current step: every hook's ``after_step`` of the
@@ -124,24 +156,11 @@ class EpochAdditions:
     _hookloop: Any
     data_loader: Any
 
-    @property
-    def epoch(self) -> int:
-        """The epoch of a finite data loader (0 for the first pass)."""
-        assigned = self._hookloop.assigned
-        return assigned["epoch"] if "epoch" in assigned else self._hookloop.data.epoch  # type: ignore[no-any-return]
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._hookloop.assigned["epoch"] = value
-
-    @property
-    def iters_per_epoch(self) -> Optional[int]:
-        """``len(data_loader)`` when the loader has a length, else None."""
-        assigned = self._hookloop.assigned
-        if "iters_per_epoch" in assigned:
-            return assigned["iters_per_epoch"]  # type: ignore[no-any-return]
-        return iters_per_epoch(self.data_loader)
-
-    @iters_per_epoch.setter
-    def iters_per_epoch(self, value: Optional[int]) -> None:
-        self._hookloop.assigned["iters_per_epoch"] = value
+    epoch: Added[int] = Added(
+        lambda t: t._hookloop.data.epoch,
+        "The epoch of a finite data loader (0 for the first pass).",
+    )
+    iters_per_epoch: Added[Optional[int]] = Added(
+        lambda t: iters_per_epoch(t.data_loader),
+        "``len(data_loader)`` when the loader has a length, else None.",
+    )

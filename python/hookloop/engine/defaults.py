@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hookloop.engine.hooks as hooks
 from hookloop.checkpoint import DetectionCheckpointer
+from hookloop.engine.additions import Added
 from hookloop.engine.graph import CUDAGraphTrainer
 from hookloop.engine.train_loop import AMPTrainer, HookBase, SimpleTrainer, TrainerBase
 from hookloop.nn.precise_bn import get_bn_modules
@@ -541,30 +542,6 @@ def _optimizer_params(model: torch.nn.Module, cfg: TrainConfig) -> List[Dict[str
 # The trainer
 
 
-def _weak_after_backward(trainer: TrainerBase) -> Any:
-    """``trainer.after_backward`` for another object to call, holding no strong reference to
-    ``trainer``: the dispatcher's stage itself when TrainerBase bound it on the instance (no
-    extra frame per step), else a call through a weak reference to a subclass's method."""
-    method = weakref.WeakMethod(trainer.after_backward)
-
-    def after_backward() -> None:
-        bound = method()
-        if bound is not None:
-            bound()
-
-    return after_backward
-
-
-def _share_stop(trainer: "DefaultTrainer") -> None:
-    """A stop requested on ``trainer`` rides on its wrapped trainer's metric collective: the
-    wrapped trainer gets ``trainer``'s stop controller (which ``train()`` runs)."""
-    inner = getattr(trainer._trainer, "_hookloop", None)
-    outer = trainer._hookloop.stop
-    if inner is not None and inner.stop is not outer:
-        outer.collective = inner.stop.collective
-        inner.stop = outer
-
-
 class DefaultTrainer(TrainerBase):
     """A trainer with default training logic. It does the following:
 
@@ -646,10 +623,8 @@ class DefaultTrainer(TrainerBase):
             self._trainer = (AMPTrainer if cfg.amp else SimpleTrainer)(
                 model, data_loader, optimizer, gather_metric_period=cfg.gather_metric_period
             )
-        # The wrapped trainer runs the backward pass: it calls this trainer's after_backward,
-        # so the hooks' after_backward runs (detectron2's calls the wrapped trainer's, which
-        # has no hooks). Without a strong reference back to this trainer.
-        self._trainer.after_backward = _weak_after_backward(self)  # type: ignore[method-assign]
+        # The wrapped trainer runs the backward pass and this trainer's hooks' after_backward.
+        self._trainer._hookloop.wrapped_by(self._trainer, self)
 
         self.scheduler = self.build_lr_scheduler(cfg, optimizer)
         self.checkpointer = DetectionCheckpointer(
@@ -767,30 +742,20 @@ class DefaultTrainer(TrainerBase):
         super().train(self.start_iter, self.max_iter)
         return getattr(self, "_last_eval_results", None)
 
+    # The wrapped trainer (as it is now: a subclass may assign its own) is driven through its
+    # parts' protocol (TrainerParts.join_run, hooks_ready, leave_run): whatever its class, it
+    # is set up for the run as its own before_train would, its losses read in batches.
+
     def before_train(self) -> None:
-        # Code that reads the wrapped trainer sees the run's bounds.
-        self._trainer.start_iter = self.start_iter
-        self._trainer.max_iter = self.max_iter
-        _share_stop(self)  # the wrapped trainer as it is now (a subclass may assign its own)
-        graphed = isinstance(self._trainer, CUDAGraphTrainer)
-        if graphed:
-            # What the wrapped trainer's own before_train sets up, before the hooks': its
-            # losses (the ring's slots) wait in this run's storage's pending queue and are
-            # read in batches, not one sync per step.
-            self._trainer.storage = self.storage
-            self._trainer._hookloop.metrics.configure(self._trainer)
+        inner = self._trainer
+        inner._hookloop.join_run(inner, self)
         super().before_train()
-        if graphed:
-            # The LR table from this trainer's LRScheduler hook (their before_train ran).
-            self._trainer._hookloop.graph.prepare(self._trainer, self._hooks, self.iter)
+        inner._hookloop.hooks_ready(inner, self)
 
     def after_train(self) -> None:
-        if not isinstance(self._trainer, CUDAGraphTrainer):
-            super().after_train()
-            return
         # As SimpleTrainer.after_train: the last batched losses are put before the hooks read
         # the storage; a non-finite one fails a run that otherwise ended well.
-        error = self._trainer._hookloop.metrics.settle_last(self.storage)
+        error = self._trainer._hookloop.leave_run(self._trainer)
         super().after_train()
         if error is not None:
             if self.iter == self.max_iter or self.stopped_early:
@@ -836,28 +801,14 @@ class DefaultTrainer(TrainerBase):
 
     # epoch and iters_per_epoch are not detectron2's names: a subclass may assign its own
     # (xmodaler-style trainers do), which is then what reads give; the wrapped trainer's stay.
-
-    @property
-    def epoch(self) -> int:
-        """The wrapped trainer's epoch (0 for the first pass over a finite loader)."""
-        assigned = self._hookloop.assigned
-        return assigned["epoch"] if "epoch" in assigned else self._trainer.epoch  # type: ignore[no-any-return]
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._hookloop.assigned["epoch"] = value
-
-    @property
-    def iters_per_epoch(self) -> Optional[int]:
-        """The wrapped trainer's ``iters_per_epoch``: ``len(data_loader)``, or None."""
-        assigned = self._hookloop.assigned
-        if "iters_per_epoch" in assigned:
-            return assigned["iters_per_epoch"]  # type: ignore[no-any-return]
-        return self._trainer.iters_per_epoch
-
-    @iters_per_epoch.setter
-    def iters_per_epoch(self, value: Optional[int]) -> None:
-        self._hookloop.assigned["iters_per_epoch"] = value
+    epoch: Added[int] = Added(
+        lambda t: t._trainer.epoch,
+        "The wrapped trainer's epoch (0 for the first pass over a finite loader).",
+    )
+    iters_per_epoch: Added[Optional[int]] = Added(
+        lambda t: t._trainer.iters_per_epoch,
+        "The wrapped trainer's ``iters_per_epoch``: ``len(data_loader)``, or None.",
+    )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

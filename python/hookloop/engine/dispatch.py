@@ -1,23 +1,27 @@
 """The hook table: which hook methods each stage calls, in which order, how often.
 
 Python builds the table from the trainer's hook list (:func:`table_for`) and hands it to the
-Rust dispatcher (``_core.Dispatcher.set_table``), which runs the stages and the loop. The
-dispatcher compares the live list with the one the table was built from at each stage: after
-an edit of ``trainer._hooks`` a stage runs nothing and returns False, and the callers here set
-a table for the list as it is now and call it again. The dispatcher never calls Python to
-build a table.
+Rust dispatcher (``_core.Dispatcher.set_table``), which runs the stages. Each stage call
+passes ``trainer._hooks``; the dispatcher compares it with the list the table was built from:
+after an edit of ``trainer._hooks`` (or a new list assigned) a stage runs nothing and returns
+False, and :func:`run_stage` sets a table for the list as it is now and calls it again. The
+dispatcher never calls Python to build a table. One rule, :func:`overrides`, decides whether a
+hook's stage is called, here and in the graph trainer.
 
 A table entry is ``(hook_index, stage_index, function, self, period)``: the dispatcher calls
 ``function(self)`` (a Python method as its function and the hook: one vectorcall, no bound
 method object), or ``function()`` when ``self`` is None; ``period`` N > 0 calls it only when
-``iter + 1`` is a multiple of N and at the last iteration (the core's one period rule).
+``iter + 1`` is a multiple of N and at the last iteration (the core's one period rule). A
+periodic hook keeps its own check for code that calls its stage directly (a subclass's loop
+running ``for h in self._hooks: h.after_step()``); its class's ``_on_period`` names the method
+the dispatcher calls instead, which does not check again: one check per path.
 """
 
 from __future__ import annotations
 
 import logging
 import types
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 __all__ = [
     "PRIORITIES",
@@ -25,7 +29,6 @@ __all__ = [
     "base_stage",
     "overrides",
     "priority_of",
-    "run_loop",
     "run_on_exception",
     "run_stage",
     "set_table",
@@ -97,8 +100,14 @@ def table_for(hooks: List[Any]) -> List[Tuple[int, int, Any, Any, int]]:
             if method is None:
                 # Not a hook at all: fail at the call, as detectron2's loop would.
                 method = _missing_stage(hook, stage)
-            period_of = getattr(hook, "_dispatch_period", None)
-            period = int((period_of(stage) if period_of is not None else None) or 0)
+            period = 0
+            # A period is the class's, for its own stage method (not one set on the instance).
+            if getattr(method, "__func__", None) is getattr(type(hook), stage, None):
+                period_of = getattr(hook, "_dispatch_period", None)
+                period = int((period_of(stage) if period_of is not None else None) or 0)
+                on_period = getattr(type(hook), "_on_period", {}).get(stage) if period else None
+                if on_period is not None:
+                    method = getattr(hook, on_period)
             ranks.append(priority_of(hook))
             if isinstance(method, types.MethodType) and method.__self__ is hook:
                 entries.append((index, stage_index, method.__func__, hook, period))
@@ -133,52 +142,16 @@ def set_table(trainer: Any, carry: bool = True) -> None:
     """Hands the dispatcher a table for ``trainer._hooks`` as it is now. With ``carry``, each
     hook's statistics continue (an edit during a run); without, they start again (a run)."""
     hooks = trainer._hooks
-    parts = trainer._hookloop
-    parts.dispatcher.set_table(hooks, table_for(hooks), carry)
-    parts.table_hooks = hooks
+    trainer._hookloop.dispatcher.set_table(hooks, table_for(hooks), carry)
 
 
 def run_stage(trainer: Any, stage: str, *args: Any) -> None:
     """Runs ``stage`` of ``trainer``'s hooks (``args``: the iteration, for the stages that
-    take it), with a table for the hook list as it is now: also a list assigned to
-    ``trainer._hooks`` since (a wrapping trainer that shares its list with the one it wraps,
-    whose ``run_step`` calls ``after_backward``)."""
-    parts = trainer._hookloop
-    if trainer._hooks is not parts.table_hooks:
+    take it), with a table for the hook list as it is now: the dispatcher's stage runs nothing
+    and returns False when ``trainer._hooks`` is not the list its table was set for."""
+    call = getattr(trainer._hookloop.dispatcher, stage)
+    while not call(trainer._hooks, *args):
         set_table(trainer)
-    call = getattr(parts.dispatcher, stage)
-    while not call(*args):
-        set_table(trainer)
-
-
-def run_loop(trainer: Any, start_iter: int, max_iter: int) -> None:
-    """``TrainerBase.train``'s loop, run by the dispatcher: ``before_step``/``after_step``
-    that a subclass overrides are called as methods; TrainerBase's own run in Rust. When the
-    hook list changes, the dispatcher returns where it was, and the loop continues there with
-    a table for the new list."""
-    before_step = _overridden(trainer, "before_step")
-    after_step = _overridden(trainer, "after_step")
-    resume = STAGES.index("before_step")
-    dispatcher = trainer._hookloop.dispatcher
-    while True:
-        changed = dispatcher.run_loop(
-            trainer, start_iter, max_iter, trainer.run_step, before_step, after_step, resume
-        )
-        if changed is None:
-            return
-        start_iter, resume = changed
-        set_table(trainer)
-
-
-def _overridden(trainer: Any, stage: str) -> Optional[Any]:
-    """The bound stage method if ``trainer`` replaces TrainerBase's (in its class or on the
-    instance), else None: the loop then runs the dispatcher's stage directly (the same code as
-    TrainerBase's method, without its Python frame)."""
-    method = getattr(trainer, stage)
-    own = getattr(type(trainer), stage)
-    if getattr(own, "_base_stage", False) and getattr(method, "__func__", None) is own:
-        return None
-    return method  # type: ignore[no-any-return]
 
 
 def run_on_exception(hooks: List[Any], exc: BaseException) -> None:

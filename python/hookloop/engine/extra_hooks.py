@@ -391,9 +391,9 @@ class OptimizationHook(HookBase):
         if self._undecided:
             self._decide(trainer)
         if not self._trainer_backward:
-            outputs = getattr(trainer, "step_outputs", None)
+            outputs: Any = getattr(trainer, "step_outputs", None)
             try:
-                loss = outputs["loss_for_backward"]  # type: ignore[index]
+                loss = outputs["loss_for_backward"]
             except (KeyError, TypeError):
                 raise KeyError(
                     f"OptimizationHook: trainer.step_outputs has no 'loss_for_backward' at "
@@ -473,7 +473,8 @@ class OptimizationHook(HookBase):
         if "grad_scaler" not in state_dict:
             return
         if self._own_scaler is None:
-            device = _params_device(self.trainer.optimizer)  # type: ignore[attr-defined]
+            trainer: Any = self.trainer  # a trainer with an optimizer (SimpleTrainer's name)
+            device = _params_device(trainer.optimizer)
             self._own_scaler = torch.amp.GradScaler(device, enabled=device == "cuda")
         self._own_scaler.load_state_dict(state_dict["grad_scaler"])
 

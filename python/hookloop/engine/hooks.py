@@ -28,6 +28,7 @@ from hookloop.engine.parts import hook_keys, report_secondary
 from hookloop.engine.stop import Preempted
 from hookloop.engine.train_loop import HookBase, TrainerBase
 from hookloop.nn.precise_bn import get_bn_modules, update_bn_stats
+from hookloop.solver.torch_step import step as _step_scheduler
 from hookloop.utils import comm
 from hookloop.utils._base import writer_protocol
 from hookloop.utils.events import EventStorage, EventWriter
@@ -289,17 +290,24 @@ class PeriodicWriter(HookBase):
         trainer = self.trainer
         # Period 1 is due at every iteration (a live ProgressBar): no need to ask the core.
         if self._period == 1 or _core.periodic_due(trainer.iter, self._period, trainer.max_iter):
-            # SimpleTrainer(async_write_metrics=True): the losses of this iteration may still
-            # be on their way to the storage; detectron2 writes without them.
-            metrics = self._metrics
-            if metrics is False:
-                metrics = metrics_of(trainer)
-            if metrics is not None:
-                metrics.wait()
-            if self._hook_stats:
-                self._put_hook_stats()
-            for writer in self._writers:
-                writer.write()
+            self._write_due()
+
+    #: The dispatcher, which checks the period itself, calls ``_write_due`` (dispatch.table_for).
+    _on_period = {"after_step": "_write_due"}
+
+    def _write_due(self) -> None:
+        """``after_step`` at an iteration its period makes due."""
+        # SimpleTrainer(async_write_metrics=True): the losses of this iteration may still be on
+        # their way to the storage; detectron2 writes without them.
+        metrics = self._metrics
+        if metrics is False:
+            metrics = metrics_of(self.trainer)
+        if metrics is not None:
+            metrics.wait()
+        if self._hook_stats:
+            self._put_hook_stats()
+        for writer in self._writers:
+            writer.write()
 
     _hook_stats = False
     _stats_seen: Dict[Any, Any] = {}
@@ -343,14 +351,19 @@ class PeriodicWriter(HookBase):
             raise first
 
 
-class LRScheduler(_core._LRSchedulerBase, HookBase):
+class LRScheduler(HookBase):
     """A hook which executes a torch builtin LR scheduler and summarizes the LR. It is
     executed after every iteration.
 
-    ``after_step`` (put ``lr``, step the scheduler) runs in Rust
-    (``hookloop._core._LRSchedulerBase``). ``_optimizer``, ``_scheduler`` and
-    ``_best_param_group_id`` are that base's state: setting one takes effect at the next step.
+    Its step is Python's: torch's ``MultiStepLR``/``StepLR`` between milestones skip their
+    Python (:func:`hookloop.solver.torch_step.step`), and hookloop's ``LRMultiplier`` sets the
+    LRs in one call into its native schedule.
     """
+
+    # Set by __init__ and before_train; a subclass that skips __init__ finds the defaults.
+    _optimizer: Any = None
+    _scheduler: Any = None
+    _best_param_group_id = 0
 
     def __init__(self, optimizer: Optional[torch.optim.Optimizer] = None, scheduler: Any = None):
         """
@@ -398,23 +411,11 @@ class LRScheduler(_core._LRSchedulerBase, HookBase):
                 f"hookloop's LRMultiplier), got {type(self._scheduler).__name__}"
             )
         self._best_param_group_id = LRScheduler.get_best_param_group_id(self._optimizer)
-        storage = getattr(trainer, "storage", None)
-        self._start(storage if isinstance(storage, EventStorage) else None)
 
-    def __getstate__(self) -> Dict[str, Any]:
-        return {
-            **HookBase.__getstate__(self),
-            "_optimizer": self._optimizer,
-            "_scheduler": self._scheduler,
-            "_best_param_group_id": self._best_param_group_id,
-        }
-
-    def __setstate__(self, state: Mapping[str, Any]) -> None:
-        state = dict(state)
-        self._optimizer = state.pop("_optimizer")
-        self._scheduler = state.pop("_scheduler")
-        self._best_param_group_id = state.pop("_best_param_group_id")
-        HookBase.__setstate__(self, state)
+    def after_step(self) -> None:
+        lr = self._optimizer.param_groups[self._best_param_group_id]["lr"]
+        self.trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
+        _step_scheduler(self.scheduler)
 
     @staticmethod
     def get_best_param_group_id(optimizer: torch.optim.Optimizer) -> int:

@@ -40,7 +40,11 @@ logger = logging.getLogger("hookloop.engine.train_loop")
 class LossMetrics:
     """How a trainer's losses reach the storage, and its asynchronous writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop: Any) -> None:
+        #: The :class:`~hookloop.engine.stop.StopController` whose codes the packed collective
+        #: carries: the trainer's own, or the one of the trainer that drives it
+        #: (:meth:`configure`).
+        self.stop = stop
         #: Hand the losses to the storage's pending queue (set at ``before_train``).
         self.deferring = False
         #: Copy the losses that can still change before they are read (set at
@@ -51,10 +55,14 @@ class LossMetrics:
         self.ending_error: Optional[BaseException] = None
         self._pending_writes: Deque[concurrent.futures.Future] = deque()
 
-    def configure(self, trainer: Any) -> None:
-        """At ``before_train``: the storage's pending queue in one process; the per-step path
-        when asked for, for asynchronous writes, and across processes (whose reduction is per
-        write)."""
+    def configure(self, trainer: Any, stop: Any = None) -> None:
+        """Where every run begins (``before_train``): the storage's pending queue in one
+        process; the per-step path when asked for, for asynchronous writes, and across
+        processes (whose reduction is per write). ``stop``: the controller whose codes the
+        collective carries, when another trainer drives this one
+        (``TrainerParts.join_run``)."""
+        if stop is not None:
+            self.stop = stop
         self.deferring = not (
             trainer.check_finite_every_step
             # detectron2's name, set in __init__ (a subclass may skip it)
@@ -82,7 +90,7 @@ class LossMetrics:
                 loss_dict = snapshot_losses(loss_dict)
             trainer.storage._record_losses(it, data_time, loss_dict, prefix)
             return
-        stop = trainer._hookloop.stop
+        stop = self.stop
         try:
             agreed = write_metrics_across(loss_dict, data_time, it, prefix, stop.outgoing())
         except Exception:
@@ -99,7 +107,7 @@ class LossMetrics:
         self.raise_async_errors()
         it = trainer.iter
         loss_dict = snapshot_losses(dict(loss_dict))
-        stop = trainer._hookloop.stop
+        stop = self.stop
         executor = trainer.concurrent_executor
         if (it + 1) % trainer.gather_metric_period == 0 and stop.rides_collective():
             # Across ranks: the stop agreed in the previous period's collective is taken
@@ -218,8 +226,8 @@ def metrics_of(trainer: Any) -> Optional[LossMetrics]:
     or None for a trainer that has none."""
     for t in (trainer, getattr(trainer, "_trainer", None)):
         metrics = getattr(getattr(t, "_hookloop", None), "metrics", None)
-        if metrics is not None:
-            return metrics  # type: ignore[no-any-return]
+        if isinstance(metrics, LossMetrics):
+            return metrics
     return None
 
 

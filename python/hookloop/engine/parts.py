@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from hookloop import _core
@@ -26,7 +27,6 @@ __all__ = [
     "TrainerParts",
     "check_iters",
     "elapsed",
-    "end_iter",
     "hook_keys",
     "report_secondary",
 ]
@@ -48,26 +48,27 @@ NO_MAX_ITER = 2**53
 class TrainerParts:
     """What every trainer has beyond detectron2's attributes:
 
-    - ``dispatcher``: the Rust hook dispatcher, which runs the stages and the loop over the
-      table :mod:`hookloop.engine.dispatch` builds from ``trainer._hooks``;
-    - ``stop``: the :class:`~hookloop.engine.stop.StopController` (a ``DefaultTrainer`` shares
-      its own with the trainer it wraps);
-    - the state of the current ``train()``: whether it stopped early, its wall-clock span, the
+    - ``dispatcher``: the Rust hook dispatcher, which runs the stages over the table
+      :mod:`hookloop.engine.dispatch` builds from ``trainer._hooks``;
+    - ``stop``: the :class:`~hookloop.engine.stop.StopController`, which owns the stop state;
+    - the state of the current ``train()``: whether it failed, its wall-clock span, the
       storage history of a resumed checkpoint.
+
+    It also carries the protocol by which another trainer drives this one's steps
+    (``DefaultTrainer`` wraps one): :meth:`wrapped_by`, :meth:`join_run`, :meth:`hooks_ready`
+    and :meth:`leave_run`, which a trainer's parts class may extend (the graph trainer's
+    prepares its LR table in :meth:`hooks_ready`).
     """
 
     #: SimpleTrainer's collaborators (None on other trainers).
     data: Optional[DataCursor] = None
-    #: The hook list the dispatcher's table was built for (``trainer._hooks`` then).
-    table_hooks: Optional[List[Any]] = None
     metrics: Optional[LossMetrics] = None
     #: AMPTrainer's autocast device ("cuda" when CUDA is available).
     device_type = "cpu"
 
     def __init__(self) -> None:
         self.dispatcher = _core.Dispatcher()
-        self.stop = StopController(self.dispatcher)
-        self.stopped_early = False
+        self.stop = StopController()
         #: ``train()``'s loop raised (set before ``after_train``): no evaluation after it.
         self.failed = False
         self.train_time: List[Any] = [0.0, None]
@@ -85,13 +86,12 @@ class TrainerParts:
         """``train()`` opened ``storage``: the recent history of a resumed checkpoint goes into
         it (smoothing and the ETA continue) when this run resumes that checkpoint, the
         dispatcher and the stop controller start."""
-        self.stopped_early = False
         self.train_time = [time.perf_counter(), None]
         saved, self.resume_storage = self.resume_storage, None
         if saved is not None and _resumes(trainer.start_iter, max_iter, self.resume_storage_iter):
             storage._load_state(dict(saved))
             storage.iter = trainer.start_iter
-        self.begin(trainer, storage, max_iter)
+        self.begin(trainer, max_iter)
         self.stop.begin()
 
     def end_run(self) -> None:
@@ -100,19 +100,56 @@ class TrainerParts:
         one process exits, launch() and torchrun stop the others); then the exception the stop
         asked for is raised."""
         after_stop = self.stop.take_raise_after_train()
-        if self.stopped_early and self.stop.rides_collective():
+        if self.stop.stopped_early and self.stop.rides_collective():
             comm.synchronize()
-        if after_stop is not None and self.stopped_early:
+        if after_stop is not None and self.stop.stopped_early:
             raise after_stop
 
-    def begin(self, trainer: Any, storage: Any, max_iter: int) -> None:
+    def begin(self, trainer: Any, max_iter: int) -> None:
         """A run starts (``train()``'s, or a subclass's own loop at ``before_train``): the
-        dispatcher learns its storage and ``max_iter``, clears its stop flag, and gets a table
-        for the hook list (statistics start again). The stop controller starts only with
-        ``train()`` (:meth:`start_run`): an own loop cannot be stopped by ``request_stop``."""
+        dispatcher learns ``max_iter`` and gets a table for the hook list (statistics start
+        again). The stop controller starts only with ``train()`` (:meth:`start_run`): an own
+        loop cannot be stopped by ``request_stop``."""
         self.failed = False
-        self.dispatcher.begin(storage, max_iter)
+        self.dispatcher.begin(max_iter)
         dispatch.set_table(trainer, carry=False)
+
+    # The protocol of a trainer whose steps another trainer drives: ``outer`` runs the loop
+    # and owns the hooks and the storage; ``trainer`` runs each step.
+
+    def wrapped_by(self, trainer: Any, outer: Any) -> None:
+        """``outer`` now drives ``trainer``: the ``after_backward`` that ``trainer.run_step``
+        calls runs ``outer``'s hooks (detectron2's calls the wrapped trainer's, which has no
+        hooks), through a weak reference (no cycle back to ``outer``)."""
+        method = weakref.WeakMethod(outer.after_backward)
+
+        def after_backward() -> None:
+            bound = method()
+            if bound is not None:
+                bound()
+
+        trainer.after_backward = after_backward
+
+    def join_run(self, trainer: Any, outer: Any) -> None:
+        """At ``outer``'s ``before_train``, before its hooks': ``trainer`` sees the run's
+        bounds and storage, its collaborators are configured for the run as its own
+        ``before_train`` would (the losses read in batches), and a stop requested on ``outer``
+        rides on ``trainer``'s metric collective."""
+        trainer.start_iter, trainer.max_iter = outer.start_iter, outer.max_iter
+        trainer.storage = outer.storage
+        stop = outer._hookloop.stop
+        stop.collective = self.stop.collective
+        if self.metrics is not None:
+            self.metrics.configure(trainer, stop)
+
+    def hooks_ready(self, trainer: Any, outer: Any) -> None:
+        """``outer``'s hooks ran their ``before_train``."""
+
+    def leave_run(self, trainer: Any) -> Optional[BaseException]:
+        """At ``outer``'s ``after_train``, before its hooks': what ``trainer``'s losses still
+        wait for is stored; the error of that read is returned, for ``outer`` to raise after
+        the hooks."""
+        return None if self.metrics is None else self.metrics.settle_last(trainer.storage)
 
 
 class SimpleTrainerParts(TrainerParts):
@@ -124,7 +161,7 @@ class SimpleTrainerParts(TrainerParts):
     def __init__(self) -> None:
         super().__init__()
         self.data = DataCursor()
-        self.metrics = LossMetrics()
+        self.metrics = LossMetrics(self.stop)
         self.stop.collective = True
 
 
@@ -147,14 +184,6 @@ def check_iters(start_iter: Any, max_iter: Any) -> Tuple[int, int]:
             "runs; before_train and after_train do (a final evaluation, the writers' last write)."
         )
     return start_iter, max_iter
-
-
-def end_iter(start_iter: int, max_iter: int) -> int:
-    """``trainer.iter`` after a ``train(start_iter, max_iter)`` whose loop finished:
-    ``max_iter``, or for a loop with no iteration (``start_iter >= max_iter``: a finished run
-    resumed), detectron2's ``start_iter + 1`` (its empty loop leaves ``iter`` at
-    ``start_iter``, then ``self.iter += 1``)."""
-    return max_iter if start_iter < max_iter else start_iter + 1
 
 
 def _resumes(start_iter: int, max_iter: int, saved_iter: Any) -> bool:
@@ -184,7 +213,8 @@ def hook_keys(hooks: Iterable[Any], qualified: bool = True) -> List[Tuple[str, A
 def elapsed(parts: TrainerParts) -> float:
     """Seconds since the current (or last) ``train()`` started, to its end if it ended."""
     start, end = parts.train_time
-    return (time.perf_counter() if end is None else end) - start  # type: ignore[no-any-return]
+    now = time.perf_counter() if end is None else float(end)
+    return now - float(start)
 
 
 def report_secondary(primary: BaseException, secondary: BaseException, where: str) -> None:

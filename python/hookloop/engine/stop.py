@@ -1,20 +1,19 @@
 """Stopping a running ``train()`` cleanly: :meth:`TrainerBase.request_stop`'s machinery.
 
-A trainer holds one :class:`StopController`. A stop request sets the dispatcher's stop flag,
-which the loop reads at the start of each iteration: the next iteration raises
-:class:`StopTraining` before any of its hooks, and ``train()`` ends there. The trainer's hook
-list is never touched. Across ranks a request does
+A trainer holds one :class:`StopController`, the only owner of its stop state. A request
+applied marks it ``applied``, which ``TrainerBase.before_step`` reads first: the next iteration
+raises :class:`StopTraining` before any of its hooks, and ``train()`` ends there, marking the
+run ``stopped_early``. The trainer's hook list is never touched. Across ranks a request does
 not stop one rank alone: it rides on the next packed metric collective
 (:mod:`hookloop.engine.metrics`) as a stop code, and every rank applies the largest code any
-rank sent after the same iteration. ``DefaultTrainer`` shares its
-controller with the trainer it wraps, whose collective carries the code.
+rank sent after the same iteration. A ``DefaultTrainer``'s controller is the one its wrapped
+trainer's metric collective carries (``LossMetrics.configure``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from hookloop import _core
 from hookloop.utils import comm
 
 __all__ = ["Preempted", "StopController", "StopTraining"]
@@ -36,10 +35,10 @@ class Preempted(SystemExit):
         return (type(self), (self.signum,))
 
 
-#: Control flow of a stop, raised before the first hook of the iteration after it and caught
-#: in ``train()``. A ``BaseException``, so that a hook's ``except Exception`` does not swallow
-#: it. Defined by the dispatcher, which raises it.
-StopTraining = _core.StopTraining
+class StopTraining(BaseException):
+    """Control flow of a stop, raised by ``TrainerBase.before_step`` before the first hook of
+    the iteration after it and caught in ``train()``. A ``BaseException``, so that a hook's
+    ``except Exception`` does not swallow it."""
 
 
 class StopController:
@@ -49,6 +48,9 @@ class StopController:
 
     Attributes:
         requested (bool): a stop was requested (or agreed) in the current ``train()``.
+        applied (bool): the stop is taken: the next ``before_step`` raises
+            :class:`StopTraining`.
+        stopped_early (bool): the current (or last) ``train()`` ended through the stop.
         collective (bool): the trainer running the steps makes a packed metric collective
             (``SimpleTrainer`` and ``AMPTrainer``), on which a stop rides with several ranks.
         raise_after_train: what ``train()`` raises after ``after_train`` when it stopped early.
@@ -56,12 +58,11 @@ class StopController:
             the next period boundary on the training thread.
     """
 
-    def __init__(self, dispatcher: Any) -> None:
-        # The dispatcher whose loop a stop ends (its stop flag).
-        self._dispatcher = dispatcher
+    def __init__(self) -> None:
         self._running = False
         self.requested = False
-        self._applied = False
+        self.applied = False
+        self.stopped_early = False
         self.collective = False
         self.raise_after_train: Optional[BaseException] = None
         self.agreed_async = 0
@@ -75,13 +76,15 @@ class StopController:
         """A ``train()`` starts its loop."""
         self._running = True
         self.requested = False
-        self._applied = False
+        self.applied = False
+        self.stopped_early = False
         self.raise_after_train = None
         self.agreed_async = 0
 
     def end(self) -> None:
-        """The loop ended: no stop can be requested any more."""
+        """The loop ended: no stop can be requested any more, and none is pending."""
         self._running = False
+        self.applied = False
 
     def take_raise_after_train(self) -> Optional[BaseException]:
         """The exception a stop asked ``train()`` to raise, cleared for the next run."""
@@ -116,15 +119,13 @@ class StopController:
         # every rank at the same iteration.
 
     def _apply(self) -> None:
-        if self._applied or not self._running:
-            return
-        self._applied = True
-        self._dispatcher.request_stop()
+        if self._running:
+            self.applied = True
 
     def outgoing(self) -> int:
         """What this rank puts in the next collective's stop slot: 0 (no stop pending), 1 (a
         stop), or ``1 + signum`` for a preemption by that signal."""
-        if not self.requested or self._applied:
+        if not self.requested or self.applied:
             return 0
         signum = getattr(self.raise_after_train, "signum", None)
         if isinstance(self.raise_after_train, SystemExit) and isinstance(signum, int):

@@ -1,7 +1,8 @@
 """The training loop, mirroring ``detectron2.engine.train_loop``.
 
-detectron2's API and call order. The loop and the hook dispatch run in Rust over a table
-:mod:`hookloop.engine.dispatch` builds; hookloop's state of a trainer is one slot,
+detectron2's API, call order and loop (``TrainerBase.train``); each stage is one call into
+the Rust dispatcher, which runs the hooks over a table :mod:`hookloop.engine.dispatch`
+builds. hookloop's state of a trainer is one slot,
 ``_hookloop`` (:mod:`hookloop.engine.parts`), made on first use; its additions to the API are
 in :mod:`hookloop.engine.additions`. Everything that touches torch stays here.
 """
@@ -12,7 +13,7 @@ import concurrent.futures
 import logging
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, cast
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -30,7 +31,6 @@ from hookloop.engine.parts import (
     SimpleTrainerParts,
     TrainerParts,
     check_iters,
-    end_iter,
     hook_keys,
     report_secondary,
 )
@@ -74,7 +74,7 @@ class HookBase:
             when the hook is registered.
     """
 
-    trainer: "TrainerBase" = None  # type: ignore[assignment]
+    trainer: "TrainerBase" = cast("TrainerBase", None)
 
     @base_stage
     def before_train(self) -> None:
@@ -202,17 +202,21 @@ class TrainerBase(TrainerAdditions):
             try:
                 self.before_train()
                 try:
-                    dispatch.run_loop(self, start_iter, max_iter)
+                    for self.iter in range(start_iter, max_iter):
+                        self.before_step()
+                        self.run_step()
+                        self.after_step()
                 except StopTraining:
-                    # Raised before any hook of the iteration after the stop: the last one
-                    # that completed (every after_step of it ran) is the one before.
+                    # Raised by before_step before any hook of the iteration after the stop:
+                    # the last one that completed (every after_step of it ran) is the one
+                    # before.
                     self.iter -= 1
-                    parts.stopped_early = True
+                    parts.stop.stopped_early = True
                     logger.info(f"Training stopped on request after iteration {self.iter}")
                 else:
                     # self.iter == max_iter can be used by `after_train` to tell whether the
                     # training successfully finished or failed due to exceptions.
-                    self.iter = end_iter(start_iter, max_iter)
+                    self.iter += 1
             except BaseException as exc:
                 parts.failed = True
                 if isinstance(exc, Exception):
@@ -234,35 +238,39 @@ class TrainerBase(TrainerAdditions):
                 parts.train_time[1] = time.perf_counter()
         parts.end_run()
 
+    # The stages. Each is one call into the dispatcher, which runs the hooks that override it
+    # (dispatch.overrides), in the table's order, on their periods. After an edit of the hook
+    # list the dispatcher's stage runs nothing and returns False: dispatch.run_stage then sets
+    # a table for the list as it is now and runs the stage (the path every stage takes; the
+    # per-step ones try the dispatcher first, without run_stage's Python frame).
+
     def before_train(self) -> None:
         parts = self._hookloop
         if not parts.stop.running:
             # A subclass's own loop calling the stages: the dispatcher learns its run here.
-            storage = getattr(self, "storage", None)
-            if isinstance(storage, EventStorage):
-                max_iter = getattr(self, "max_iter", None)
-                parts.begin(self, storage, max_iter if isinstance(max_iter, int) else NO_MAX_ITER)
+            max_iter = getattr(self, "max_iter", None)
+            parts.begin(self, max_iter if isinstance(max_iter, int) else NO_MAX_ITER)
         dispatch.run_stage(self, "before_train")
 
     def after_train(self) -> None:
         self.storage.iter = self.iter
         dispatch.run_stage(self, "after_train", self.iter)
 
-    @base_stage  # the loop runs it in Rust (see dispatch.run_loop)
     def before_step(self) -> None:
+        if self._hookloop.stop.applied:
+            raise StopTraining  # request_stop(): no hook of this iteration runs
         # Maintain the invariant that storage.iter == trainer.iter for the entire step
         self.storage.iter = self.iter
-        dispatch.run_stage(self, "before_step", self.iter)
+        if not self._hookloop.dispatcher.before_step(self._hooks, self.iter):
+            dispatch.run_stage(self, "before_step", self.iter)
 
     def after_backward(self) -> None:
-        # run_stage, inlined: run_step calls this at every iteration.
-        parts = self._hookloop
-        if self._hooks is not parts.table_hooks or not parts.dispatcher.after_backward():
+        if not self._hookloop.dispatcher.after_backward(self._hooks):
             dispatch.run_stage(self, "after_backward")
 
-    @base_stage  # the loop runs it in Rust
     def after_step(self) -> None:
-        dispatch.run_stage(self, "after_step", self.iter)
+        if not self._hookloop.dispatcher.after_step(self._hooks, self.iter):
+            dispatch.run_stage(self, "after_step", self.iter)
 
     def run_step(self) -> None:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from hookloop.solver.param_scheduler import (
     ParamScheduler,
     native_schedule,
 )
+from hookloop.solver.torch_step import advance
 
 try:
     from torch.optim.lr_scheduler import LRScheduler
@@ -124,13 +125,9 @@ class LRMultiplier(LRScheduler):
     With a built-in multiplier (no Python ``__call__`` anywhere in it) and float learning
     rates, :meth:`step` does its work in one call into Rust: the multiplier at
     ``last_epoch / max_iter`` once, then every group's ``lr``. The values are those of
-    detectron2's ``base_lr * multiplier(last_epoch / max_iter)``.
-
-    :meth:`_native_step` is that step without torch's bookkeeping of the call order of
-    ``optimizer.step()`` and ``scheduler.step()``: hookloop's ``LRScheduler`` hook calls it
-    after each iteration (the optimizer has stepped by then). It is always correct to call:
-    when the fast path does not apply (a Python multiplier, tensor learning rates) it is
-    :meth:`step`.
+    detectron2's ``base_lr * multiplier(last_epoch / max_iter)``; torch's own bookkeeping of
+    the step is :func:`hookloop.solver.torch_step.advance`. Otherwise (a Python multiplier,
+    tensor learning rates, the first step, the deprecated ``epoch``) it is torch's ``step()``.
 
     The state (:meth:`state_dict`) is torch's (``base_lrs``, ``last_epoch``, ``_step_count``,
     ``_last_lr``, ...) plus ``_max_iter``. A state saved with another ``max_iter`` loads as
@@ -234,34 +231,12 @@ class LRMultiplier(LRScheduler):
         # the deprecated `epoch` argument.
         native = self._native
         if self._fast and native is not None and epoch is None and self._step_count != 1:
-            # _native_step's body, inlined: the extra Python call would add ~15% to this step.
-            last_epoch = self.last_epoch + 1
-            last_lr: List[Any] = native.step_lrs(
-                self.optimizer.param_groups, self.base_lrs, last_epoch, self._max_iter
+            lrs: List[Any] = native.step_lrs(
+                self.optimizer.param_groups, self.base_lrs, self.last_epoch + 1, self._max_iter
             )
-            self._last_lr = last_lr
-            self.last_epoch = last_epoch
-            self._step_count += 1
+            advance(self, lrs)
         else:
             super().step(epoch)
-
-    def _native_step(self) -> None:
-        """One scheduler step in one call into Rust: ``last_epoch`` and ``_step_count``
-        advance by one, every param group's ``lr`` becomes ``base_lr * multiplier``, and
-        ``get_last_lr()`` returns the new LRs. On error (stepping past ``max_iter``) nothing
-        changes. Falls back to :meth:`step` when the fast path does not apply.
-        """
-        native = self._native
-        if native is None or not self._fast:
-            super().step()
-            return
-        last_epoch = self.last_epoch + 1
-        last_lr: List[Any] = native.step_lrs(
-            self.optimizer.param_groups, self.base_lrs, last_epoch, self._max_iter
-        )
-        self._last_lr = last_lr
-        self.last_epoch = last_epoch
-        self._step_count += 1
 
 
 # detectron2's legacy schedulers, kept for code that still builds them. Their arithmetic stays

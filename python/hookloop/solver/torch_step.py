@@ -12,15 +12,16 @@ epoch changes no LR, and every LR is a Python number. Otherwise torch's ``step()
 Tests compare the state and the LRs with torch's own stepping at every step
 (tests/engine/test_torch_scheduler_step.py).
 
-This is the one place hookloop writes a library's private attributes; the Rust hook calls
-:func:`step` and nothing else.
+:func:`advance` is the one function that writes torch's private scheduler attributes: this
+module's shortcut and ``LRMultiplier.step`` (whose native schedule has set the LRs) call it.
+The ``LRScheduler`` hook calls :func:`step`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
-__all__ = ["step"]
+__all__ = ["advance", "step"]
 
 _MULTI_STEP, _STEP = 0, 1
 _KINDS: Dict[type, int] = {}
@@ -54,10 +55,19 @@ def step(scheduler: Any) -> None:
         if type(lr) is not float and type(lr) is not int:
             return scheduler.step()  # a tensor LR: torch's
         lrs.append(lr)
-    d["_step_count"] = count + 1
-    d["last_epoch"] = nxt
-    d["_last_lr"] = lrs
+    advance(scheduler, lrs)
     return None
+
+
+def advance(scheduler: Any, lrs: List[Any]) -> None:
+    """What torch's ``LRScheduler.step()`` leaves on ``scheduler`` after a step (without the
+    deprecated ``epoch``) that set the param groups' LRs to ``lrs``: ``_step_count`` and
+    ``last_epoch`` one more, ``_last_lr`` the new LRs. The only writer of those fields in
+    hookloop; the caller has set the LRs (or knows they do not change)."""
+    d = vars(scheduler)
+    d["_step_count"] += 1
+    d["last_epoch"] += 1
+    d["_last_lr"] = lrs
 
 
 def _kinds() -> Dict[type, int]:

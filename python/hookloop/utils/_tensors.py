@@ -1,7 +1,9 @@
 """Reading single-element tensors in batches: the values the storage's pending queue keeps
 unread until something needs them (``SimpleTrainer``'s losses, ``EventStorage.put_scalar`` of a
-device tensor). The queue (core ``pending``, binding ``pending.rs``) calls :func:`read_scalars`
-and :func:`start_read`; nothing here touches the storage.
+device tensor). The queue (core ``pending``, binding ``pending.rs``) calls :func:`read_scalars`,
+:func:`start_read` and :func:`write_failed`, handed to the extension once, at the bottom of this
+module (``_core._register_tensor_reads``: the extension imports nothing of the package);
+nothing here touches the storage.
 
 One mechanism for both: per device, one stack of the values as float64 and one copy to the
 host, so a batch costs one device synchronization per device instead of one per value. The
@@ -19,6 +21,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+
+from hookloop import _core
 
 __all__ = ["read_scalars", "snapshot_losses", "stack_scalars", "start_read", "write_failed"]
 
@@ -135,3 +139,12 @@ def write_failed(error: BaseException) -> None:
     is not a number): logged as detectron2's ``_write_metrics`` logs it, then raised by the
     caller wherever the read happened (a writer, a hook's ``latest()``, the next step)."""
     _train_logger.error("Exception in writing metrics: ", exc_info=error)
+
+
+# Handed to the extension once. Each looks its function up here at the call, so that replacing
+# one in this module (a test's monkeypatch) reaches the storage's reads.
+_core._register_tensor_reads(
+    lambda values: read_scalars(values),
+    lambda values: start_read(values),
+    lambda error: write_failed(error),
+)

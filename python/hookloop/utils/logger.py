@@ -203,15 +203,15 @@ def _cached_log_stream(filename: str) -> IO[str]:
 
 def _find_caller() -> Tuple[str, Tuple[str, int, str]]:
     """The module name and (file, line, function) of the first frame outside this file."""
-    frame = sys._getframe(2)
-    while frame:
+    frame: Optional[Any] = sys._getframe(2)
+    while frame is not None:
         code = frame.f_code
         if code.co_filename != __file__:
             mod_name = frame.f_globals.get("__name__", "hookloop")
             if mod_name == "__main__":
                 mod_name = "hookloop"
             return mod_name, (code.co_filename, frame.f_lineno, code.co_name)
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "hookloop", ("", 0, "")
 
 

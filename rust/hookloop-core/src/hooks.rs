@@ -127,11 +127,6 @@ impl IterationTimer {
     }
 }
 
-/// What `LRScheduler` records each step: the summarized group's LR, unsmoothed.
-pub fn put_lr(storage: &mut Storage, lr: f64) -> Result<()> {
-    storage.put_scalar("lr", lr, false, None)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,12 +173,5 @@ mod tests {
         timer.start(i64::MIN, Instant::now());
         // iter_done is 2^64: past any warmup, and no wrap to a negative count.
         assert!(timer.after_step(i64::MAX, Instant::now()).is_some());
-    }
-
-    #[test]
-    fn lr_is_unsmoothed() {
-        let mut s = storage(0);
-        put_lr(&mut s, 0.1).unwrap();
-        assert!(!s.scalar("lr").unwrap().smoothing_hint);
     }
 }

@@ -7,9 +7,12 @@
 //! [`crate::metrics::write_metrics`] for a trainer's losses, [`Storage::put_at`] for a put.
 //!
 //! The queue does not read values itself (they are the caller's objects: `V` is a Python
-//! tensor in the binding); it says when a read is due ([`Due`]) and applies the values read
-//! ([`apply`]). A read of a whole waiting batch may also be *started* (a copy to the host not
-//! waited for, handle `H`) and finished at the next read of the storage.
+//! tensor in the binding); it decides, and the caller executes: when a read is due ([`Due`]),
+//! what a read does now ([`Action`]: raise a failure kept for this thread, start a read, or
+//! read), in which order the taken reads are finished and when they stop ([`Reading`]), and
+//! it applies the values read ([`Pending::store`]). A read of a whole waiting batch may be
+//! *started* (a copy to the host not waited for, handle `H`) and finished at the next read of
+//! the storage.
 //!
 //! Invariant: batches are applied in the order their values were put, so each history keeps
 //! its values in order, and the names they create keep the place of their put
@@ -129,6 +132,78 @@ pub struct Started<H> {
 pub struct Taken<V, H> {
     pub started: Vec<Started<H>>,
     pub waiting: Batch<V>,
+}
+
+/// What a reader does now, under the queue's settle lock ([`Pending::settle`],
+/// [`Pending::due_read`]); the caller executes it without the storage's lock.
+#[derive(Debug)]
+pub enum Action<V, H> {
+    /// Raise `error`, a failure another thread's read kept for this one, before reading
+    /// anything: `dropped` (what waited, all queued after it) is released unread.
+    Raise { error: Error, dropped: Taken<V, H> },
+    /// Start the read of `batch` (a copy to the host not waited for) and hand its handle to
+    /// [`Pending::started`] with `started` (the reads started earlier). A batch whose read
+    /// cannot start is read now instead: a [`Reading`] of `Taken { started, waiting: batch }`.
+    Start {
+        started: Vec<Started<H>>,
+        batch: Batch<V>,
+    },
+    /// Read everything taken now ([`Reading`]).
+    Read(Taken<V, H>),
+}
+
+/// One step of a [`Reading`].
+#[derive(Debug)]
+pub enum Step<V, H> {
+    /// Wait for a started read's values, then store them ([`Pending::store`]).
+    Finish(Started<H>),
+    /// Read the waiting batch's values now, then store them and end the read
+    /// ([`Pending::store`], [`Pending::end_read`]) under one lock.
+    Read(Batch<V>),
+}
+
+/// A read of what was taken, in put order: each started read is finished, then the waiting
+/// batch is read. The first step whose values are not stored (an error, or a non-finite loss
+/// kept for the owner) stops it: what comes after is dropped unread.
+#[derive(Debug)]
+pub struct Reading<V, H> {
+    started: std::vec::IntoIter<Started<H>>,
+    waiting: Option<Batch<V>>,
+}
+
+impl<V, H> Reading<V, H> {
+    pub fn new(taken: Taken<V, H>) -> Self {
+        let Taken { started, waiting } = taken;
+        Reading {
+            started: started.into_iter(),
+            waiting: (!waiting.records.is_empty()).then_some(waiting),
+        }
+    }
+
+    /// The next step; None when the reading is over.
+    pub fn next_step(&mut self) -> Option<Step<V, H>> {
+        match self.started.next() {
+            Some(s) => Some(Step::Finish(s)),
+            None => self.waiting.take().map(Step::Read),
+        }
+    }
+
+    /// After a step: the reading goes on only when its values were stored (`stored`).
+    pub fn after_step(&mut self, stored: bool) {
+        if !stored {
+            self.stop();
+        }
+    }
+
+    fn stop(&mut self) {
+        self.started = Vec::new().into_iter();
+        self.waiting = None;
+    }
+
+    /// What the reading has not reached (released by the caller after the lock).
+    pub fn into_rest(self) -> (Vec<Started<H>>, Option<Batch<V>>) {
+        (self.started.collect(), self.waiting)
+    }
 }
 
 /// What a read of one batch ([`Pending::store`]) tells its reader.
@@ -259,11 +334,11 @@ impl<V, H> Pending<V, H> {
     }
 
     /// Whether a started read may be added (fewer than `max_started` wait).
-    pub fn may_start(&self) -> bool {
+    fn may_start(&self) -> bool {
         self.started.len() < self.limits.max_started
     }
 
-    /// Takes everything for a read.
+    /// Takes everything (for a read, or to release the values held).
     pub fn take(&mut self) -> Taken<V, H> {
         self.waiting_iterations = 0;
         self.put_names.clear();
@@ -295,7 +370,7 @@ impl<V, H> Pending<V, H> {
 
     /// The failure kept for the owner, when `reader` is the owner (a read on the owner thread
     /// raises it before reading anything: what waits came after it). None elsewhere.
-    pub fn take_kept(&mut self, reader: ThreadId) -> Option<Error> {
+    fn take_kept(&mut self, reader: ThreadId) -> Option<Error> {
         if !self.kept || !self.is_owner(reader) {
             return None;
         }
@@ -355,10 +430,62 @@ impl<V, H> Pending<V, H> {
         Err(error)
     }
 
+    /// A read of everything waiting, on `reader`'s thread (every read of the storage first):
+    /// on the owner thread, a failure another thread's read kept is raised instead, and what
+    /// waits (queued after it) is dropped; else everything is read.
+    pub fn settle(&mut self, storage: &mut Storage, reader: ThreadId) -> Action<V, H> {
+        match self.take_kept(reader) {
+            Some(error) => {
+                let dropped = self.take();
+                self.end_read(storage);
+                Action::Raise { error, dropped }
+            }
+            None => Action::Read(self.take()),
+        }
+    }
+
+    /// A read that [`Due::Start`] made due: the waiting batch's read is started while fewer
+    /// than `max_started` started reads wait; else (or with no value waiting) everything is
+    /// read now.
+    pub fn due_read(&mut self) -> Action<V, H> {
+        let may_start = self.may_start();
+        let Taken { started, waiting } = self.take();
+        if may_start && !waiting.values.is_empty() {
+            Action::Start {
+                started,
+                batch: waiting,
+            }
+        } else {
+            Action::Read(Taken { started, waiting })
+        }
+    }
+
+    /// The read of [`Action::Start`]'s batch started (`read`, its handle): it waits with
+    /// `started` (the reads started earlier) ahead of anything queued since the take, and
+    /// their put names wait again. Returns the batch's values (released after the lock).
+    pub fn started(&mut self, mut started: Vec<Started<H>>, batch: Batch<V>, read: H) -> Vec<V> {
+        started.push(Started {
+            records: batch.records,
+            read,
+        });
+        self.restore_started(started);
+        batch.values
+    }
+
+    /// After a read, under the same lock as its last store: the storage's deferred place ends
+    /// when nothing waits. Returns whether a failure waits for the owner (every later read
+    /// must then reach the queue).
+    pub fn end_read(&mut self, storage: &mut Storage) -> bool {
+        if self.is_empty() {
+            storage.end_deferred();
+        }
+        self.kept
+    }
+
     /// Gives back what [`Pending::take`] took when the waiting batch's read was started
     /// instead of done: `started` (the reads started earlier, then this one) go ahead of
     /// anything queued since the take. Their put names wait again.
-    pub fn restore_started(&mut self, mut started: Vec<Started<H>>) {
+    fn restore_started(&mut self, mut started: Vec<Started<H>>) {
         for s in &started {
             for r in &s.records {
                 if let Record::Put { name, .. } = r {
@@ -695,6 +822,141 @@ mod tests {
         assert!(matches!(err, Error::BadValue { .. }), "{err:?}");
         assert!(!q.keeps_failure());
         q.before_save(owner).unwrap();
+    }
+
+    #[test]
+    fn a_settle_reads_everything_taken_and_raises_a_kept_failure_on_the_owner_only() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 3, 9);
+        match q.settle(&mut s, other_thread()) {
+            Action::Read(taken) => assert_eq!(taken.waiting.records.len(), 3),
+            other => panic!("expected a read, got {other:?}"),
+        }
+        assert!(q.is_empty());
+        // A failure kept for the owner: another thread reads; the owner raises it first and
+        // drops what waits (queued after it), and the deferred place ends.
+        let (mut q, mut s) = recorded(owner, 3, 1);
+        store_all(&mut q, &mut s, other_thread()).unwrap();
+        losses(&mut q, &mut s, 3, 1.0);
+        assert!(matches!(q.settle(&mut s, other_thread()), Action::Read(_)));
+        losses(&mut q, &mut s, 4, 1.0);
+        match q.settle(&mut s, owner) {
+            Action::Raise { error, dropped } => {
+                assert_eq!(failed_at(Err::<(), _>(error)), Iter::Int(1));
+                assert_eq!(dropped.waiting.records.len(), 1);
+            }
+            other => panic!("expected a raise, got {other:?}"),
+        }
+        assert!(q.is_empty() && !q.keeps_failure());
+        losses(&mut q, &mut s, 5, 1.0); // a name created now goes at the end, not deferred
+        assert!(matches!(q.settle(&mut s, owner), Action::Read(_)));
+    }
+
+    #[test]
+    fn a_due_read_starts_the_batch_until_max_started_wait_then_reads_everything() {
+        let mut s = storage();
+        let mut q: Pending<f64, &str> = Pending {
+            limits: Limits {
+                read_every: 1,
+                max_started: 1,
+                max_values: 100,
+            },
+            ..Pending::default()
+        };
+        let names = || Arc::from(vec!["a".to_owned()]);
+        q.push_losses(&mut s, Iter::Int(0), 0.0, String::new(), names(), vec![1.0])
+            .unwrap();
+        let Action::Start { started, batch } = q.due_read() else {
+            panic!("the first due read starts");
+        };
+        assert!(started.is_empty() && q.is_empty());
+        q.push_losses(&mut s, Iter::Int(1), 0.0, String::new(), names(), vec![2.0])
+            .unwrap();
+        assert_eq!(q.started(started, batch, "copy of 0"), [1.0]);
+        // One started read is the bound: the next due read reads everything, in put order.
+        let Action::Read(taken) = q.due_read() else {
+            panic!("past max_started, a due read is done now");
+        };
+        assert_eq!(taken.started.len(), 1);
+        assert_eq!(taken.started[0].read, "copy of 0");
+        assert_eq!(taken.waiting.values, [2.0]);
+        // Nothing waiting to start: a read (of what was started, if anything).
+        assert!(matches!(q.due_read(), Action::Read(t) if t.started.is_empty()));
+    }
+
+    #[test]
+    fn a_reading_finishes_the_started_reads_then_reads_the_batch_and_stops_at_a_failure() {
+        let batch = |v: f64| Batch {
+            records: vec![Record::Put {
+                name: "x".into(),
+                hint: true,
+                iter: Iter::Int(0),
+            }],
+            values: vec![v],
+        };
+        let started = |h: &'static str| Started {
+            records: batch(0.0).records,
+            read: h,
+        };
+        let taken = || Taken {
+            started: vec![started("a"), started("b")],
+            waiting: batch(1.0),
+        };
+        let mut r = Reading::new(taken());
+        let mut order = Vec::new();
+        while let Some(step) = r.next_step() {
+            order.push(match step {
+                Step::Finish(s) => s.read.to_owned(),
+                Step::Read(b) => format!("read {:?}", b.values),
+            });
+            r.after_step(true);
+        }
+        assert_eq!(order, ["a", "b", "read [1.0]"]);
+        // A step not stored stops it: the rest is handed back unread.
+        let mut r = Reading::new(taken());
+        assert!(matches!(r.next_step(), Some(Step::Finish(s)) if s.read == "a"));
+        r.after_step(false);
+        assert!(r.next_step().is_none());
+        let (rest, waiting) = r.into_rest();
+        assert!(rest.is_empty() && waiting.is_none());
+        // An empty batch is no step.
+        let mut r: Reading<f64, ()> = Reading::new(Taken {
+            started: Vec::new(),
+            waiting: Batch::default(),
+        });
+        assert!(r.next_step().is_none());
+    }
+
+    #[test]
+    fn end_read_ends_the_deferred_place_when_nothing_waits_and_says_a_failure_waits() {
+        let owner = std::thread::current().id();
+        let (mut q, mut s) = recorded(owner, 1, 9);
+        let taken = q.take();
+        q.store(&mut s, &taken.waiting.records, &taken.waiting.values, owner)
+            .unwrap();
+        assert!(!q.end_read(&mut s), "no failure waits");
+        // Ended: a put deferred later marks the end as it is then (after "lr").
+        s.put_scalar("lr", 0.1, false, None).unwrap();
+        q.push_put(&mut s, "y".into(), true, Iter::Int(1), 1.0);
+        let taken = q.take();
+        q.store(&mut s, &taken.waiting.records, &taken.waiting.values, owner)
+            .unwrap();
+        assert_eq!(&names(&s)[3..], ["a", "b", "lr", "y"]);
+        // Something still waits: the place stays deferred.
+        q.push_put(&mut s, "z".into(), true, Iter::Int(1), 1.0);
+        losses(&mut q, &mut s, 2, 1.0);
+        let taken = q.take();
+        q.push_put(&mut s, "w".into(), true, Iter::Int(2), 1.0); // queued during the read
+        q.store(&mut s, &taken.waiting.records, &taken.waiting.values, owner)
+            .unwrap();
+        q.end_read(&mut s);
+        s.put_scalar("late", 0.1, false, None).unwrap();
+        read_all(&mut q, &mut s).unwrap();
+        assert_eq!(&names(&s)[7..], ["z", "w", "late"]);
+        // A failure kept for the owner is reported.
+        let (mut q, mut s) = recorded(owner, 2, 1);
+        store_all(&mut q, &mut s, other_thread()).unwrap();
+        assert!(q.end_read(&mut s), "a failure waits for the owner");
     }
 
     #[test]

@@ -1,34 +1,29 @@
-//! Hook dispatch and the training loop: the binding over the core's `dispatch::Table`.
+//! Hook dispatch: the binding over the core's `dispatch::Table`.
 //!
 //! Python builds the table (`hookloop.engine.dispatch.table_for`: per stage, which hook
 //! methods to call, with their periods, in order) and hands it over with `set_table`, together
-//! with the hook list it was built from. The dispatcher keeps a copy of that list and at each
-//! stage compares the two (one C-level list comparison, identity first): when
-//! `trainer._hooks` was edited, the stage runs nothing and returns False, and Python sets a
-//! table for the new list and calls again, as detectron2's `for h in self._hooks` would see the
-//! edit. The dispatcher never calls Python to build a table. Every call is timed (one clock
-//! read per call, about 5 ns over the call itself; `timing = False` turns it off).
-//!
-//! A requested stop is a flag (`request_stop`): the loop reads it at the start of each
-//! iteration, once `trainer.iter` is set, and raises `StopTraining` there, before any hook of
-//! that iteration runs; `before_step` called from Python does the same.
+//! with the hook list it was built from. Each stage call passes the trainer's hook list as it
+//! is now; the dispatcher compares it with the one the table was built from (identity, then a
+//! C-level comparison of the items with the copy it kept): when `trainer._hooks` was replaced
+//! or edited, the stage runs nothing and returns False, and Python sets a table for the new
+//! list and calls again, as detectron2's `for h in self._hooks` would see the edit. The
+//! dispatcher never calls Python to build a table, and holds no other state of a run than
+//! `max_iter` (for the period filter) and the iteration of the step in progress (for
+//! `after_backward`'s). Every call is timed (one clock read per call, about 5 ns over the call
+//! itself; `timing = False` turns it off).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hookloop_core::dispatch::{now_ticks, start_clock, Stage, Table, STAGES};
 use hookloop_core::Error;
-use pyo3::create_exception;
-use pyo3::exceptions::PyBaseException;
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::PyList;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::convert::int64;
 use crate::errors::to_py;
 use crate::errors::IntoPyResult;
-use crate::storage::PyEventStorage;
 
 /// What an entry calls: a function with the hook as its one argument (a Python method,
 /// unbound: one vectorcall, no bound-method object), or any other callable with none.
@@ -59,23 +54,11 @@ struct Built {
 #[pyclass(name = "Dispatcher", module = "hookloop._core", frozen)]
 pub struct PyDispatcher {
     built: Mutex<Arc<Built>>,
-    storage: Mutex<Option<Py<PyEventStorage>>>,
     max_iter: AtomicI64,
     /// The iteration of the step in progress (for `after_backward`'s period filter).
     iter: AtomicI64,
     timing: AtomicBool,
-    /// A stop was requested: the next iteration raises `StopTraining` before its hooks.
-    stop: AtomicBool,
 }
-
-create_exception!(
-    hookloop._core,
-    StopTraining,
-    PyBaseException,
-    "Control flow of a stop, raised before the first hook of the iteration after it and caught \
-     in ``train()``. A ``BaseException``, so that a hook's ``except Exception`` does not \
-     swallow it."
-);
 
 /// One entry of a table from Python: `(hook_index, stage_index, function, self, period)`.
 type TableEntry<'py> = (
@@ -86,23 +69,22 @@ type TableEntry<'py> = (
     i64,
 );
 
-/// Where `run_loop` stopped because the hook list changed: the iteration and the stage whose
-/// hooks have not run yet.
-const RESUME_BEFORE_STEP: usize = Stage::BeforeStep as usize;
-const RESUME_AFTER_STEP: usize = Stage::AfterStep as usize;
-
 impl PyDispatcher {
     fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The table, or None when the hook list changed since it was set (a new table is due).
-    fn current(&self, py: Python<'_>) -> PyResult<Option<Arc<Built>>> {
+    /// The table, or None when `hooks` (the trainer's list now) is not the list the table was
+    /// built from, or was edited since (a new table is due).
+    fn current(&self, py: Python<'_>, hooks: &Bound<'_, PyAny>) -> PyResult<Option<Arc<Built>>> {
         let built = Self::lock(&self.built).clone();
         // The list is read at each stage, as detectron2's `for h in self._hooks` reads it: an
         // edit in the middle of a run shows at the next stage. Lists of different lengths
         // differ, two empty ones do not (no comparison); else list `==`, which is identity per
         // hook for unchanged items.
+        if !hooks.is(built.hooks.bind(py)) {
+            return Ok(None);
+        }
         let (hooks, copy) = (built.hooks.bind(py), built.copy.bind(py));
         if hooks.len() == copy.len() && (hooks.is_empty() || hooks.eq(copy)?) {
             return Ok(Some(built));
@@ -110,17 +92,16 @@ impl PyDispatcher {
         Ok(None)
     }
 
-    fn stopping(&self) -> PyResult<()> {
-        if self.stop.load(Ordering::Relaxed) {
-            return Err(StopTraining::new_err(()));
-        }
-        Ok(())
-    }
-
     /// Runs the hooks of `stage` due at `iter`. False: the hook list changed since the table
     /// was set, and nothing ran.
-    fn call(&self, py: Python<'_>, stage: Stage, iter: i64) -> PyResult<bool> {
-        let Some(built) = self.current(py)? else {
+    fn call(
+        &self,
+        py: Python<'_>,
+        hooks: &Bound<'_, PyAny>,
+        stage: Stage,
+        iter: i64,
+    ) -> PyResult<bool> {
+        let Some(built) = self.current(py, hooks)? else {
             return Ok(false);
         };
         if built.table.entries(stage).is_empty() {
@@ -144,23 +125,6 @@ impl PyDispatcher {
         }
         Ok(true)
     }
-
-    fn set_storage_iter(&self, py: Python<'_>, iter: i64) -> PyResult<()> {
-        let storage = Self::lock(&self.storage).as_ref().map(|s| s.clone_ref(py));
-        match storage {
-            Some(storage) => storage.get().set_iter(iter),
-            None => Ok(()),
-        }
-    }
-
-    /// TrainerBase's `before_step`: a requested stop raises `StopTraining`; the storage's
-    /// iteration follows the trainer's, then the hooks run.
-    fn do_before_step(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
-        self.stopping()?;
-        self.iter.store(iter, Ordering::Relaxed);
-        self.set_storage_iter(py, iter)?;
-        self.call(py, Stage::BeforeStep, iter)
-    }
 }
 
 #[pymethods]
@@ -175,11 +139,9 @@ impl PyDispatcher {
         };
         PyDispatcher {
             built: Mutex::new(Arc::new(built)),
-            storage: Mutex::new(None),
             max_iter: AtomicI64::new(i64::MAX),
             iter: AtomicI64::new(0),
             timing: AtomicBool::new(true),
-            stop: AtomicBool::new(false),
         }
     }
 
@@ -227,50 +189,47 @@ impl PyDispatcher {
         Ok(())
     }
 
-    /// Asks the loop to stop: the next iteration (or `before_step` call) raises
-    /// `StopTraining` before any of its hooks.
-    fn request_stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-
-    /// Starts a run: the storage whose iteration follows the trainer's, and `max_iter` for
-    /// period filters; no stop is requested.
-    fn begin(&self, storage: Py<PyEventStorage>, max_iter: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Starts a run: `max_iter` for the period filters (the last iteration, `max_iter - 1`,
+    /// is due for every periodic hook).
+    fn begin(&self, max_iter: &Bound<'_, PyAny>) -> PyResult<()> {
         // The last iteration is max_iter - 1: it must be exact like every iteration.
         let max_iter = int64("max_iter", max_iter)?;
         hookloop_core::iter::exact_iter("max_iter", max_iter)
             .map_err(Error::from)
             .py_err()?;
         self.max_iter.store(max_iter, Ordering::Relaxed);
-        self.stop.store(false, Ordering::Relaxed);
-        let old = Self::lock(&self.storage).replace(storage);
-        drop(old);
         Ok(())
     }
 
-    // The stages: each returns False, having run nothing, when the hook list changed since
-    // the table was set.
+    // The stages, each given the trainer's hook list as it is now: each returns False, having
+    // run nothing, when that list is not the one the table was set for.
 
-    fn before_train(&self, py: Python<'_>) -> PyResult<bool> {
-        self.call(py, Stage::BeforeTrain, 0)
+    fn before_train(&self, py: Python<'_>, hooks: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.call(py, hooks, Stage::BeforeTrain, 0)
     }
 
-    /// TrainerBase's `after_train`: the storage's iteration is set to `iter`, then the hooks.
-    fn after_train(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
-        self.set_storage_iter(py, iter)?;
-        self.call(py, Stage::AfterTrain, iter)
+    fn after_train(&self, py: Python<'_>, hooks: &Bound<'_, PyAny>, iter: i64) -> PyResult<bool> {
+        self.call(py, hooks, Stage::AfterTrain, iter)
     }
 
-    fn before_step(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
-        self.do_before_step(py, iter)
+    /// The hooks' `before_step` at `iter`, which is also the iteration `after_backward`'s
+    /// period filter uses until the next call.
+    fn before_step(&self, py: Python<'_>, hooks: &Bound<'_, PyAny>, iter: i64) -> PyResult<bool> {
+        self.iter.store(iter, Ordering::Relaxed);
+        self.call(py, hooks, Stage::BeforeStep, iter)
     }
 
-    fn after_step(&self, py: Python<'_>, iter: i64) -> PyResult<bool> {
-        self.call(py, Stage::AfterStep, iter)
+    fn after_step(&self, py: Python<'_>, hooks: &Bound<'_, PyAny>, iter: i64) -> PyResult<bool> {
+        self.call(py, hooks, Stage::AfterStep, iter)
     }
 
-    fn after_backward(&self, py: Python<'_>) -> PyResult<bool> {
-        self.call(py, Stage::AfterBackward, self.iter.load(Ordering::Relaxed))
+    fn after_backward(&self, py: Python<'_>, hooks: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.call(
+            py,
+            hooks,
+            Stage::AfterBackward,
+            self.iter.load(Ordering::Relaxed),
+        )
     }
 
     /// The hooks the table lists for `stage`, in call order (for tests and introspection).
@@ -324,69 +283,6 @@ impl PyDispatcher {
         Ok(out)
     }
 
-    /// The loop of `TrainerBase.train`: for each iteration, set `trainer.iter`, stop if a stop
-    /// was requested, run before_step, `run_step()`, after_step. `before_step`/`after_step` are
-    /// the trainer's own methods when a subclass overrides them; `None` means TrainerBase's,
-    /// run here directly (the same code as `Dispatcher.before_step`/`after_step`).
-    ///
-    /// Returns None when every iteration ran, or `(iter, stage_index)` when the hook list
-    /// changed before that stage of that iteration ran any hook: the caller sets a table for
-    /// the new list and calls again with `start_iter=iter, resume=stage_index`.
-    #[expect(clippy::too_many_arguments, reason = "mirrors the Python call")]
-    #[pyo3(signature = (trainer, start_iter, max_iter, run_step, before_step = None, after_step = None, resume = RESUME_BEFORE_STEP))]
-    fn run_loop<'py>(
-        &self,
-        py: Python<'py>,
-        trainer: &Bound<'py, PyAny>,
-        start_iter: i64,
-        max_iter: i64,
-        run_step: &Bound<'py, PyAny>,
-        before_step: Option<&Bound<'py, PyAny>>,
-        after_step: Option<&Bound<'py, PyAny>>,
-        resume: usize,
-    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let iter_name = intern!(py, "iter");
-        // The run's storage, looked up once (begin set it): do_before_step's work without
-        // its lock per iteration.
-        let storage = Self::lock(&self.storage).as_ref().map(|s| s.clone_ref(py));
-        let changed = |i: i64, stage: usize| PyTuple::new(py, [i, stage as i64]).map(Some);
-        let mut from_after_step = resume == RESUME_AFTER_STEP;
-        for i in start_iter..max_iter {
-            if !std::mem::take(&mut from_after_step) {
-                trainer.setattr(iter_name, i)?;
-                self.stopping()?;
-                match before_step {
-                    Some(f) => {
-                        f.call0()?;
-                    }
-                    None => {
-                        self.iter.store(i, Ordering::Relaxed);
-                        if let Some(storage) = &storage {
-                            storage.get().set_iter(i)?;
-                        }
-                        if !self.call(py, Stage::BeforeStep, i)? {
-                            return changed(i, RESUME_BEFORE_STEP);
-                        }
-                    }
-                }
-                run_step.call0()?;
-            }
-            match after_step {
-                Some(f) => {
-                    f.call0()?;
-                }
-                None => {
-                    if !self.call(py, Stage::AfterStep, i)? {
-                        return changed(i, RESUME_AFTER_STEP);
-                    }
-                }
-            }
-            // A Ctrl-C while only Rust and C code ran would otherwise wait for Python bytecode.
-            py.check_signals()?;
-        }
-        Ok(None)
-    }
-
     fn __reduce__(&self) -> PyResult<()> {
         Err(to_py(Error::NotPicklable {
             what: "hookloop Dispatcher",
@@ -408,16 +304,6 @@ impl PyDispatcher {
                 }
             }
         }
-        if let Ok(storage) = self.storage.try_lock() {
-            if let Some(s) = storage.as_ref() {
-                visit.call(s)?;
-            }
-        }
         Ok(())
-    }
-
-    fn __clear__(&self) {
-        let storage = self.storage.try_lock().ok().and_then(|mut s| s.take());
-        drop(storage);
     }
 }

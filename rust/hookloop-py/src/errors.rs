@@ -88,6 +88,15 @@ pub fn to_py(err: Error) -> PyErr {
     }
 }
 
+/// A function the package hands to the extension at the import of the module that owns it
+/// (`_register_*`), needed before that import: `RuntimeError` naming the module.
+pub fn unregistered(what: &str, module: &str) -> PyErr {
+    PyRuntimeError::new_err(format!(
+        "{what} are not registered with hookloop._core: import {module} first (it registers \
+         them at its import)"
+    ))
+}
+
 /// `Result::map_err(to_py)` in method-call form.
 pub trait IntoPyResult<T> {
     fn py_err(self) -> PyResult<T>;

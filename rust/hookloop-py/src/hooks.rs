@@ -1,21 +1,19 @@
-//! The per-step halves of the hooks that run at every iteration: `IterationTimer`'s
-//! before_step/after_step and `LRScheduler`'s after_step. The rules are the core's
-//! (`hookloop_core::hooks`); these bases hold them with what they need, configured once per run
+//! The per-step half of `IterationTimer` (before_step/after_step). The rules are the core's
+//! (`hookloop_core::hooks`); the base holds them with what they need, configured once per run
 //! through typed methods (in `_core.pyi`), so no step reads a Python attribute by name. The
-//! Python classes in `hookloop.engine.hooks` subclass these bases and `HookBase`, keep
-//! detectron2's constructors, and do the rare stages in Python.
+//! Python class in `hookloop.engine.hooks` subclasses this base and `HookBase`, keeps
+//! detectron2's constructor, and does the rare stages in Python. (`LRScheduler` is all Python:
+//! its step is torch's or `LRMultiplier`'s, which calls its native schedule once.)
 
 use std::sync::Mutex;
 use std::time::Instant;
 
-use hookloop_core::hooks::{put_lr, IterationTimer};
+use hookloop_core::hooks::IterationTimer;
 use hookloop_core::Error;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::convert::scalar_value;
 use crate::errors::{to_py, IntoPyResult};
 use crate::storage::PyEventStorage;
 
@@ -163,140 +161,5 @@ impl PyIterationTimerBase {
             .get()
             .with(|core| timer.after_step_into(core, now))
             .py_err()
-    }
-}
-
-struct LrState {
-    optimizer: Option<Py<PyAny>>,
-    scheduler: Option<Py<PyAny>>,
-    group: usize,
-    storage: Option<Py<PyEventStorage>>,
-}
-
-/// Base of `hookloop.engine.hooks.LRScheduler`: its per-step half. The optimizer, scheduler and
-/// summarized param group live here (the Python attributes `_optimizer`, `_scheduler` and
-/// `_best_param_group_id` are properties over them).
-#[pyclass(name = "_LRSchedulerBase", module = "hookloop._core", subclass, frozen)]
-pub struct PyLRSchedulerBase {
-    state: Mutex<LrState>,
-}
-
-#[pymethods]
-impl PyLRSchedulerBase {
-    /// Takes any arguments, so that subclasses keep their own constructor signatures.
-    #[new]
-    #[pyo3(signature = (*_args, **_kwargs))]
-    fn new(_args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>) -> Self {
-        PyLRSchedulerBase {
-            state: Mutex::new(LrState {
-                optimizer: None,
-                scheduler: None,
-                group: 0,
-                storage: None,
-            }),
-        }
-    }
-
-    #[getter]
-    fn _optimizer(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        lock(&self.state)
-            .optimizer
-            .as_ref()
-            .map(|o| o.clone_ref(py))
-    }
-
-    #[setter(_optimizer)]
-    fn set_optimizer(&self, optimizer: Option<Py<PyAny>>) {
-        let old = std::mem::replace(&mut lock(&self.state).optimizer, optimizer);
-        drop(old);
-    }
-
-    #[getter]
-    fn _scheduler(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        lock(&self.state)
-            .scheduler
-            .as_ref()
-            .map(|o| o.clone_ref(py))
-    }
-
-    #[setter(_scheduler)]
-    fn set_scheduler(&self, scheduler: Option<Py<PyAny>>) {
-        let old = std::mem::replace(&mut lock(&self.state).scheduler, scheduler);
-        drop(old);
-    }
-
-    #[getter]
-    fn _best_param_group_id(&self) -> usize {
-        lock(&self.state).group
-    }
-
-    #[setter(_best_param_group_id)]
-    fn set_best_param_group_id(&self, group: usize) {
-        lock(&self.state).group = group;
-    }
-
-    /// `before_train`: the storage the LR goes to, for this run; without one, each `after_step`
-    /// puts it into `trainer.storage`, read then (as detectron2's does).
-    #[pyo3(signature = (storage))]
-    fn _start(&self, storage: Option<Py<PyEventStorage>>) {
-        let old = std::mem::replace(&mut lock(&self.state).storage, storage);
-        drop(old);
-    }
-
-    /// Puts the LR of the summarized param group as "lr" (not smoothed), then steps the
-    /// scheduler.
-    fn after_step(slf: &Bound<'_, Self>) -> PyResult<()> {
-        let py = slf.py();
-        let (optimizer, scheduler, group, storage) = {
-            let s = lock(&slf.get().state);
-            (
-                s.optimizer.as_ref().map(|o| o.clone_ref(py)),
-                s.scheduler.as_ref().map(|o| o.clone_ref(py)),
-                s.group,
-                s.storage.as_ref().map(|o| o.clone_ref(py)),
-            )
-        };
-        let (Some(optimizer), Some(scheduler)) = (optimizer, scheduler) else {
-            return Err(not_started("LRScheduler", "after_step"));
-        };
-        let storage = match storage {
-            Some(storage) => storage,
-            None => trainer_storage(&slf.getattr(intern!(py, "trainer"))?)?,
-        };
-        let lr = optimizer
-            .bind(py)
-            .getattr(intern!(py, "param_groups"))?
-            .get_item(group)?
-            .get_item(intern!(py, "lr"))?;
-        let lr = scalar_value("lr", &lr)?;
-        storage.get().with(|core| put_lr(core, lr)).py_err()?;
-        // scheduler.step(), through the one Python function that may skip torch's Python
-        // between milestones (hookloop.solver.torch_step).
-        static STEP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-        let step = STEP.get_or_try_init(py, || {
-            py.import(intern!(py, "hookloop.solver.torch_step"))?
-                .getattr(intern!(py, "step"))
-                .map(Bound::unbind)
-        })?;
-        step.bind(py).call1((scheduler,))?;
-        Ok(())
-    }
-
-    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
-        if let Ok(s) = self.state.try_lock() {
-            for o in [&s.optimizer, &s.scheduler].into_iter().flatten() {
-                visit.call(o)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn __clear__(&self) {
-        let taken = self
-            .state
-            .try_lock()
-            .ok()
-            .map(|mut s| (s.optimizer.take(), s.scheduler.take()));
-        drop(taken);
     }
 }

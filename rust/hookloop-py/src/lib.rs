@@ -61,9 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<history::PyHistoryBuffer>()?;
     m.add_class::<storage::PyEventStorage>()?;
     m.add_class::<dispatch::PyDispatcher>()?;
-    m.add("StopTraining", m.py().get_type::<dispatch::StopTraining>())?;
     m.add_class::<hooks::PyIterationTimerBase>()?;
-    m.add_class::<hooks::PyLRSchedulerBase>()?;
     m.add_class::<writers::PyNativeWriter>()?;
     m.add_class::<writers::PyJsonWriter>()?;
     m.add_class::<writers::PyTensorboardWriter>()?;
@@ -75,6 +73,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(writers::_new_reader_id, m)?)?;
     m.add_function(wrap_pyfunction!(periodic_due, m)?)?;
     m.add_function(wrap_pyfunction!(check_chw, m)?)?;
+    m.add_function(wrap_pyfunction!(pending::_register_tensor_reads, m)?)?;
     m.add(
         "DEFAULT_MAX_LENGTH",
         hookloop_core::History::DEFAULT_MAX_LENGTH,

@@ -1,12 +1,15 @@
 //! The binding side of the storage's one pending-scalar queue (core `pending`): converting the
-//! Python values put, and reading them. The queue itself (what waits, when a read is due, how
-//! values are stored) is the core's and lives in the storage's state; this module holds only
-//! what needs Python.
+//! Python values put, and executing what the queue decides. The queue itself (what waits,
+//! when a read is due, what a read does now and in which order, how values are stored) is the
+//! core's and lives in the storage's state; this module converts values, handles the GIL and
+//! the locks, and runs the core's [`Action`]s and [`Step`]s.
 //!
-//! How a batch is read (`hookloop.utils._tensors`): values on the host with `item()` each
-//! (cheaper than stacking small tensors); device values with one stack and one copy per
-//! device (`read_scalars`); a due read of CUDA values is only *started* (`start_read`: a copy
-//! into pinned memory and an event, not waited for) and finished at the next read.
+//! How a batch is read (the functions `hookloop.utils._tensors` registers at its import with
+//! `_register_tensor_reads`; the extension imports nothing of the package): values on the
+//! host with `item()` each (cheaper than stacking small tensors); device values with one stack
+//! and one copy per device (`read_scalars`); a due read of CUDA values is only *started*
+//! (`start_read`: a copy into pinned memory and an event, not waited for) and finished at the
+//! next read.
 //!
 //! Shared by the storage and its `HistoryBuffer` views, so that every read of the scalars,
 //! through either, settles first.
@@ -21,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::thread::{self, ThreadId};
 
 use hookloop_core::iter::Iter;
-use hookloop_core::pending::{Batch, Due, Read, Record, Started, Taken};
+use hookloop_core::pending::{Action, Batch, Due, Read, Reading, Record, Step, Taken};
 use hookloop_core::Storage;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -29,7 +32,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 use pyo3::{intern, PyTraverseError, PyVisit};
 
 use crate::convert::scalar_value;
-use crate::errors::{to_py, IntoPyResult};
+use crate::errors::{to_py, unregistered, IntoPyResult};
 use crate::state::{Queue, SharedState};
 
 thread_local! {
@@ -197,22 +200,11 @@ impl Waiting {
             return Ok(());
         };
         let thread = thread::current().id();
-        let (kept, taken) = self.with(|s, q| {
+        let action = self.with(|s, q| {
             self.any.store(false, Ordering::Release);
-            match q.take_kept(thread) {
-                Some(kept) => {
-                    let dropped = q.take();
-                    end_if_empty(s, q);
-                    (Some(kept), dropped)
-                }
-                None => (None, q.take()),
-            }
+            q.settle(s, thread)
         });
-        if let Some(kept) = kept {
-            drop(taken); // the tensors, released after the lock
-            return Err(raise_kept(py, kept));
-        }
-        self.read(py, taken, thread)
+        self.execute(py, action, thread)
     }
 
     /// Before a checkpoint save: everything waiting is stored, then a non-finite loss found in
@@ -224,107 +216,115 @@ impl Waiting {
         self.with(|_, q| q.before_save(thread)).py_err()
     }
 
-    /// A due read: CUDA values start their copy to the host (not waited for) while fewer
-    /// than the limit's started reads wait; anything else is read now.
+    /// A due read (`Due::Start`): what the core decides (start the batch's read, or read
+    /// everything now), executed.
     fn start(&self, py: Python<'_>) -> PyResult<()> {
         let Some(_guard) = self.lock_settling(py) else {
             return Ok(());
         };
         // `any` cleared with the take, under the lock (as `settle` does): a record made by
         // another thread meanwhile sets it again.
-        let (may_start, taken) = self.with(|_, q| {
+        let action = self.with(|_, q| {
             self.any.store(false, Ordering::Release);
-            (q.may_start(), q.take())
+            q.due_read()
         });
-        let Taken {
-            mut started,
-            waiting,
-        } = taken;
-        if may_start && !waiting.values.is_empty() {
-            // A read that cannot be started (not CUDA, or start_read failed) is done now, in
-            // order, after the reads started earlier: nothing taken is dropped unread.
-            let read = PyList::new(py, waiting.values.iter().map(|v| v.bind(py)))
-                .and_then(|values| {
-                    tensors(py)?
-                        .getattr(intern!(py, "start_read"))?
-                        .call1((values,))
-                })
-                .ok()
-                .filter(|r| !r.is_none());
-            if let Some(read) = read {
-                started.push(Started {
-                    records: waiting.records,
-                    read: read.unbind(),
-                });
-                self.with(|_, q| {
-                    q.restore_started(started);
-                    self.any.store(true, Ordering::Release);
-                });
-                return Ok(()); // waiting.values (the tensors) released here, after the lock
-            }
-        }
-        self.read(py, Taken { started, waiting }, thread::current().id())
+        self.execute(py, action, thread::current().id())
     }
 
-    /// Reads and stores what was taken, on `thread`: the started reads, then the waiting
-    /// batch. The first error stops it (what comes after is dropped) and is raised; when the
-    /// batch that failed held a trainer's losses, it is logged first as detectron2's
-    /// `_write_metrics` logs it. A non-finite loss that the core keeps for the thread that
-    /// records the losses stops it too, without an error here.
+    /// Executes the core's `action` on `thread`, with the settle lock held.
+    fn execute(
+        &self,
+        py: Python<'_>,
+        action: Action<Py<PyAny>, Py<PyAny>>,
+        thread: ThreadId,
+    ) -> PyResult<()> {
+        match action {
+            Action::Raise { error, dropped } => {
+                drop(dropped); // the tensors, released after the lock
+                Err(raise_kept(py, error))
+            }
+            Action::Read(taken) => self.read(py, taken, thread),
+            Action::Start { started, batch } => match start_read(py, &batch.values) {
+                Some(read) => {
+                    let values = self.with(|_, q| {
+                        let values = q.started(started, batch, read);
+                        self.any.store(true, Ordering::Release);
+                        values
+                    });
+                    drop(values); // the tensors, released after the lock
+                    Ok(())
+                }
+                // Not CUDA, or start_read failed: read now, in order, after the reads started
+                // earlier (nothing taken is dropped unread).
+                None => self.read(
+                    py,
+                    Taken {
+                        started,
+                        waiting: batch,
+                    },
+                    thread,
+                ),
+            },
+        }
+    }
+
+    /// Reads and stores what was taken, on `thread`, in the core's order (`Reading`): the
+    /// started reads, then the waiting batch, until a step is not stored. The first error is
+    /// raised; when the batch that failed held a trainer's losses, it is logged first as
+    /// detectron2's `_write_metrics` logs it. A non-finite loss that the core keeps for the
+    /// thread that records the losses stops it too, without an error here.
     fn read(
         &self,
         py: Python<'_>,
         taken: Taken<Py<PyAny>, Py<PyAny>>,
         thread: ThreadId,
     ) -> PyResult<()> {
-        let Taken { started, waiting } = taken;
-        let mut result = Ok(Read::Stored);
-        for s in &started {
-            result = s
-                .read
-                .bind(py)
-                .call_method0(intern!(py, "values"))
-                .and_then(|v| v.extract::<Vec<f64>>())
-                .and_then(|values| {
-                    self.with(|st, q| q.store(st, &s.records, &values, thread))
-                        .py_err()
-                });
-            if let Err(e) = &result {
-                log_failed_write(py, &s.records, e);
-            }
-            if !matches!(result, Ok(Read::Stored)) {
-                break;
-            }
-        }
+        let mut reading = Reading::new(taken);
+        let mut result = Ok(());
         let mut ended = false;
-        if matches!(result, Ok(Read::Stored)) && !waiting.records.is_empty() {
-            // Stored, and the deferred place ended when nothing waits, under one lock.
-            result = read_values(py, &waiting).and_then(|values| {
-                self.with(|st, q| {
-                    let stored = q.store(st, &waiting.records, &values, thread);
-                    ended = self.end_read(st, q);
-                    stored
-                })
-                .py_err()
-            });
-            if let Err(e) = &result {
-                log_failed_write(py, &waiting.records, e);
+        while let Some(step) = reading.next_step() {
+            let (records, stored) = match &step {
+                Step::Finish(s) => (
+                    &s.records,
+                    finish_read(py, &s.read).and_then(|values| {
+                        self.with(|st, q| q.store(st, &s.records, &values, thread))
+                            .py_err()
+                    }),
+                ),
+                // Stored, and the read ended, under one lock.
+                Step::Read(batch) => (
+                    &batch.records,
+                    read_values(py, batch).and_then(|values| {
+                        self.with(|st, q| {
+                            let stored = q.store(st, &batch.records, &values, thread);
+                            self.ended(q.end_read(st));
+                            ended = true;
+                            stored
+                        })
+                        .py_err()
+                    }),
+                ),
+            };
+            if let Err(e) = &stored {
+                log_failed_write(py, records, e);
             }
+            reading.after_step(matches!(stored, Ok(Read::Stored)));
+            result = stored.map(drop);
+            drop(step); // the tensors, released after the lock
         }
         if !ended {
-            self.with(|st, q| self.end_read(st, q));
+            self.with(|st, q| self.ended(q.end_read(st)));
         }
-        drop((started, waiting)); // the tensors, released after the lock
-        result.map(drop)
+        drop(reading);
+        result
     }
 
-    /// After a read, under the lock: every later read must reach the queue while a failure
-    /// waits there for the owner; the deferred place ends when nothing waits.
-    fn end_read(&self, storage: &mut Storage, queue: &mut Queue) -> bool {
-        if queue.keeps_failure() {
+    /// After a read: every later read must reach the queue while a failure waits there for the
+    /// owner (`kept`).
+    fn ended(&self, kept: bool) {
+        if kept {
             self.any.store(true, Ordering::Release);
         }
-        end_if_empty(storage, queue)
     }
 
     /// The settle lock, waited for without the GIL (the holder may need it to finish); None on
@@ -375,15 +375,6 @@ impl Drop for SettleGuard<'_> {
     }
 }
 
-/// Ends the storage's deferred place when nothing waits (names put later go at the end).
-fn end_if_empty(storage: &mut Storage, queue: &mut Queue) -> bool {
-    let empty = queue.is_empty();
-    if empty {
-        storage.end_deferred();
-    }
-    empty
-}
-
 /// A failure another thread's read kept for this one, as the error to raise: logged first, as
 /// the read that found it would have logged it on this thread.
 fn raise_kept(py: Python<'_>, kept: hookloop_core::Error) -> PyErr {
@@ -403,23 +394,64 @@ fn log_failed_write(py: Python<'_>, records: &[Record], error: &PyErr) {
 /// (`_tensors.write_failed`); a failure to log is reported as unraisable, never instead of the
 /// error itself.
 fn write_failed(py: Python<'_>, error: &PyErr) {
-    let logged = tensors(py)
-        .and_then(|m| m.getattr(intern!(py, "write_failed")))
-        .and_then(|f| f.call1((error.value(py),)));
+    let logged = tensor_reads(py).and_then(|r| r.failed.bind(py).call1((error.value(py),)));
     if let Err(e) = logged {
         e.write_unraisable(py, None);
     }
 }
 
-/// `hookloop.utils._tensors`, imported once.
-fn tensors(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    static TENSORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    TENSORS
-        .get_or_try_init(py, || {
-            py.import(intern!(py, "hookloop.utils._tensors"))
-                .map(Bound::unbind)
-        })
-        .map(|m| m.bind(py))
+/// The reads of tensors the queue runs, handed over by `hookloop.utils._tensors` at its import.
+struct TensorReads {
+    /// `read_scalars(values) -> list[float]`: one batched read.
+    read: Py<PyAny>,
+    /// `start_read(values) -> handle | None`: a started read, finished by `handle.values()`.
+    start: Py<PyAny>,
+    /// `write_failed(error)`: logs a failed store of a trainer's losses.
+    failed: Py<PyAny>,
+}
+
+static TENSOR_READS: PyOnceLock<TensorReads> = PyOnceLock::new();
+
+/// Registers the functions the storage's pending queue reads tensors with (called once, by
+/// `hookloop.utils._tensors` at its import). The first registration stands: a reload of the
+/// module registers functions that look the same names up in the same module.
+#[pyfunction]
+pub fn _register_tensor_reads(
+    py: Python<'_>,
+    read_scalars: Py<PyAny>,
+    start_read: Py<PyAny>,
+    write_failed: Py<PyAny>,
+) {
+    let reads = TensorReads {
+        read: read_scalars,
+        start: start_read,
+        failed: write_failed,
+    };
+    drop(TENSOR_READS.set(py, reads));
+}
+
+fn tensor_reads(py: Python<'_>) -> PyResult<&TensorReads> {
+    TENSOR_READS
+        .get(py)
+        .ok_or_else(|| unregistered("the storage's tensor reads", "hookloop.utils._tensors"))
+}
+
+/// A started read of `values` (`start_read`); None when it cannot start (not CUDA values, or
+/// the start failed): the caller reads them now.
+fn start_read(py: Python<'_>, values: &[Py<PyAny>]) -> Option<Py<PyAny>> {
+    let start = &tensor_reads(py).ok()?.start;
+    PyList::new(py, values.iter().map(|v| v.bind(py)))
+        .and_then(|values| start.bind(py).call1((values,)))
+        .ok()
+        .filter(|r| !r.is_none())
+        .map(Bound::unbind)
+}
+
+/// The values of a started read (its `values()`, which waits for the copy).
+fn finish_read(py: Python<'_>, read: &Py<PyAny>) -> PyResult<Vec<f64>> {
+    read.bind(py)
+        .call_method0(intern!(py, "values"))?
+        .extract::<Vec<f64>>()
 }
 
 /// The values of a waiting batch, in order. Read on the host (the first value is a number or
@@ -444,10 +476,7 @@ fn read_values(py: Python<'_>, batch: &Batch<Py<PyAny>>) -> PyResult<Vec<f64>> {
         return Ok(out);
     }
     let values = PyList::new(py, batch.values.iter().map(|v| v.bind(py)))?;
-    tensors(py)?
-        .getattr(intern!(py, "read_scalars"))?
-        .call1((values,))?
-        .extract()
+    tensor_reads(py)?.read.bind(py).call1((values,))?.extract()
 }
 
 /// Whether a value is read on the host: anything but a tensor whose `is_cpu` is false.

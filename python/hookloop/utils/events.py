@@ -86,6 +86,10 @@ class EventStorage(_core.EventStorage):
     """
 
     def __enter__(self) -> EventStorage:
+        if "torch" in sys.modules:
+            # Tensors may be put: the module that reads them hands its reads to the
+            # extension at its import (hookloop.engine has imported it already).
+            import hookloop.utils._tensors  # noqa: F401
         _CURRENT_STORAGE_STACK.append(self)
         return self
 

@@ -414,8 +414,10 @@ class LRScheduler(HookBase):
 
     def after_step(self) -> None:
         lr = self._optimizer.param_groups[self._best_param_group_id]["lr"]
-        self.trainer.storage.put_scalar("lr", lr, smoothing_hint=False)
-        _step_scheduler(self.scheduler)
+        # Positional: the extension parses no keywords (every iteration).
+        self.trainer.storage.put_scalar("lr", lr, False)
+        scheduler = self._scheduler
+        _step_scheduler(self.scheduler if scheduler is None else scheduler)
 
     @staticmethod
     def get_best_param_group_id(optimizer: torch.optim.Optimizer) -> int:

@@ -982,3 +982,72 @@ def tr_subclass_names_like_hookloop_knobs(E, R):
     t.register_hooks([E.hooks.PeriodicWriter([E.JSONWriter(R.path("metrics.json"))], period=2)])
     t.train(0, 6)
     R.storage(t.storage)
+
+
+@pattern("ChHanXiao/D2", "projects/NanoDet/engine/train_loop.py: SimpleTrainer_Iter in a wrapper")
+def tr_nanodet_wrapped_trainer_sets_model_iter(E, R):
+    """NanoDet's port: ``DefaultTrainer_Iter`` wraps ``SimpleTrainer_Iter``, a ``SimpleTrainer``
+    subclass whose own ``run_step`` hands the iteration to the model (``self.model.iter =
+    self.iter``, for its warm-up-dependent losses) and never calls ``after_backward``. The
+    wrapper's ``run_step`` is detectron2 ``DefaultTrainer``'s: the wrapped trainer's ``iter``
+    set, then its ``run_step``. The model sees each iteration once, in order; the losses it
+    makes from them reach metrics.json at their iterations."""
+
+    class IterAware(TinyDetector):
+        def __init__(self):
+            super().__init__()
+            self.iter = -1
+            self.seen = []
+
+        def forward(self, batch):
+            self.seen.append(self.iter)
+            losses = super().forward(batch)
+            warm = min(1.0, (self.iter + 1) / 4.0)  # a loss weight warming up over 4 iterations
+            return {k: v * warm for k, v in losses.items()}
+
+    class SimpleTrainerIter(E.SimpleTrainer):
+        def run_step(self):
+            assert self.model.training, "[SimpleTrainer] model was changed to eval mode!"
+            start = time.perf_counter()
+            data = next(self._data_loader_iter)
+            data_time = time.perf_counter() - start
+            self.model.iter = self.iter
+            loss_dict = self.model(data)
+            if isinstance(loss_dict, torch.Tensor):
+                losses = loss_dict
+                loss_dict = {"total_loss": loss_dict}
+            else:
+                losses = sum(loss_dict.values())
+            self.optimizer.zero_grad()
+            losses.backward()
+            self._write_metrics(loss_dict, data_time)
+            self.optimizer.step()
+
+    class DefaultTrainerIter(E.TrainerBase):
+        def __init__(self, model, optimizer):
+            E.TrainerBase.__init__(self)
+            self._trainer = SimpleTrainerIter(model, batches(5), optimizer)
+            self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+            self.start_iter = 0
+            self.max_iter = 10
+            self.register_hooks(
+                [
+                    E.hooks.IterationTimer(),
+                    E.hooks.LRScheduler(optimizer, self.scheduler),
+                    E.hooks.PeriodicWriter([E.JSONWriter(R.path("metrics.json"))], period=4),
+                ]
+            )
+
+        def train(self):
+            super().train(self.start_iter, self.max_iter)
+
+        def run_step(self):
+            self._trainer.iter = self.iter
+            self._trainer.run_step()
+
+    model = IterAware()
+    t = DefaultTrainerIter(model, sgd(model))
+    t.train()
+    R.storage(t.storage)
+    R.rec("seen", model.seen, "iters", t.iter, t._trainer.iter)
+    R.rec("weights", weights(model))

@@ -99,7 +99,7 @@ def test_request_stop_ends_after_every_after_step_of_that_iteration(stage):
 
 
 def test_the_hook_list_is_the_users_at_every_stage_of_a_stopped_run():
-    """A stop is the dispatcher's flag: ``trainer._hooks`` holds what the user registered, the
+    """A stop is the stop controller's flag: ``trainer._hooks`` holds what the user registered, the
     same list object, at every stage (before the stop, after it, in after_train)."""
     seen = []
 
